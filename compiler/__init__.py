@@ -1,0 +1,16 @@
+"""einfold: a reduction-factorising compiler from index notation to Triton.
+
+    import compiler
+    attention = compiler.compile(
+        "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]")
+    out = attention(Q=q, K=k, V=v, scale=0.125)
+"""
+from .algebra import Field, Summary
+from .einsum import einsum
+from .errors import BackendError, BindError, CheckError, EinfoldError, LawError, ParseError
+from .program import Program, compile
+
+__version__ = "0.1.0"
+
+__all__ = ["compile", "Program", "einsum", "Summary", "Field", "EinfoldError", "ParseError",
+           "CheckError", "BindError", "LawError", "BackendError", "__version__"]

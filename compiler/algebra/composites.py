@@ -1,0 +1,48 @@
+"""Composite reductions: defined by a formula over primitive reductions.
+
+Each row gives the oracle's direct torch meaning (so that the `lower` pass is
+tested against an independent implementation) and whether the result keeps the
+reduced index (softmax does, mean and logsumexp do not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class CompositeRule:
+    name: str
+    keeps_index: bool
+    # float64 meaning: (tensor, dims to reduce) -> tensor (dims kept with size 1 when keeps_index)
+    torch: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+    doc: str
+
+
+def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    # A row whose every element is -inf has no mass; its softmax is defined as 0.
+    m = torch.amax(x, dim=dims, keepdim=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(x - m)
+    total = w.sum(dim=dims, keepdim=True)
+    return torch.where(total == 0, torch.zeros_like(w), w / total)
+
+
+def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return x.double().mean(dim=dims)
+
+
+def _logsumexp(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return torch.logsumexp(x.double(), dim=dims)
+
+
+COMPOSITES: dict[str, CompositeRule] = {
+    r.name: r for r in [
+        CompositeRule("softmax", True, _softmax,
+                      "exp(x - max x) / sum exp(x - max x) along the index; 0 on a row that is all -inf"),
+        CompositeRule("mean", False, _mean, "sum(x) / len(index)"),
+        CompositeRule("logsumexp", False, _logsumexp, "log(sum(exp(x))), computed max-shifted"),
+    ]
+}

@@ -1,0 +1,72 @@
+"""Summaries are values: a carrier of named fields, an identity, and lift /
+combine / finalize written as IR formulas over Vars.
+
+- lift:     one formula per field, over the element arguments `x0, x1, ...`
+- combine:  one formula per field, over `a.<field>` (left) and `b.<field>` (right)
+- finalize: one formula over the field names
+
+Because the formulas are data, the same summary drives the oracle, the chunked
+executor, the law checker (sympy) and code generation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..ir import Call, Const, Expr, Var
+from ..ops import FLOAT
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    dtype: str = FLOAT
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    name: str
+    fields: tuple[Field, ...]
+    arity: int                     # number of element arguments
+    identity: tuple[Const, ...]
+    lift: tuple[Expr, ...]
+    combine: tuple[Expr, ...]
+    finalize: Expr
+    commutative: bool
+    # How the summary came to be and which laws were checked (shown by explain);
+    # excluded from equality so that two derivations of one monoid compare equal.
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def result_type(self, arg_types: tuple[str, ...]) -> str | None:
+        """Builtins keep their argument's type (an integer sum stays integral)."""
+        if any(t not in ("int", "float") for t in arg_types):
+            return None
+        return arg_types[0] if self.name in BUILTINS and len(arg_types) == 1 else FLOAT
+
+
+def _binary_monoid(name: str, op: str, identity: float, commutative: bool = True) -> Summary:
+    """A one-field summary whose combine is an elementwise binary operator."""
+    return Summary(
+        name=name,
+        fields=(Field("acc"),),
+        arity=1,
+        identity=(Const(identity),),
+        lift=(Var("x0"),),
+        combine=(Call(op, (Var("a.acc"), Var("b.acc"))),),
+        finalize=Var("acc"),
+        commutative=commutative,
+    )
+
+
+BUILTINS: dict[str, Summary] = {
+    s.name: s for s in [
+        _binary_monoid("sum", "add", 0.0),
+        _binary_monoid("max", "maximum", -math.inf),
+        _binary_monoid("min", "minimum", math.inf),
+        _binary_monoid("prod", "mul", 1.0),
+    ]
+}

@@ -1,0 +1,38 @@
+"""The "reference" backend: runs the float64 oracle and casts the results."""
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from ..bind import Binding
+from ..ir import Program, format_program
+from ..ops import FLOAT
+from ..schedule import Kernel, Plan
+
+
+class OracleBackend:
+    name = "reference"
+
+    def __init__(self, program: Program, outputs: tuple[str, ...]):
+        self.program = program
+        self.outputs = outputs
+
+    @property
+    def source(self) -> str:
+        return ("# reference backend: the float64 torch oracle evaluates this IR statement by "
+                "statement; it generates no kernel source\n" + format_program(self.program))
+
+    def run(self, binding: Binding) -> dict[str, torch.Tensor]:
+        results = reference.run(self.program, binding.values, binding.extents, self.outputs)
+        out = {}
+        for name, value in results.items():
+            dtype = binding.dtype if self.program.statement(name).dtype == FLOAT else value.dtype
+            out[name] = value.to(device=binding.device, dtype=dtype)
+        return out
+
+    def plan(self, binding: Binding) -> Plan:
+        statements = self.program.statements
+        kernels = tuple(Kernel(f"oracle_{s.name}", (s.name,), "torch float64 evaluation of one statement")
+                        for s in statements)
+        buffers = tuple(s.name for s in statements if s.name not in self.outputs)
+        return Plan(self.name, kernels, buffers)

@@ -1,0 +1,375 @@
+"""Syntax tree -> checked IR.
+
+Resolves every name (tensor, scalar input, index, constant, function,
+reduction), makes the Einstein convention explicit, types every node, unifies
+index extents through tensor dimensions, and reports each problem as a
+CheckError pointing at the source.
+"""
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import sympy
+
+from . import parse as syn
+from .algebra import BUILTINS, COMPOSITES, Summary
+from .errors import CheckError, Span
+from .ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce,
+                 bound_indices, children, free_indices, with_children)
+from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
+
+
+def check(syntax: syn.Syntax, *, outputs: tuple[str, ...] | None = None,
+          summaries: Mapping[str, Summary] | None = None) -> Program:
+    """Check a parsed program and build its IR.  `summaries` adds user summaries
+    usable as `name[t](args...)`."""
+    return _Checker(syntax, dict(summaries or {})).run(outputs)
+
+
+@dataclass
+class _Checker:
+    syntax: syn.Syntax
+    summaries: dict[str, Summary]
+    inputs: dict[str, Input] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)      # statement results
+    types: dict[str, str] = field(default_factory=dict)      # statement results
+    index_names: set[str] = field(default_factory=set)
+    parent: dict[str, str] = field(default_factory=dict)     # union-find over indices and tensor dims
+    first_use: dict[str, Span] = field(default_factory=dict)
+
+    @property
+    def source(self) -> str:
+        return self.syntax.source
+
+    def error(self, message: str, span: Span | None) -> CheckError:
+        return CheckError(message, self.source, span)
+
+    # ------------------------------------------------------------ driver
+    def run(self, outputs: tuple[str, ...] | None) -> Program:
+        statements = self.syntax.statements
+        if not statements:
+            raise CheckError("the program has no statements", self.source, Span(0, max(1, len(self.source))))
+        self._collect_index_names()
+        names = [s.name for s in statements]
+        defined: dict[str, syn.Statement] = {}
+        checked: list[Assign] = []
+        for position, st in enumerate(statements):
+            if st.name in defined:
+                raise self.error(f"'{st.name}' is assigned twice (first on line "
+                                 f"{defined[st.name].name_span.line_col(self.source)[0]})", st.name_span)
+            if st.name in self.index_names:
+                raise self.error(f"'{st.name}' is used both as an index and as a tensor", st.name_span)
+            later = set(names[position:])
+            checked.append(self._statement(st, later))
+            defined[st.name] = st
+        read = {a.tensor for s in checked for a in _accesses(s.expr)}
+        program_outputs = tuple(s.name for s in checked if s.name not in read)
+        if outputs is not None:
+            for name in outputs:
+                if name not in defined:
+                    raise CheckError(f"unknown output '{name}'; the statements are {', '.join(names)}")
+            program_outputs = tuple(n for n in names if n in set(outputs))
+        self._check_extents_known(checked)
+        extents = tuple((i, self._extent_symbol(i)) for i in sorted(self.index_names))
+        return Program(tuple(checked), tuple(self.inputs.values()), program_outputs, extents, self.source)
+
+    def _collect_index_names(self) -> None:
+        def visit(node):
+            if isinstance(node, syn.Access):
+                for sub in node.subscripts:
+                    if not isinstance(sub, syn.Name):
+                        raise self.error("an access takes index names; index arithmetic inside "
+                                         "accesses is not supported", sub.span)
+                    self._note_index(sub)
+            if isinstance(node, syn.Reduction):
+                for ix in node.indices:
+                    if not isinstance(ix, syn.Name):
+                        raise self.error(f"'{node.name}[...]' binds index names only", ix.span)
+                    self._note_index(ix)
+            for child in _syntax_children(node):
+                visit(child)
+
+        for st in self.syntax.statements:
+            for ix in st.indices:
+                self._note_index(ix)
+            visit(st.expr)
+
+    def _note_index(self, name: syn.Name) -> None:
+        self.index_names.add(name.name)
+        self.first_use.setdefault(name.name, name.span)
+
+    # ------------------------------------------------------------ statements
+    def _statement(self, st: syn.Statement, later: set[str]) -> Assign:
+        lhs = [ix.name for ix in st.indices]
+        for k, ix in enumerate(st.indices):
+            if ix.name in lhs[:k]:
+                raise self.error(f"index '{ix.name}' appears twice on the left", ix.span)
+        expr = self._expr(st.expr, st.name, later)
+        expr = _make_einstein_sums(expr, set(lhs))
+        free = set(free_indices(expr))
+        for ix in st.indices:
+            if ix.name not in free:
+                raise self.error(f"index '{ix.name}' on the left is not defined by the right side "
+                                 f"(no access or index value there varies over it)", ix.span)
+        self._check_reductions_use_indices(expr)
+        dtype = self._type(expr)
+        self.ranks[st.name] = len(lhs)
+        self.types[st.name] = dtype
+        for d, ix in enumerate(lhs):
+            self._union(f"{st.name}#{d}", ix)
+        return Assign(st.name, tuple(lhs), expr, dtype, st.span)
+
+    # ------------------------------------------------------------ expressions
+    def _expr(self, node, statement: str, later: set[str]) -> Expr:
+        rec = lambda n: self._expr(n, statement, later)  # noqa: E731
+        if isinstance(node, syn.Number):
+            text = node.text
+            value = int(text) if text.isdigit() else float(text)
+            return Const(value, node.span)
+        if isinstance(node, syn.Name):
+            return self._name(node, statement, later)
+        if isinstance(node, syn.Access):
+            return self._access(node, tuple(s.name for s in node.subscripts), statement, later)
+        if isinstance(node, syn.Operator):
+            return Call(node.op, tuple(map(rec, node.operands)), node.span)
+        if isinstance(node, syn.Call):
+            return self._call(node, rec)
+        if isinstance(node, syn.Reduction):
+            return self._reduction(node, rec)
+        raise TypeError(node)
+
+    def _name(self, node: syn.Name, statement: str, later: set[str]) -> Expr:
+        if node.name in self.index_names:
+            return Index(node.name, node.span)
+        if node.name in CONSTANTS:
+            return Const(CONSTANTS[node.name], node.span)
+        return self._access(node, (), statement, later)
+
+    def _access(self, node, indices: tuple[str, ...], statement: str, later: set[str]) -> Access:
+        name = node.name
+        span = getattr(node, "name_span", node.span)
+        if name == statement:
+            raise self.error(f"statement '{name}' reads itself; a statement may only read "
+                             f"earlier results", span)
+        if name in later:
+            raise self.error(f"'{name}' is defined by a later statement; a statement may only "
+                             f"read earlier results", span)
+        if name in self.index_names:
+            raise self.error(f"'{name}' is used both as an index and as a tensor", span)
+        if name in self.ranks:
+            rank = self.ranks[name]
+            if rank != len(indices):
+                raise self.error(f"'{name}' has rank {rank} but is accessed with {len(indices)} "
+                                 f"ind{'ex' if len(indices) == 1 else 'ices'}", node.span)
+        elif name in self.inputs:
+            rank = self.inputs[name].rank
+            if rank != len(indices):
+                first = self.inputs[name].span.line_col(self.source)
+                raise self.error(f"input '{name}' is accessed with {len(indices)} "
+                                 f"ind{'ex' if len(indices) == 1 else 'ices'} here but with {rank} "
+                                 f"at line {first[0]}, column {first[1]}", node.span)
+        else:
+            self.inputs[name] = Input(name, len(indices), node.span)
+        for d, ix in enumerate(indices):
+            self._union(f"{name}#{d}", ix)
+        return Access(name, indices, node.span)
+
+    def _call(self, node: syn.Call, rec) -> Expr:
+        if node.name == "len":
+            if len(node.args) != 1 or not isinstance(node.args[0], syn.Name) \
+                    or node.args[0].name not in self.index_names:
+                raise self.error("len(...) takes one index name", node.span)
+            return Extent(node.args[0].name, node.span)
+        op = FUNCTIONS.get(node.name)
+        if op is None:
+            if node.name in BUILTINS or node.name in COMPOSITES or node.name in self.summaries:
+                raise self.error(f"'{node.name}' is a reduction; write {node.name}[index](...)",
+                                 node.name_span)
+            raise self.error(f"unknown function '{node.name}'{_suggest(node.name, FUNCTIONS)}",
+                             node.name_span)
+        if len(node.args) != op.arity:
+            raise self.error(f"{node.name}(...) takes {op.arity} argument{'s' * (op.arity != 1)}, "
+                             f"got {len(node.args)}", node.span)
+        return Call(op.name, tuple(map(rec, node.args)), node.span)
+
+    def _reduction(self, node: syn.Reduction, rec) -> Expr:
+        indices = tuple(ix.name for ix in node.indices)
+        if not indices:
+            raise self.error(f"'{node.name}[...]' needs at least one index", node.span)
+        for k, ix in enumerate(node.indices):
+            if ix.name in indices[:k]:
+                raise self.error(f"index '{ix.name}' is bound twice", ix.span)
+        args = tuple(map(rec, node.args))
+        summary = self.summaries.get(node.name) or BUILTINS.get(node.name)
+        if summary is not None:
+            if len(args) != summary.arity:
+                raise self.error(f"{node.name}[...] takes {summary.arity} argument"
+                                 f"{'s' * (summary.arity != 1)}, got {len(args)}", node.span)
+            return Reduce(summary, indices, args, node.span)
+        if node.name in COMPOSITES:
+            if len(args) != 1:
+                raise self.error(f"{node.name}[...] takes 1 argument, got {len(args)}", node.span)
+            return Composite(node.name, indices, args[0], node.span)
+        known = {**BUILTINS, **COMPOSITES, **self.summaries}
+        if node.name in FUNCTIONS:
+            raise self.error(f"'{node.name}' is a function, not a reduction; "
+                             f"write {node.name}(...)", node.name_span)
+        raise self.error(f"unknown reduction '{node.name}'{_suggest(node.name, known)}",
+                         node.name_span)
+
+    # ------------------------------------------------------------ checks on the IR
+    def _check_reductions_use_indices(self, e: Expr) -> None:
+        for node in _nodes(e):
+            if isinstance(node, Reduce | Composite):
+                body = node.args if isinstance(node, Reduce) else (node.arg,)
+                used = {i for a in body for i in free_indices(a)}
+                for ix in node.indices:
+                    if ix not in used:
+                        raise self.error(f"{_reduction_name(node)}[...] reduces over '{ix}' but its "
+                                         f"body does not use '{ix}'", node.span)
+
+    def _type(self, e: Expr) -> str:
+        if isinstance(e, Const):
+            return INT if isinstance(e.value, int) else FLOAT
+        if isinstance(e, Index | Extent):
+            return INT
+        if isinstance(e, Access):
+            return FLOAT if e.tensor in self.inputs else self.types[e.tensor]
+        arg_types = tuple(self._type(c) for c in children(e))
+        if isinstance(e, Call):
+            op = OPS[e.op]
+            result = op.result(arg_types)
+            what = f"'{op.symbol}'" if op.syntax != "function" else f"{op.symbol}(...)"
+        elif isinstance(e, Reduce):
+            result = e.summary.result_type(arg_types)
+            what = f"{e.summary.name}[...]"
+        else:
+            result = FLOAT if arg_types[0] in (INT, FLOAT) else None
+            what = f"{e.op}[...]"
+        if result is None:
+            logical = isinstance(e, Call) and OPS[e.op].result((BOOL,) * OPS[e.op].arity) == BOOL
+            hint = ("; a predicate selects with where(cond, x, y)"
+                    if BOOL in arg_types and not logical else "")
+            raise self.error(f"{what} cannot take {' and '.join(dict.fromkeys(arg_types))} "
+                             f"operands{hint}", e.span)
+        return result
+
+    # ------------------------------------------------------------ extents
+    def _find(self, x: str) -> str:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def _union(self, a: str, b: str) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            # Keep an index name as the representative: it names the extent symbol.
+            if "#" in ra:
+                ra, rb = rb, ra
+            self.parent[rb] = ra
+
+    def _extent_symbol(self, index: str) -> sympy.Symbol:
+        return sympy.Symbol(f"len_{self._find(index)}", integer=True, positive=True)
+
+    def _check_extents_known(self, statements: list[Assign]) -> None:
+        measured = {self._find(f"{i.name}#{d}") for i in self.inputs.values() for d in range(i.rank)}
+        for ix in sorted(self.index_names, key=lambda n: self.first_use[n].start):
+            if self._find(ix) not in measured:
+                raise self.error(f"index '{ix}' has no extent: no input tensor is indexed by it "
+                                 f"(directly or through a statement's result)", self.first_use[ix])
+
+
+# ---------------------------------------------------------------- Einstein convention
+def _binders(e: Expr) -> tuple[str, ...]:
+    """Indices bound inside the arguments of `e` (softmax binds its index there
+    although its result keeps it)."""
+    return e.indices if isinstance(e, Reduce | Composite) else ()
+
+
+def _count_free(e: Expr, counts: Counter) -> Counter:
+    """Free occurrences of each index in `e`, given the counts of its children."""
+    if isinstance(e, Access):
+        return Counter(e.indices)
+    if isinstance(e, Index):
+        return Counter([e.name])
+    counts = Counter(counts)
+    for i in _binders(e):
+        counts.pop(i, None)
+    for i in set(_binders(e)) - set(bound_indices(e)):
+        counts[i] = 1          # a normaliser's result varies over the index it keeps
+    return counts
+
+
+def _make_einstein_sums(expr: Expr, lhs: set[str]) -> Expr:
+    """Sum every index that is neither on the left nor bound over the smallest
+    subexpression that contains all its free occurrences."""
+
+    def count(e: Expr) -> Counter:
+        total = Counter()
+        for c in children(e):
+            total.update(count(c))
+        return _count_free(e, total)
+
+    implicit = {i: n for i, n in count(expr).items() if i not in lhs}
+
+    def visit(e: Expr, bound: frozenset[str]) -> tuple[Expr, Counter]:
+        inner = bound | set(_binders(e))
+        visited = [visit(c, inner) for c in children(e)]
+        e = with_children(e, tuple(c for c, _ in visited))
+        counts = _count_free(e, sum((n for _, n in visited), Counter()))
+        done = tuple(i for i in free_indices_in_order(e)
+                     if i in implicit and i not in bound and counts[i] == implicit[i])
+        if done:
+            e = Reduce(BUILTINS["sum"], done, (e,), e.span)
+            for i in done:
+                del counts[i]
+        return e, counts
+
+    return visit(expr, frozenset())[0] if implicit else expr
+
+
+def free_indices_in_order(e: Expr) -> tuple[str, ...]:
+    """Indices occurring in `e` (bound or not), in order of first occurrence."""
+    out: dict[str, None] = {}
+    if isinstance(e, Access):
+        out.update(dict.fromkeys(e.indices))
+    elif isinstance(e, Index):
+        out[e.name] = None
+    for c in children(e):
+        out.update(dict.fromkeys(free_indices_in_order(c)))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- helpers
+def _nodes(e: Expr):
+    yield e
+    for c in children(e):
+        yield from _nodes(c)
+
+
+def _accesses(e: Expr):
+    return (n for n in _nodes(e) if isinstance(n, Access))
+
+
+def _reduction_name(e: Expr) -> str:
+    return e.summary.name if isinstance(e, Reduce) else e.op
+
+
+def _syntax_children(node) -> tuple:
+    if isinstance(node, syn.Access):
+        return node.subscripts
+    if isinstance(node, syn.Call | syn.Operator):
+        return getattr(node, "args", None) or getattr(node, "operands", ())
+    if isinstance(node, syn.Reduction):
+        return node.args
+    return ()
+
+
+def _suggest(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""

@@ -1,0 +1,120 @@
+"""The `einfold` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import EinfoldError
+from .ir import format_program
+
+
+def _read_program(args) -> str:
+    if args.expr is not None:
+        return args.expr
+    if args.file is None:
+        raise SystemExit("einfold: give a program with -e EXPR or a FILE")
+    try:
+        return Path(args.file).read_text()
+    except OSError as e:
+        raise SystemExit(f"einfold: cannot read {args.file}: {e.strerror}") from None
+
+
+def _add_program_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", nargs="?", help="file holding the program")
+    p.add_argument("-e", "--expr", help="the program text itself")
+
+
+def cmd_parse(args) -> int:
+    from .check import check
+    from .parse import parse
+    print(format_program(check(parse(_read_program(args)))), end="")
+    return 0
+
+
+def cmd_ir(args) -> int:
+    from .check import check
+    from .parse import parse
+    from .passes import PIPELINE, run_pipeline
+    program = check(parse(_read_program(args)))
+    wanted = args.print_after
+    names = [name for name, _ in PIPELINE]
+    if wanted not in (None, "all") and wanted not in names:
+        raise SystemExit(f"einfold: unknown pass '{wanted}'; the passes are: {', '.join(names) or 'none'}")
+    if wanted == "all":
+        print("# after check")
+        print(format_program(program), end="")
+
+    def observe(name, ir):
+        if wanted in ("all", name):
+            print(f"# after {name}")
+            print(format_program(ir), end="")
+
+    final = run_pipeline(program, observe=observe)
+    if wanted is None:
+        print(format_program(final), end="")
+    return 0
+
+
+def _parse_sizes(items: list[str]) -> dict[str, int]:
+    sizes = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value.isdigit() or not name.isidentifier():
+            raise SystemExit(f"einfold: --size takes INDEX=N, got '{item}'")
+        sizes[name] = int(value)
+    return sizes
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from . import compile
+    from .random_inputs import random_inputs, relative_error
+    program = compile(_read_program(args), backend=args.backend)
+    dtype = getattr(torch, args.dtype)
+    inputs = random_inputs(program.checked, _parse_sizes(args.size), dtype=dtype, seed=args.seed)
+    outputs = program(**inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    oracle = compile(_read_program(args), backend="reference")
+    expected = oracle(**{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    print(f"backend {program.backend.name}, dtype {args.dtype}")
+    for name, got, want in zip(program.outputs, outputs, expected):
+        print(f"{name}: shape {tuple(got.shape)}, relative error vs float64 oracle "
+              f"{relative_error(got, want):.3e}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="einfold", description=__doc__.strip().split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("parse", help="print the canonical form of a program")
+    _add_program_args(p)
+    p.set_defaults(run=cmd_parse)
+
+    p = sub.add_parser("ir", help="print the IR, after the passes or after a given one")
+    _add_program_args(p)
+    p.add_argument("--print-after", metavar="PASS|all", help="print after this pass (or every pass)")
+    p.set_defaults(run=cmd_ir)
+
+    p = sub.add_parser("run", help="run on random inputs and report the error against the oracle")
+    _add_program_args(p)
+    p.add_argument("--size", action="append", default=[], metavar="INDEX=N",
+                   help="extent of an index (default 16)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=cmd_run)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except EinfoldError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""One error hierarchy: every error carries the source and a span, and renders
+the offending line with a caret under the construct it names."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A half-open character range [start, end) in the program source."""
+
+    start: int
+    end: int
+
+    def line_col(self, source: str) -> tuple[int, int]:
+        line = source.count("\n", 0, self.start) + 1
+        column = self.start - (source.rfind("\n", 0, self.start) + 1) + 1
+        return line, column
+
+
+def render(source: str, span: Span) -> str:
+    """Show the source line of `span` with carets under it (first line only)."""
+    line_no, column = span.line_col(source)
+    line_start = source.rfind("\n", 0, span.start) + 1
+    line_end = source.find("\n", span.start)
+    if line_end == -1:
+        line_end = len(source)
+    text = source[line_start:line_end]
+    width = max(1, min(span.end, line_end) - span.start)
+    gutter = str(line_no)
+    pad = " " * len(gutter)
+    return (
+        f"{pad}--> line {line_no}, column {column}\n"
+        f"{pad} |\n"
+        f"{gutter} | {text}\n"
+        f"{pad} | {' ' * (column - 1)}{'^' * width}"
+    )
+
+
+class EinfoldError(Exception):
+    """Base of every error einfold raises on purpose."""
+
+    kind = "error"
+
+    def __init__(self, message: str, source: str | None = None, span: Span | None = None):
+        self.message = message
+        self.source = source
+        self.span = span
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        head = f"{self.kind}: {self.message}"
+        if self.source is None or self.span is None:
+            return head
+        return f"{head}\n{render(self.source, self.span)}"
+
+
+class ParseError(EinfoldError):
+    """The text is not a program of the language."""
+
+    kind = "syntax error"
+
+
+class CheckError(EinfoldError):
+    """The program parses but means nothing (unknown names, bad indices...)."""
+
+    kind = "error"
+
+
+class BindError(EinfoldError):
+    """The inputs given at call time do not fit the program."""
+
+    kind = "input error"
+
+
+class LawError(EinfoldError):
+    """A summary breaks one of the monoid laws it claims."""
+
+    kind = "law error"
+
+
+class BackendError(EinfoldError):
+    """A backend cannot run the program as asked."""
+
+    kind = "backend error"

@@ -1,0 +1,260 @@
+"""The IR: a small vocabulary of frozen expression nodes, statements and programs,
+with one canonical printed form that parses back.
+
+Every node may carry the source span it came from (`span`, ignored by equality)
+so that errors found late can still point at the text.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Iterator
+
+import sympy
+
+from .errors import Span
+from .ops import (OPS, PREC_ADD, PREC_AND, PREC_ATOM, PREC_CMP, PREC_MUL, PREC_NOT, PREC_OR,
+                  PREC_POW, PREC_UNARY)
+
+_node = dataclass(frozen=True, slots=True)
+
+
+def _span_field():
+    return field(default=None, compare=False, repr=False)
+
+
+class Expr:
+    """Base of expression nodes."""
+
+    __slots__ = ()
+
+
+@_node
+class Const(Expr):
+    value: int | float
+    span: Span | None = _span_field()
+
+
+@_node
+class Access(Expr):
+    """Read of a tensor (input or earlier statement); rank 0 reads a scalar."""
+
+    tensor: str
+    indices: tuple[str, ...]
+    span: Span | None = _span_field()
+
+
+@_node
+class Index(Expr):
+    """An index used as an integer value (`m <= i`)."""
+
+    name: str
+    span: Span | None = _span_field()
+
+
+@_node
+class Extent(Expr):
+    """`len(k)`: the extent of an index."""
+
+    name: str
+    span: Span | None = _span_field()
+
+
+@_node
+class Var(Expr):
+    """A local name inside a summary's formulas (lift arguments, fields)."""
+
+    name: str
+    span: Span | None = _span_field()
+
+
+@_node
+class Call(Expr):
+    """Elementwise operator application; `op` keys ops.OPS."""
+
+    op: str
+    args: tuple[Expr, ...]
+    span: Span | None = _span_field()
+
+
+@_node
+class Reduce(Expr):
+    """Fold of `args` over `indices` in the monoid `summary` (an algebra.Summary)."""
+
+    summary: object
+    indices: tuple[str, ...]
+    args: tuple[Expr, ...]
+    span: Span | None = _span_field()
+
+
+@_node
+class Composite(Expr):
+    """A reduction defined in terms of primitive ones (softmax, mean, logsumexp);
+    the `lower` pass expands it.  `op` keys algebra.COMPOSITES."""
+
+    op: str
+    indices: tuple[str, ...]
+    arg: Expr
+    span: Span | None = _span_field()
+
+
+@_node
+class Assign:
+    name: str
+    indices: tuple[str, ...]
+    expr: Expr
+    dtype: str                      # ops.FLOAT / INT / BOOL
+    span: Span | None = _span_field()
+
+
+@_node
+class Input:
+    name: str
+    rank: int
+    span: Span | None = _span_field()   # first use
+
+
+@_node
+class Program:
+    statements: tuple[Assign, ...]
+    inputs: tuple[Input, ...]
+    outputs: tuple[str, ...]
+    extents: tuple[tuple[str, sympy.Symbol], ...]   # index -> extent symbol (shared by unified indices)
+    source: str = field(default="", compare=False, repr=False)
+
+    def extent(self, index: str) -> sympy.Symbol:
+        return dict(self.extents)[index]
+
+    def statement(self, name: str) -> Assign:
+        for s in self.statements:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------- traversal
+def children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, Call | Reduce):
+        return e.args
+    if isinstance(e, Composite):
+        return (e.arg,)
+    return ()
+
+
+def with_children(e: Expr, new: tuple[Expr, ...]) -> Expr:
+    if isinstance(e, Call | Reduce):
+        return e if new == e.args else replace(e, args=tuple(new))
+    if isinstance(e, Composite):
+        return e if new[0] is e.arg else replace(e, arg=new[0])
+    return e
+
+
+def walk(e: Expr) -> Iterator[Expr]:
+    """Pre-order traversal."""
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+def transform(e: Expr, fn: Callable[[Expr], Expr]) -> Expr:
+    """Post-order rewrite: children first, then `fn` on the rebuilt node."""
+    return fn(with_children(e, tuple(transform(c, fn) for c in children(e))))
+
+
+def bound_indices(e: Expr) -> tuple[str, ...]:
+    """Indices a node binds in its arguments and removes from its result."""
+    if isinstance(e, Reduce):
+        return e.indices
+    if isinstance(e, Composite):
+        from .algebra.composites import COMPOSITES
+        return () if COMPOSITES[e.op].keeps_index else e.indices
+    return ()
+
+
+def free_indices(e: Expr) -> tuple[str, ...]:
+    """Indices the value of `e` varies over, in order of first occurrence."""
+    if isinstance(e, Access):
+        return tuple(dict.fromkeys(e.indices))
+    if isinstance(e, Index):
+        return (e.name,)
+    out: dict[str, None] = {}
+    for c in children(e):
+        out.update(dict.fromkeys(free_indices(c)))
+    for i in bound_indices(e):
+        out.pop(i, None)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- printing
+def _prec(e: Expr) -> int:
+    if isinstance(e, Const) and (e.value < 0 or (isinstance(e.value, float) and math.copysign(1, e.value) < 0)):
+        return PREC_UNARY
+    if isinstance(e, Call):
+        return OPS[e.op].precedence
+    return PREC_ATOM
+
+
+def format_number(value: int | float) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if value == math.inf:
+        return "inf"
+    if value == -math.inf:
+        return "-inf"
+    if value == math.pi:
+        return "pi"
+    if math.isnan(value):
+        raise ValueError("NaN has no literal in the language")
+    text = repr(float(value))
+    return text
+
+
+def format_expr(e: Expr) -> str:
+    if isinstance(e, Const):
+        return format_number(e.value)
+    if isinstance(e, Access):
+        return e.tensor + (f"[{', '.join(e.indices)}]" if e.indices else "")
+    if isinstance(e, Index | Var):
+        return e.name
+    if isinstance(e, Extent):
+        return f"len({e.name})"
+    if isinstance(e, Reduce):
+        return f"{e.summary.name}[{', '.join(e.indices)}]({', '.join(map(format_expr, e.args))})"
+    if isinstance(e, Composite):
+        return f"{e.op}[{', '.join(e.indices)}]({format_expr(e.arg)})"
+    if isinstance(e, Call):
+        op = OPS[e.op]
+        if op.syntax == "function":
+            return f"{op.symbol}({', '.join(map(format_expr, e.args))})"
+        if op.syntax == "prefix":
+            sep = " " if op.symbol.isalpha() else ""
+            return f"{op.symbol}{sep}{_wrap(e.args[0], op.precedence)}"
+        left, right = e.args
+        p = op.precedence
+        if op.name == "pow":            # right-associative; the base must be an atom
+            return f"{_wrap(left, PREC_ATOM)} ** {_wrap(right, PREC_UNARY)}"
+        if p == PREC_CMP:               # comparisons do not chain
+            return f"{_wrap(left, PREC_ADD)} {op.symbol} {_wrap(right, PREC_ADD)}"
+        return f"{_wrap(left, p)} {op.symbol} {_wrap(right, p + 1)}"
+    raise TypeError(f"not an expression: {e!r}")
+
+
+def _wrap(e: Expr, at_least: int) -> str:
+    text = format_expr(e)
+    return text if _prec(e) >= at_least else f"({text})"
+
+
+def format_statement(s: Assign) -> str:
+    return f"{s.name}[{', '.join(s.indices)}] = {format_expr(s.expr)}"
+
+
+def format_program(p: Program) -> str:
+    return "\n".join(format_statement(s) for s in p.statements) + "\n"
+
+
+__all__ = ["Expr", "Const", "Access", "Index", "Extent", "Var", "Call", "Reduce", "Composite",
+           "Assign", "Input", "Program", "walk", "transform", "children", "with_children",
+           "free_indices", "bound_indices", "format_expr", "format_statement", "format_program",
+           "PREC_OR", "PREC_AND", "PREC_NOT", "PREC_MUL"]

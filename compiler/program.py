@@ -1,0 +1,65 @@
+"""The public entry point: compile(source) -> Program, a callable on tensors."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from . import backend as backends
+from .algebra import Summary
+from .bind import bind
+from .check import check
+from .errors import EinfoldError
+from .ir import Program as IRProgram
+from .parse import parse
+from .passes import run_pipeline
+from .schedule import Plan
+
+KNOWN_OPTIONS = ("summaries",)
+
+
+class Program:
+    """A compiled program.  Call it with its inputs by name."""
+
+    def __init__(self, source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
+                 **options):
+        unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+        if unknown:
+            raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                               f"known: {', '.join(KNOWN_OPTIONS)}")
+        summaries = {s.name: s for s in options.get("summaries", ())}
+        backend_class = backends.choose(backend)
+        self.text = source
+        self.checked: IRProgram = check(parse(source), outputs=tuple(outputs) if outputs else None,
+                                        summaries=summaries)
+        self.factorised: IRProgram = run_pipeline(self.checked)
+        self.outputs = self.checked.outputs
+        self.backend = backend_class(self.factorised, self.outputs)
+
+    def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        results = self.backend.run(bind(self.checked, inputs))
+        values = tuple(results[name] for name in self.outputs)
+        return values[0] if len(values) == 1 else values
+
+    def plan(self, **inputs) -> Plan:
+        return self.backend.plan(bind(self.checked, inputs))
+
+    @property
+    def source(self) -> str:
+        return self.backend.source
+
+    def explain(self) -> str:
+        from .explain import explain
+        return explain(self)
+
+    def __repr__(self) -> str:
+        return f"<einfold.Program {self.outputs} backend={self.backend.name}>"
+
+
+def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
+            **options) -> Program:
+    """Parse, check and compile `source` for `backend`."""
+    return Program(source, outputs=outputs, backend=backend, **options)
+
+
+__all__ = ["Program", "compile", "Summary"]

@@ -1,0 +1,47 @@
+"""Random inputs for a program at given index sizes, and the error measure the
+tests and the CLI report."""
+from __future__ import annotations
+
+import torch
+
+from .ir import Program
+
+DEFAULT_EXTENT = 16
+
+
+def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float32, seed: int = 0,
+                  device="cpu") -> dict[str, torch.Tensor | float]:
+    """Standard-normal tensors for every input (numbers for rank-0 inputs).
+    Indices sharing an extent take the size given for any of them."""
+    symbols = dict(program.extents)
+    by_symbol = {symbols[i]: n for i, n in sizes.items() if i in symbols}
+    generator = torch.Generator().manual_seed(seed)
+    inputs: dict[str, torch.Tensor | float] = {}
+    for decl in program.inputs:
+        if decl.rank == 0:
+            inputs[decl.name] = float(torch.rand((), generator=generator)) + 0.5
+            continue
+        access = _first_access(program, decl.name)
+        shape = [by_symbol.get(symbols[i], DEFAULT_EXTENT) for i in access]
+        inputs[decl.name] = torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
+    return inputs
+
+
+def _first_access(program: Program, name: str) -> tuple[str, ...]:
+    from .ir import Access, walk
+    for st in program.statements:
+        for node in walk(st.expr):
+            if isinstance(node, Access) and node.tensor == name:
+                return node.indices
+    raise KeyError(name)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(max |want|, tiny), in float64; NaN/inf mismatches count as inf."""
+    got, want = got.detach().to("cpu", torch.float64), want.detach().to("cpu", torch.float64)
+    same_special = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    if bool((~torch.isfinite(want) | ~torch.isfinite(got))[~same_special].any()):
+        return float("inf")
+    diff = torch.where(same_special, torch.zeros_like(got), got - want).abs().max()
+    scale = want[torch.isfinite(want)].abs().max() if torch.isfinite(want).any() else torch.tensor(1.0)
+    return float(diff / max(float(scale), 1e-30))

@@ -1,0 +1,150 @@
+"""The float64 oracle: evaluates any IR program with torch, directly from the
+definitions (no factorisation), as the ground truth for every later test.
+
+Values are *labelled tensors*: a torch tensor plus the index name of each of its
+dimensions.  Elementwise operators align labels (broadcasting); reductions fold
+labelled dimensions with the summary's own combine, pairwise, so one mechanism
+serves every summary, user-defined and non-commutative ones included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from .algebra import COMPOSITES
+from .algebra.formula import evaluate as evaluate_formula
+from .ir import Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce
+from .ops import BOOL, FLOAT, INT, OPS
+
+
+@dataclass(frozen=True)
+class Labelled:
+    tensor: torch.Tensor
+    dims: tuple[str, ...]
+
+    def aligned(self, dims: tuple[str, ...]) -> torch.Tensor:
+        """View with dimensions in `dims` order, size 1 where absent (broadcastable)."""
+        order = [self.dims.index(d) for d in dims if d in self.dims]
+        t = self.tensor.permute(order) if order else self.tensor
+        shape = [t.shape[order.index(self.dims.index(d))] if d in self.dims else 1 for d in dims]
+        return t.reshape(shape)
+
+
+def _union(values: list[Labelled]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(d for v in values for d in v.dims))
+
+
+def _diagonal(t: torch.Tensor, indices: tuple[str, ...]) -> Labelled:
+    """A[i, i] reads the diagonal: merge repeated labels."""
+    dims = list(indices)
+    while len(set(dims)) < len(dims):
+        for a in range(len(dims)):
+            b = dims.index(dims[a], a + 1) if dims[a] in dims[a + 1:] else -1
+            if b >= 0:
+                t = torch.diagonal(t, dim1=a, dim2=b).movedim(-1, a)
+                del dims[b]
+                break
+    return Labelled(t, tuple(dims))
+
+
+class _Evaluator:
+    def __init__(self, values: Mapping[str, Labelled], extents: Mapping[str, int]):
+        self.values = dict(values)
+        self.extents = extents
+
+    def __call__(self, e: Expr) -> Labelled:
+        if isinstance(e, Const):
+            return Labelled(torch.tensor(e.value, dtype=torch.float64 if isinstance(e.value, float)
+                                         else torch.int64), ())
+        if isinstance(e, Index):
+            return Labelled(torch.arange(self.extents[e.name], dtype=torch.int64), (e.name,))
+        if isinstance(e, Extent):
+            return Labelled(torch.tensor(self.extents[e.name], dtype=torch.int64), ())
+        if isinstance(e, Access):
+            stored = self.values[e.tensor]
+            return _diagonal(stored.tensor, e.indices)
+        if isinstance(e, Call):
+            op = OPS[e.op]
+            args = [self(a) for a in e.args]
+            dims = _union(args)
+            tensors = [a.aligned(dims) for a in args]
+            if op.result((INT,) * op.arity) == FLOAT:   # int operands of a float op: compute in float64
+                tensors = [t.double() for t in tensors]
+            return Labelled(op.torch(*tensors), dims)
+        if isinstance(e, Reduce):
+            return self._reduce(e)
+        if isinstance(e, Composite):
+            arg = self(e.arg)
+            axes = tuple(arg.dims.index(i) for i in e.indices)
+            rule = COMPOSITES[e.op]
+            out = rule.torch(arg.tensor.double(), axes)
+            dims = arg.dims if rule.keeps_index else tuple(d for d in arg.dims if d not in e.indices)
+            return Labelled(out, dims)
+        raise TypeError(f"the oracle cannot evaluate {type(e).__name__}")
+
+    def _reduce(self, e: Reduce) -> Labelled:
+        s = e.summary
+        args = [self(a) for a in e.args]
+        dims = _union(args)
+        kept = tuple(d for d in dims if d not in e.indices)
+        shape = [self.extents[d] for d in dims]
+        env = {f"x{k}": a.aligned(dims).to(torch.float64).expand(shape) for k, a in enumerate(args)}
+        fields = [evaluate_formula(f, env).expand(shape) for f in s.lift]
+        # Bring the reduced dimensions last and flatten them into one, in index order
+        # (row-major), so that a non-commutative summary folds in that order.
+        perm = [dims.index(d) for d in kept] + [dims.index(i) for i in e.indices]
+        n = 1
+        for i in e.indices:
+            n *= self.extents[i]
+        fields = [f.permute(perm).reshape(*[self.extents[d] for d in kept], n) for f in fields]
+        folded = fold(s, fields)
+        result = evaluate_formula(s.finalize, dict(zip(s.field_names, folded)))
+        result = result.expand([self.extents[d] for d in kept]) if kept else result
+        return Labelled(result, kept)
+
+
+def fold(summary, fields: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fold the last dimension of each field tensor with `summary.combine`,
+    pairing neighbours so that order is kept; an odd tail is padded with the
+    identity.  Returns field tensors without that dimension."""
+    names = summary.field_names
+    while fields[0].shape[-1] > 1:
+        if fields[0].shape[-1] % 2:
+            fields = [torch.cat([f, torch.full_like(f[..., :1], float(c.value))], dim=-1)
+                      for f, c in zip(fields, summary.identity)]
+        env = {**{f"a.{n}": f[..., 0::2] for n, f in zip(names, fields)},
+               **{f"b.{n}": f[..., 1::2] for n, f in zip(names, fields)}}
+        shape = fields[0][..., 0::2].shape
+        fields = [evaluate_formula(c, env).expand(shape) for c in summary.combine]
+    if fields[0].shape[-1] == 0:
+        return [torch.full(f.shape[:-1], float(c.value), dtype=torch.float64)
+                for f, c in zip(fields, summary.identity)]
+    return [f[..., 0] for f in fields]
+
+
+_RESULT_DTYPES = {BOOL: torch.bool, INT: torch.int64}
+
+
+def run(program: Program, inputs: Mapping[str, torch.Tensor | float], extents: Mapping[str, int],
+        outputs: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Evaluate `program` in float64 on already-checked inputs.  `extents` maps
+    every index name to its size.  Returns every requested statement's result,
+    with dimensions in the order of its left-hand side."""
+    values = {}
+    for decl in program.inputs:
+        value = inputs[decl.name]
+        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+        values[decl.name] = Labelled(t.to("cpu", torch.float64), ())
+    evaluator = _Evaluator(values, extents)
+    results = {}
+    for st in program.statements:
+        v = evaluator(st.expr)
+        shape = [extents[i] for i in st.indices]
+        t = v.aligned(st.indices).expand(shape).contiguous()
+        t = t.to(_RESULT_DTYPES.get(st.dtype, torch.float64))
+        evaluator.values[st.name] = Labelled(t, ())
+        results[st.name] = t
+    wanted = outputs if outputs is not None else program.outputs
+    return {name: results[name] for name in wanted}
