@@ -208,7 +208,7 @@ class _Checker:
             if len(args) != summary.arity:
                 raise self.error(f"{node.name}[...] takes {summary.arity} argument"
                                  f"{'s' * (summary.arity != 1)}, got {len(args)}", node.span)
-            return Reduce(summary, indices, args, node.span)
+            return Reduce(summary, indices, args, span=node.span)
         if node.name in COMPOSITES:
             if len(args) != 1:
                 raise self.error(f"{node.name}[...] takes 1 argument, got {len(args)}", node.span)
@@ -325,7 +325,7 @@ def _make_einstein_sums(expr: Expr, lhs: set[str]) -> Expr:
         done = tuple(i for i in free_indices_in_order(e)
                      if i in implicit and i not in bound and counts[i] == implicit[i])
         if done:
-            e = Reduce(BUILTINS["sum"], done, (e,), e.span)
+            e = Reduce(BUILTINS["sum"], done, (e,), span=e.span)
             for i in done:
                 del counts[i]
         return e, counts

@@ -13,8 +13,7 @@ from typing import Callable, Iterator
 import sympy
 
 from .errors import Span
-from .ops import (OPS, PREC_ADD, PREC_AND, PREC_ATOM, PREC_CMP, PREC_MUL, PREC_NOT, PREC_OR,
-                  PREC_POW, PREC_UNARY)
+from .ops import OPS, PREC_ADD, PREC_ATOM, PREC_CMP, PREC_UNARY
 
 _node = dataclass(frozen=True, slots=True)
 
@@ -79,12 +78,22 @@ class Call(Expr):
 
 @_node
 class Reduce(Expr):
-    """Fold of `args` over `indices` in the monoid `summary` (an algebra.Summary)."""
+    """Fold of `args` over `indices` in the monoid `summary` (an algebra.Summary).
+
+    The value is `summary.finalize` of the folded state, or, when `result` names a
+    field, that field of the state.  Reduce nodes equal but for `result` are one
+    fold: a backend computes the state once and projects several fields."""
 
     summary: object
     indices: tuple[str, ...]
     args: tuple[Expr, ...]
+    result: str | None = None
     span: Span | None = _span_field()
+
+    @property
+    def fold(self) -> "Reduce":
+        """The fold itself, independent of which result is projected."""
+        return self if self.result is None else replace(self, result=None)
 
 
 @_node
@@ -221,7 +230,8 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Extent):
         return f"len({e.name})"
     if isinstance(e, Reduce):
-        return f"{e.summary.name}[{', '.join(e.indices)}]({', '.join(map(format_expr, e.args))})"
+        text = f"{e.summary.name}[{', '.join(e.indices)}]({', '.join(map(format_expr, e.args))})"
+        return text if e.result is None else f"{text}.{e.result}"
     if isinstance(e, Composite):
         return f"{e.op}[{', '.join(e.indices)}]({format_expr(e.arg)})"
     if isinstance(e, Call):
@@ -256,5 +266,4 @@ def format_program(p: Program) -> str:
 
 __all__ = ["Expr", "Const", "Access", "Index", "Extent", "Var", "Call", "Reduce", "Composite",
            "Assign", "Input", "Program", "walk", "transform", "children", "with_children",
-           "free_indices", "bound_indices", "format_expr", "format_statement", "format_program",
-           "PREC_OR", "PREC_AND", "PREC_NOT", "PREC_MUL"]
+           "free_indices", "bound_indices", "format_expr", "format_statement", "format_program"]

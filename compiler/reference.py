@@ -100,7 +100,8 @@ class _Evaluator:
             n *= self.extents[i]
         fields = [f.permute(perm).reshape(*[self.extents[d] for d in kept], n) for f in fields]
         folded = fold(s, fields)
-        result = evaluate_formula(s.finalize, dict(zip(s.field_names, folded)))
+        state = dict(zip(s.field_names, folded))
+        result = state[e.result] if e.result is not None else evaluate_formula(s.finalize, state)
         result = result.expand([self.extents[d] for d in kept]) if kept else result
         return Labelled(result, kept)
 

@@ -24,6 +24,27 @@ class Field:
 
 
 @dataclass(frozen=True, slots=True)
+class Rescaled:
+    """Structure of the fields that the repair-factor derivation produces.
+
+    leader r = max (or min) over `leader_arg`, and fields
+        t_k = sum w(x, r) * v_k(x)
+    whose weight obeys w(x, r') = h(r, r') * w(x, r), h free of the element x.
+    A streaming fold keeps (r, t_1..t_k):
+        r' = max(r, max over the tile of leader_arg)
+        t_k' = t_k * h(r, r') + sum over the tile of w(x, r') * v_k(x)
+    (the last sum is a matrix product when v_k carries another free index).
+    Formulas use Vars x0, x1, ... for the element arguments, `r` and `r_new`."""
+
+    leader: str                            # field name of r
+    leader_monoid: str                     # "max" or "min"
+    leader_arg: Expr                       # over x-vars
+    weight: Expr                           # w, over x-vars and Var("r")
+    repair: Expr                           # h, over Var("r") and Var("r_new")
+    values: tuple[tuple[str, Expr], ...]   # (field name, v_k over x-vars)
+
+
+@dataclass(frozen=True, slots=True)
 class Summary:
     name: str
     fields: tuple[Field, ...]
@@ -33,9 +54,13 @@ class Summary:
     combine: tuple[Expr, ...]
     finalize: Expr
     commutative: bool
+    # Fields that follow the rescaling pattern (a backend may stream them with a
+    # running leader and tl.dot); every other field is folded generically.
+    rescaled: tuple[Rescaled, ...] = ()
     # How the summary came to be and which laws were checked (shown by explain);
     # excluded from equality so that two derivations of one monoid compare equal.
     notes: tuple[str, ...] = field(default=(), compare=False)
+    laws: object = field(default=None, compare=False)   # algebra.laws.LawReport once checked
 
     @property
     def field_names(self) -> tuple[str, ...]:
