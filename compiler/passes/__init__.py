@@ -5,10 +5,17 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir import Program
+from .fuse import fuse
+from .lower import lower
+from .stabilise import stabilise
 
 Pass = Callable[[Program], Program]
 
-PIPELINE: tuple[tuple[str, Pass], ...] = ()
+PIPELINE: tuple[tuple[str, Pass], ...] = (
+    ("lower", lower),
+    ("fuse", fuse),
+    ("stabilise", stabilise),
+)
 
 
 def run_pipeline(program: Program, stop_after: str | None = None,

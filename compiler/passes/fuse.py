@@ -1,0 +1,81 @@
+"""fuse: inline every statement that is not an output into the statements that
+read it, so that its result is never materialised.  Equal subexpressions are
+equal values (frozen nodes hash structurally), so a repeated inlined reduction
+is still one computation for the later stages; bound indices renamed to avoid
+capture get their names back where possible, so that alpha-equivalent
+reductions compare equal."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir import (Access, Composite, Expr, Extent, Index, Program, Reduce, children, free_indices, transform,
+                  with_children)
+
+
+def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
+    """Capture-avoiding renaming of free indices; `fresh(name)` makes a new index
+    name (same extent) for a bound index that would capture a target name."""
+    if isinstance(e, Access):
+        return replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
+    if isinstance(e, Index | Extent):
+        return replace(e, name=mapping.get(e.name, e.name))
+    if isinstance(e, Reduce | Composite):
+        inner = {k: v for k, v in mapping.items() if k not in e.indices}
+        targets = set(inner.values())
+        bound = tuple(fresh(i) if i in targets else i for i in e.indices)
+        inner.update({i: b for i, b in zip(e.indices, bound) if i != b})
+        e = replace(e, indices=bound)
+        return with_children(e, tuple(rename_indices(c, inner, fresh) for c in children(e)))
+    return with_children(e, tuple(rename_indices(c, mapping, fresh) for c in children(e)))
+
+
+class _Names:
+    """Fresh index names sharing the extent of the index they stand for."""
+
+    def __init__(self, extents: dict):
+        self.extents = extents
+        self.origin: dict[str, str] = {}
+
+    def fresh(self, name: str) -> str:
+        base = self.origin.get(name, name)
+        n = 1
+        while f"{base}_{n}" in self.extents:
+            n += 1
+        new = f"{base}_{n}"
+        self.extents[new] = self.extents[base]
+        self.origin[new] = base
+        return new
+
+    def restore(self, e: Expr) -> Expr:
+        """Rename a binder's fresh index back to its origin where nothing is captured."""
+        if not isinstance(e, Reduce | Composite):
+            return e
+        free_inside = {i for c in children(e) for i in free_indices(c)}
+        for bound in e.indices:
+            base = self.origin.get(bound)
+            if base is None or base in free_inside or base in e.indices:
+                continue
+            renamed = tuple(rename_indices(c, {bound: base}, self.fresh) for c in children(e))
+            e = with_children(replace(e, indices=tuple(base if i == bound else i for i in e.indices)),
+                              renamed)
+        return e
+
+
+def fuse(program: Program) -> Program:
+    names = _Names(dict(program.extents))
+    inlined: dict[str, tuple[tuple[str, ...], Expr]] = {}
+
+    def substitute(e: Expr) -> Expr:
+        if isinstance(e, Access) and e.tensor in inlined:
+            params, body = inlined[e.tensor]
+            return rename_indices(body, dict(zip(params, e.indices)), names.fresh)
+        return with_children(e, tuple(substitute(c) for c in children(e)))
+
+    kept = []
+    for s in program.statements:
+        s = replace(s, expr=transform(substitute(s.expr), names.restore))
+        if s.name in program.outputs:
+            kept.append(s)
+        else:
+            inlined[s.name] = (s.indices, s.expr)
+    return replace(program, statements=tuple(kept), extents=tuple(sorted(names.extents.items())))

@@ -1,0 +1,123 @@
+"""stabilise: make every sum of exponentials max-rescaled.
+
+Two rewrites of sum[I](body), then one symbolic simplification:
+1. pull out: factors of the body that do not vary over I leave the sum
+   (sum_m c * f(m) = c * sum_m f(m)); this exposes the m-invariant
+   normaliser of a softmax that the Einstein sum put inside;
+2. shift: if the body has factors exp(x) with x varying over I, with
+   M = max[I](x):  sum_I exp(x) * f  =  exp(M) * sum_I exp(x - M) * f,
+   so no exponential inside the sum exceeds 1 (no overflow at logits of 1e4);
+3. simplify with sympy, reductions kept as opaque symbols (sums of exponentials
+   known positive): exp(M) cancels in ratios, log(exp(M) * l) = M + log(l).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+
+from ..algebra import BUILTINS
+from ..ir import Call, Const, Expr, Program, Reduce, free_indices, transform, walk
+from .symbolic import SymbolTable, from_sympy, to_sympy
+
+
+def factors(e: Expr) -> tuple[list[Expr], list[Expr]]:
+    """Flatten a product/quotient into (numerator factors, denominator factors)."""
+    if isinstance(e, Call) and e.op == "mul":
+        (n1, d1), (n2, d2) = factors(e.args[0]), factors(e.args[1])
+        return n1 + n2, d1 + d2
+    if isinstance(e, Call) and e.op == "div":
+        (n1, d1), (n2, d2) = factors(e.args[0]), factors(e.args[1])
+        return n1 + d2, d1 + n2
+    return [e], []
+
+
+def product(numerator: list[Expr], denominator: list[Expr]) -> Expr:
+    out = numerator[0] if numerator else Const(1)
+    for f in numerator[1:]:
+        out = Call("mul", (out, f))
+    for f in denominator:
+        out = Call("div", (out, f))
+    return out
+
+
+def _is_sum(e: Expr) -> bool:
+    return isinstance(e, Reduce) and e.summary == BUILTINS["sum"] and e.result is None
+
+
+def _varies(e: Expr, indices) -> bool:
+    return bool(set(free_indices(e)) & set(indices))
+
+
+def pull_out_invariants(e: Expr) -> Expr:
+    if not _is_sum(e):
+        return e
+    num, den = factors(e.args[0])
+    inside = [f for f in num if _varies(f, e.indices)], [f for f in den if _varies(f, e.indices)]
+    outside = [f for f in num if not _varies(f, e.indices)], [f for f in den if not _varies(f, e.indices)]
+    if not outside[0] and not outside[1]:
+        return e
+    inner = replace(e, args=(product(*inside),))
+    return product([*outside[0], inner], outside[1])
+
+
+def terms(e: Expr, sign: int = 1) -> list[tuple[int, Expr]]:
+    """Flatten a sum/difference into signed terms."""
+    if isinstance(e, Call) and e.op in ("add", "sub"):
+        return terms(e.args[0], sign) + terms(e.args[1], sign if e.op == "add" else -sign)
+    if isinstance(e, Call) and e.op == "neg":
+        return terms(e.args[0], -sign)
+    return [(sign, e)]
+
+
+def signed_sum(parts: list[tuple[int, Expr]]) -> Expr:
+    if not parts:
+        return Const(0)
+    sign, out = parts[0]
+    out = out if sign > 0 else Call("neg", (out,))
+    for sign, t in parts[1:]:
+        out = Call("add" if sign > 0 else "sub", (out, t))
+    return out
+
+
+def shift_exponentials(e: Expr) -> Expr:
+    if not _is_sum(e):
+        return e
+    num, den = factors(e.args[0])
+    exps = [f for f in num if isinstance(f, Call) and f.op == "exp" and _varies(f, e.indices)]
+    if not exps:
+        return e
+    rest = [f for f in num if not any(f is x for x in exps)]
+    parts = [t for x in exps for t in terms(x.args[0])]
+    varying = signed_sum([t for t in parts if _varies(t[1], e.indices)])
+    invariant = [t for t in parts if not _varies(t[1], e.indices)]
+    leader = Reduce(BUILTINS["max"], e.indices, (varying,))
+    if invariant == [(-1, leader)]:
+        return e                              # already exp(x - max x): nothing can overflow
+    shifted = Call("exp", (Call("sub", (varying, leader)),))
+    inner = replace(e, args=(product([shifted, *rest], den),))
+    return Call("mul", (Call("exp", (signed_sum([*invariant, (1, leader)]),)), inner))
+
+
+def _positive_sums(e: Expr) -> frozenset:
+    """Sums whose body is a single exponential (times nothing): positive."""
+    return frozenset(n for n in walk(e) if _is_sum(n) and isinstance(n.args[0], Call)
+                     and n.args[0].op == "exp")
+
+
+def simplify(e: Expr) -> Expr:
+    table = SymbolTable()
+    s = to_sympy(e, table, _positive_sums(e))
+    s = sympy.expand_log(sympy.powsimp(s), force=False)
+    return from_sympy(s, table)
+
+
+def stabilise(program: Program) -> Program:
+    statements = []
+    for st in program.statements:
+        expr = transform(st.expr, pull_out_invariants)
+        shifted = transform(expr, shift_exponentials)
+        if shifted != expr:
+            shifted = simplify(shifted)
+        statements.append(replace(st, expr=shifted))
+    return replace(program, statements=tuple(statements))
