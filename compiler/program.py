@@ -37,12 +37,12 @@ class Program:
         self.backend = backend_class(self.factorised, self.outputs)
 
     def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        results = self.backend.run(bind(self.checked, inputs))
+        results = self.backend.run(bind(self.checked, inputs).for_program(self.factorised))
         values = tuple(results[name] for name in self.outputs)
         return values[0] if len(values) == 1 else values
 
     def plan(self, **inputs) -> Plan:
-        return self.backend.plan(bind(self.checked, inputs))
+        return self.backend.plan(bind(self.checked, inputs).for_program(self.factorised))
 
     @property
     def source(self) -> str:

@@ -8,6 +8,7 @@ serves every summary, user-defined and non-commutative ones included.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -50,9 +51,11 @@ def _diagonal(t: torch.Tensor, indices: tuple[str, ...]) -> Labelled:
 
 
 class _Evaluator:
-    def __init__(self, values: Mapping[str, Labelled], extents: Mapping[str, int]):
+    def __init__(self, values: Mapping[str, Labelled], extents: Mapping[str, int],
+                 chunking: random.Random | None = None):
         self.values = dict(values)
         self.extents = extents
+        self.chunking = chunking
 
     def __call__(self, e: Expr) -> Labelled:
         if isinstance(e, Const):
@@ -99,7 +102,7 @@ class _Evaluator:
         for i in e.indices:
             n *= self.extents[i]
         fields = [f.permute(perm).reshape(*[self.extents[d] for d in kept], n) for f in fields]
-        folded = fold(s, fields)
+        folded = fold(s, fields) if self.chunking is None else fold_in_chunks(s, fields, self.chunking)
         state = dict(zip(s.field_names, folded))
         result = state[e.result] if e.result is not None else evaluate_formula(s.finalize, state)
         result = result.expand([self.extents[d] for d in kept]) if kept else result
@@ -125,20 +128,47 @@ def fold(summary, fields: list[torch.Tensor]) -> list[torch.Tensor]:
     return [f[..., 0] for f in fields]
 
 
+def merge(summary, a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Combine two states (left a, right b) field by field."""
+    env = {**{f"a.{n}": t for n, t in zip(summary.field_names, a)},
+           **{f"b.{n}": t for n, t in zip(summary.field_names, b)}}
+    shape = torch.broadcast_shapes(a[0].shape, b[0].shape)
+    return [evaluate_formula(c, env).expand(shape) for c in summary.combine]
+
+
+def fold_in_chunks(summary, fields: list[torch.Tensor], rng: random.Random) -> list[torch.Tensor]:
+    """The chunked executor's fold: cut the last dimension at random boundaries
+    (chunks of size 1 included), fold each chunk on its own, then merge the
+    chunk states in a random order -- any order for a commutative summary,
+    random bracketings of neighbours (order kept) otherwise."""
+    n = fields[0].shape[-1]
+    cuts = sorted(rng.sample(range(1, n), k=rng.randint(0, n - 1))) if n > 1 else []
+    bounds = list(zip([0, *cuts], [*cuts, n]))
+    states = [fold(summary, [f[..., lo:hi] for f in fields]) for lo, hi in bounds]
+    if summary.commutative:
+        rng.shuffle(states)
+    while len(states) > 1:
+        k = rng.randrange(len(states) - 1)
+        states[k:k + 2] = [merge(summary, states[k], states[k + 1])]
+    return states[0]
+
+
 _RESULT_DTYPES = {BOOL: torch.bool, INT: torch.int64}
 
 
 def run(program: Program, inputs: Mapping[str, torch.Tensor | float], extents: Mapping[str, int],
-        outputs: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        outputs: tuple[str, ...] | None = None, chunking: random.Random | None = None
+        ) -> dict[str, torch.Tensor]:
     """Evaluate `program` in float64 on already-checked inputs.  `extents` maps
     every index name to its size.  Returns every requested statement's result,
-    with dimensions in the order of its left-hand side."""
+    with dimensions in the order of its left-hand side.  With `chunking`, every
+    reduction runs as the chunked executor (fold_in_chunks) drawing from it."""
     values = {}
     for decl in program.inputs:
         value = inputs[decl.name]
         t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
         values[decl.name] = Labelled(t.to("cpu", torch.float64), ())
-    evaluator = _Evaluator(values, extents)
+    evaluator = _Evaluator(values, extents, chunking)
     results = {}
     for st in program.statements:
         v = evaluator(st.expr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir import Program
+from .factorise import factorise
 from .fuse import fuse
 from .lower import lower
 from .stabilise import stabilise
@@ -15,6 +16,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("lower", lower),
     ("fuse", fuse),
     ("stabilise", stabilise),
+    ("factorise", factorise),
 )
 
 

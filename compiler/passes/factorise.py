@@ -1,0 +1,348 @@
+"""factorise: turn the reductions over one index into a single pass in one
+derived summary.
+
+Reductions over the same indices in a statement form a group.  Inside a group:
+- a reduction that uses no other member is a base member (its own monoid);
+- a sum whose body uses a max (min) member L is a dependent reduction.  With
+  r standing for L, write its body as w(x, r) * v(x).  If the ratio
+  h(r, r') = w(x, r') / w(x, r) is free of the element x (sympy), the sum can
+  be kept relative to the running leader and repaired when it moves:
+      t = t_a * h(r_a, r) + t_b * h(r_b, r),   r = max(r_a, r_b).
+  Dependents with one leader and one weight share it (the pullback: the
+  weights are computed once for every value v_k);
+- a sum whose body uses a sum member S = sum x is separable: if the body is a
+  polynomial of degree <= 2 in (x - S / count), the centred moments merge
+  stably with Chan's formula (Welford); otherwise the body is expanded in
+  powers of S into independent sums (one pass, not numerically guarded).
+All members of the group then form one product summary; each original
+reduction becomes a projection (a field, or a formula of fields) of its fold.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import sympy
+
+from ..algebra import BUILTINS, Field, Rescaled, Summary
+from ..ir import Call, Const, Expr, Extent, Program, Reduce, Var, children, walk, with_children
+from .symbolic import SymbolTable, from_sympy, to_sympy
+from .stabilise import factors, product
+
+_LEADERS = {"max": ("maximum", -math.inf), "min": ("minimum", math.inf)}
+
+
+@dataclass
+class _Component:
+    fields: list[Field]
+    identity: list[Const]
+    lift: list[Expr]
+    combine: list[Expr]
+    commutative: bool = True
+    rescaled: Rescaled | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class _Args:
+    """Element expressions of a group, abstracted as Vars x0, x1, ..."""
+
+    def __init__(self):
+        self.exprs: list[Expr] = []
+
+    def var(self, e: Expr) -> Var:
+        if e not in self.exprs:
+            self.exprs.append(e)
+        return Var(f"x{self.exprs.index(e)}")
+
+    def abstract(self, e: Expr, named: dict[Expr, Var]) -> Expr:
+        """Replace group members by their Vars and maximal member-free parts by args."""
+        if e in named:
+            return named[e]
+        if not any(n in named for n in walk(e)) or not children(e):
+            return self.var(e) if not isinstance(e, Const) else e
+        return with_children(e, tuple(self.abstract(c, named) for c in children(e)))
+
+
+def _substitute(e: Expr, mapping: dict[Expr, Expr]) -> Expr:
+    if e in mapping:
+        return mapping[e]
+    return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
+
+
+def _replace_vars(e: Expr, mapping: dict[str, Expr]) -> Expr:
+    if isinstance(e, Var):
+        return mapping.get(e.name, e)
+    return with_children(e, tuple(_replace_vars(c, mapping) for c in children(e)))
+
+
+def _sym(e: Expr, table: SymbolTable) -> sympy.Expr:
+    return to_sympy(e, table)
+
+
+def _stand_in(r: Expr, identity: float) -> Expr:
+    """A leader still at its infinite identity is no usable reference point;
+    every field summed against it is 0, so any finite stand-in (0) is exact."""
+    return Call("where", (Call("eq", (r, Const(identity))), Const(0.0), r))
+
+
+# ---------------------------------------------------------------- derivations
+def derive_repair(weight: Expr) -> Expr | None:
+    """h(r, r_new) with weight(x, r_new) = h * weight(x, r), or None if h depends on x."""
+    table = SymbolTable()
+    r, r_new = Var("r"), Var("r_new")
+    w_old = _sym(weight, table)
+    w_new = w_old.subs(table.symbol(r, real=True), table.symbol(r_new, real=True))
+    ratio = sympy.simplify(sympy.powsimp(w_new / w_old))
+    allowed = {table.symbol(r, real=True), table.symbol(r_new, real=True)}
+    if not ratio.free_symbols <= allowed:
+        return None
+    return from_sympy(ratio, table)
+
+
+def _rescaled_component(leader: Reduce, dependents: list[Reduce], args: _Args,
+                        names: dict[Reduce, str]) -> _Component | None:
+    op, identity = _LEADERS[leader.summary.name]
+    r = Var("r")
+    lead_arg = args.abstract(leader.args[0], {})
+    weight, values = None, []
+    for d in dependents:
+        body = args.abstract(d.args[0], {leader: r})
+        num, den = factors(body)
+        has_r = lambda f: any(n == r for n in walk(f))  # noqa: E731
+        w = product([f for f in num if has_r(f)], [f for f in den if has_r(f)])
+        v = product([f for f in num if not has_r(f)], [f for f in den if not has_r(f)])
+        if weight is None:
+            weight = w
+        if w != weight:
+            return None
+        values.append((names[d], v))
+    repair = derive_repair(weight)
+    if repair is None:
+        return None
+    lf = names[leader]
+    a_r, b_r = Var(f"a.{lf}"), Var(f"b.{lf}")
+    new_leader = Call(op, (a_r, b_r))
+    reference = _stand_in(new_leader, identity)
+
+    def h(old: Expr) -> Expr:
+        return _replace_vars(repair, {"r": old, "r_new": reference})
+
+    fields = [Field(lf)] + [Field(n) for n, _ in values]
+    lift = [lead_arg] + [Call("mul", (_replace_vars(weight, {"r": _stand_in(lead_arg, identity)}), v))
+                         if v != Const(1) else _replace_vars(weight, {"r": _stand_in(lead_arg, identity)})
+                         for _, v in values]
+    combine = [new_leader] + [
+        Call("add", (Call("mul", (Var(f"a.{n}"), h(a_r))), Call("mul", (Var(f"b.{n}"), h(b_r)))))
+        for n, _ in values]
+    structure = Rescaled(lf, leader.summary.name, lead_arg, weight, repair, tuple(values))
+    from ..ir import format_expr
+    notes = [f"dependent reductions over {', '.join(leader.indices)}: "
+             f"{', '.join(n for n, _ in values)} use the {leader.summary.name} {lf}",
+             f"weight w(x, r) = {format_expr(weight)}; repair h(r, r') = w(x, r') / w(x, r) = "
+             f"{format_expr(repair)} (free of x: sympy)"]
+    if len(values) > 1:
+        notes.append(f"pullback: {', '.join(n for n, _ in values)} share the weight w, computed once")
+    return _Component(fields, [Const(identity)] + [Const(0.0)] * len(values), lift, combine,
+                      True, structure, notes)
+
+
+def _base_component(member: Reduce, name: str, args: _Args) -> _Component:
+    s = member.summary
+    lifts = [_replace_vars(f, {f"x{k}": args.abstract(a, {}) for k, a in enumerate(member.args)})
+             for f in s.lift]
+    rename = {f"{side}.{f}": Var(f"{side}.{name}" if len(s.fields) == 1 else f"{side}.{name}_{f}")
+              for side in "ab" for f in s.field_names}
+    fields = [Field(name if len(s.fields) == 1 else f"{name}_{f.name}", f.dtype) for f in s.fields]
+    return _Component(fields, list(s.identity), lifts, [_replace_vars(c, rename) for c in s.combine],
+                      s.commutative)
+
+
+def _welford(name: str, x: Expr) -> _Component:
+    n, mean, m2 = (f"{name}_n", f"{name}_mean", f"{name}_m2")
+    a = {f: Var(f"a.{f}") for f in (n, mean, m2)}
+    b = {f: Var(f"b.{f}") for f in (n, mean, m2)}
+    total = Call("add", (a[n], b[n]))
+    delta = Call("sub", (b[mean], a[mean]))
+    empty = Call("eq", (total, Const(0.0)))
+    guarded = lambda e: Call("where", (empty, Const(0.0), e))  # noqa: E731
+    combine = [
+        total,
+        Call("add", (a[mean], guarded(Call("div", (Call("mul", (delta, b[n])), total))))),
+        Call("add", (Call("add", (a[m2], b[m2])), guarded(Call("div", (
+            Call("mul", (Call("mul", (Call("mul", (delta, delta)), a[n])), b[n])), total))))),
+    ]
+    return _Component([Field(n), Field(mean), Field(m2)], [Const(0.0)] * 3,
+                      [Const(1.0), x, Const(0.0)], combine, True, None,
+                      ["centred moments: Chan/Welford merge (count, mean, M2) chosen for numerical "
+                       "stability"])
+
+
+# ---------------------------------------------------------------- one group
+@dataclass
+class _Group:
+    indices: tuple[str, ...]
+    members: list[Reduce]
+
+
+def _count(indices) -> Expr:
+    out: Expr = Extent(indices[0])
+    for i in indices[1:]:
+        out = Call("mul", (out, Extent(i)))
+    return out
+
+
+def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, ...], dict] | None:
+    members = group.members
+    inside = {m: [o for o in members if o is not m and o in set(walk(m)) - {m}] for m in members}
+    args = _Args()
+    names: dict[Reduce, str] = {}
+    components: list[_Component] = []
+    replacement: dict[Reduce, Expr] = {}
+    leaders = [m for m in members if m.summary.name in _LEADERS and not inside[m]]
+    for k, m in enumerate(leaders):
+        names[m] = "r" if len(leaders) == 1 else f"r{k + 1}"
+    handled: set[Reduce] = set()
+
+    def projection(fold_name: str) -> Expr:
+        return Var(f"@{fold_name}")   # patched into Reduce projections below
+
+    # dependent sums on a leader: the repair-factor derivation (and the pullback)
+    for leader in leaders:
+        deps = [m for m in members if inside[m] == [leader] and m.summary.name == "sum"]
+        if not deps:
+            continue
+        # the pure weight (the normaliser) first: fields read (r, l, u, ...)
+        deps.sort(key=lambda d: d.args[0] != _weight_only(d, leader))
+        for k, d in enumerate(deps):
+            is_weight = d.args[0] == _weight_only(d, leader) and "l" not in names.values()
+            names[d] = "l" if is_weight else ("u" if "u" not in names.values() else f"u{k}")
+        comp = _rescaled_component(leader, deps, args, names)
+        if comp is None:
+            continue
+        components.append(comp)
+        handled.update([leader, *deps])
+        for m in (leader, *deps):
+            replacement[m] = projection(names[m])
+
+    # dependent sums on a sum: centred moments, or the separable expansion
+    sums = [m for m in members if m.summary.name == "sum" and not inside[m]]
+    for base in sums:
+        deps = [m for m in members if inside[m] == [base] and m not in handled]
+        if not deps:
+            continue
+        x = base.args[0]
+        name = f"s{len(components) + 1}"
+        table = SymbolTable()
+        S = Var("S")
+        xs, Ss, y = to_sympy(x, table), table.symbol(S, real=True), sympy.Symbol("_y", real=True)
+        count = to_sympy(_count(group.indices), table)
+        expansions = []
+        for d in deps:
+            body = to_sympy(_substitute(d.args[0], {base: S}), table)
+            centred = sympy.expand(body.subs(xs, y + Ss / count))
+            poly = sympy.Poly(centred, y) if centred.free_symbols.isdisjoint({Ss}) else None
+            if poly is None or poly.degree() > 2 or not all(
+                    c.free_symbols.isdisjoint({Ss, xs}) for c in poly.all_coeffs()):
+                break
+            expansions.append((d, poly))
+        else:
+            comp = _welford(name, args.abstract(x, {}))
+            components.append(comp)
+            handled.update([base, *deps])
+            n, mean, m2 = (projection(f.name) for f in comp.fields)
+            replacement[base] = Call("mul", (mean, n))
+            for d, poly in expansions:
+                coeffs = dict((deg, c) for (deg,), c in poly.terms())
+                total = coeffs.get(0, 0) * table.symbol(n, real=True) \
+                    + coeffs.get(2, 0) * table.symbol(m2, real=True)
+                replacement[d] = from_sympy(total, table)
+                comp.notes.append(f"{_fmt(d)} = sum of a polynomial in (x - mean): "
+                                  f"expressed through count and M2")
+            continue
+        # separable expansion in powers of the base sum
+        components.append(_base_component(base, name, args))
+        handled.add(base)
+        replacement[base] = projection(name)
+        for d in deps:
+            body = to_sympy(_substitute(d.args[0], {base: S}), table)
+            poly = sympy.Poly(sympy.expand(body), Ss)
+            total = sympy.Integer(0)
+            for (deg,), coeff in poly.terms():
+                if coeff.free_symbols.isdisjoint({xs}):
+                    term = coeff * count          # a constant summed over the group's indices
+                else:
+                    term_name = f"{name}_p{deg}"
+                    term_sum = Reduce(BUILTINS["sum"], group.indices, (from_sympy(coeff, table),))
+                    components.append(_base_component(term_sum, term_name, args))
+                    term = table.symbol(projection(term_name), real=True)
+                total += term * table.symbol(projection(name), real=True) ** deg
+            components[-1].notes.append(f"separable: {_fmt(d)} expanded in powers of {name} into "
+                                        f"independent sums; no stable merge is known for this form")
+            replacement[d] = from_sympy(total, table)
+            handled.add(d)
+
+    # everything else in the group folds alongside in the same pass
+    for m in members:
+        if m in handled:
+            continue
+        if inside[m]:
+            return None          # a dependency no rule resolves: leave the group as it is
+        name = names.get(m) or f"s{len(components) + 1}"
+        components.append(_base_component(m, name, args))
+        replacement[m] = projection(name)
+        handled.add(m)
+
+    fields = [f for c in components for f in c.fields]
+    summary = Summary(
+        name=f"fold{number}_{'_'.join(f.name for f in fields)}",
+        fields=tuple(fields),
+        arity=len(args.exprs),
+        identity=tuple(i for c in components for i in c.identity),
+        lift=tuple(e for c in components for e in c.lift),
+        combine=tuple(e for c in components for e in c.combine),
+        finalize=Var(fields[0].name),
+        commutative=all(c.commutative for c in components),
+        rescaled=tuple(c.rescaled for c in components if c.rescaled is not None),
+        notes=tuple(n for c in components for n in c.notes),
+    )
+    fold = Reduce(summary, group.indices, tuple(args.exprs))
+    patch = {f"@{f.name}": replace(fold, result=f.name) for f in fields}
+    return summary, tuple(args.exprs), {m: _replace_vars(e, patch) for m, e in replacement.items()}
+
+
+def _weight_only(d: Reduce, leader: Reduce) -> Expr:
+    """The body of d if it is a pure weight (no value factor): exp(x - r) alone."""
+    num, den = factors(d.args[0])
+    return d.args[0] if all(leader in set(walk(f)) for f in num + den) else None
+
+
+def _fmt(e: Expr) -> str:
+    from ..ir import format_expr
+    return format_expr(e)
+
+
+# ---------------------------------------------------------------- the pass
+def _groups(expr: Expr) -> list[_Group]:
+    """Reductions over the same indices; innermost first so nested groups
+    (a contraction inside an attention score) are factorised before outer ones."""
+    by_indices: dict[tuple[str, ...], list[Reduce]] = {}
+    for node in walk(expr):
+        if isinstance(node, Reduce) and node.result is None and node.summary.name in \
+                (*BUILTINS, ) and node not in by_indices.get(node.indices, []):
+            by_indices.setdefault(node.indices, []).append(node)
+    return [_Group(ix, ms) for ix, ms in by_indices.items()
+            if len(ms) > 1]
+
+
+def factorise(program: Program) -> Program:
+    statements = []
+    number = 0
+    for st in program.statements:
+        expr = st.expr
+        for group in _groups(expr):
+            number += 1
+            result = _factorise_group(group, number)
+            if result is not None:
+                expr = _substitute(expr, result[2])
+        statements.append(replace(st, expr=expr))
+    return replace(program, statements=tuple(statements))
