@@ -322,27 +322,23 @@ def _fmt(e: Expr) -> str:
 
 
 # ---------------------------------------------------------------- the pass
-def _groups(expr: Expr) -> list[_Group]:
-    """Reductions over the same indices; innermost first so nested groups
-    (a contraction inside an attention score) are factorised before outer ones."""
+def _groups(exprs: list[Expr]) -> list[_Group]:
+    """Reductions over the same indices anywhere in the program (several outputs
+    under one softmax share one fold); nested contractions group separately."""
     by_indices: dict[tuple[str, ...], list[Reduce]] = {}
-    for node in walk(expr):
-        if isinstance(node, Reduce) and node.result is None and node.summary.name in \
-                (*BUILTINS, ) and node not in by_indices.get(node.indices, []):
-            by_indices.setdefault(node.indices, []).append(node)
-    return [_Group(ix, ms) for ix, ms in by_indices.items()
-            if len(ms) > 1]
+    for expr in exprs:
+        for node in walk(expr):
+            if isinstance(node, Reduce) and node.result is None and node.summary.name in BUILTINS \
+                    and node not in by_indices.get(node.indices, []):
+                by_indices.setdefault(node.indices, []).append(node)
+    return [_Group(ix, ms) for ix, ms in by_indices.items() if len(ms) > 1]
 
 
 def factorise(program: Program) -> Program:
-    statements = []
-    number = 0
-    for st in program.statements:
-        expr = st.expr
-        for group in _groups(expr):
-            number += 1
-            result = _factorise_group(group, number)
-            if result is not None:
-                expr = _substitute(expr, result[2])
-        statements.append(replace(st, expr=expr))
-    return replace(program, statements=tuple(statements))
+    exprs = [st.expr for st in program.statements]
+    for number, group in enumerate(_groups(exprs), start=1):
+        result = _factorise_group(group, number)
+        if result is not None:
+            exprs = [_substitute(e, result[2]) for e in exprs]
+    return replace(program, statements=tuple(
+        replace(st, expr=e) for st, e in zip(program.statements, exprs)))
