@@ -1,36 +1,76 @@
-"""A readable trace of what einfold did with a program."""
+"""explain: the derivation as a readable trace, from the expression as written
+to the single-pass form, with every derived summary's merge and law status."""
 from __future__ import annotations
 
 from .algebra import Summary
-from .ir import Reduce, format_expr, format_program, walk
+from .ir import Expr, Reduce, Var, format_expr, format_program, transform, walk
+from .passes import PIPELINE
 
 
-def describe_summary(s: Summary) -> list[str]:
-    fields = ", ".join(f.name for f in s.fields)
-    identity = ", ".join(format_expr(c) for c in s.identity)
-    lines = [f"summary {s.name}: fields ({fields}), identity ({identity}), "
-             f"{'commutative' if s.commutative else 'ordered (non-commutative)'}"]
-    args = ", ".join(f"x{k}" for k in range(s.arity))
-    lines.append(f"  lift({args}) = ({', '.join(map(format_expr, s.lift))})")
-    lines += [f"  combine: {f.name} = {format_expr(c)}" for f, c in zip(s.fields, s.combine)]
-    lines.append(f"  finalize = {format_expr(s.finalize)}")
-    lines += [f"  {note}" for note in s.notes]
+def _indent(text: str, by: str = "  ") -> list[str]:
+    return [by + line for line in text.rstrip("\n").splitlines()]
+
+
+def _folds(program) -> list[Reduce]:
+    seen: dict[Reduce, None] = {}
+    for st in program.statements:
+        for node in walk(st.expr):
+            if isinstance(node, Reduce) and node.result is not None:
+                seen.setdefault(node.fold)
+    return list(seen)
+
+
+def _with_field_names(e: Expr) -> Expr:
+    """Show projections of a derived fold by their field name alone."""
+    return transform(e, lambda n: Var(n.result) if isinstance(n, Reduce) and n.result else n)
+
+
+def describe_summary(s: Summary, args: tuple[Expr, ...] = (), indices: tuple[str, ...] = ()) -> list[str]:
+    over = f" over {', '.join(indices)}" if indices else ""
+    kind = "commutative" if s.commutative else "ordered (non-commutative)"
+    lines = [f"summary {s.name}{over}: fields ({', '.join(s.field_names)}), identity "
+             f"({', '.join(format_expr(c) for c in s.identity)}), {kind}"]
+    if s.notes:
+        lines.append("  derivation:")
+        lines += [f"    {n}" for n in s.notes]
+    for k, a in enumerate(args):
+        lines.append(f"  x{k} = {format_expr(a)}")
+    for r in s.rescaled:
+        values = ", ".join(f"{n} = sum w * {format_expr(v)}" for n, v in r.values)
+        lines.append(f"  rescaled: {r.leader} = {r.leader_monoid}({format_expr(r.leader_arg)}); {values}")
+        lines.append(f"    w(x, r) = {format_expr(r.weight)}, h(r, r_new) = {format_expr(r.repair)}")
+        lines.append(f"    a leader at its identity is no reference point: w and h use 0 in its place")
+    lines.append(f"  lift:")
+    lines += [f"    {f} = {format_expr(e)}" for f, e in zip(s.field_names, s.lift)]
+    lines.append("  merge (a, b) -> state:")
+    lines += [f"    {f} = {format_expr(e)}" for f, e in zip(s.field_names, s.combine)]
+    if not s.rescaled and not s.notes:
+        lines.append(f"  finalize = {format_expr(s.finalize)}")
+    if s.laws is not None:
+        lines.append(f"  laws: {s.laws}")
     return lines
 
 
 def explain(program) -> str:
-    out = ["source:", *("  " + line for line in program.text.strip().splitlines()), ""]
-    out += ["checked IR (every reduction explicit):",
-            *("  " + line for line in format_program(program.checked).splitlines()), ""]
-    summaries: dict[str, Summary] = {}
-    for st in program.factorised.statements:
-        for node in walk(st.expr):
-            if isinstance(node, Reduce):
-                summaries.setdefault(node.summary.name, node.summary)
-    if summaries:
-        out.append("summaries:")
-        for s in summaries.values():
-            out += ["  " + line for line in describe_summary(s)]
+    out = ["source:", *_indent(program.text.strip()), ""]
+    out += ["checked (every reduction explicit):", *_indent(format_program(program.checked)), ""]
+    ir = program.checked
+    for name, pass_ in PIPELINE:
+        after = pass_(ir)
+        if name == "factorise":
+            break
+        if after != ir:
+            out += [f"after {name}:", *_indent(format_program(after)), ""]
+        ir = after
+    folds = _folds(program.factorised)
+    if folds:
+        out.append("after factorise: each group of reductions over one index is one pass")
+        for fold in folds:
+            out += _indent("\n".join(describe_summary(fold.summary, fold.args, fold.indices)))
+        out.append("")
+        out.append("results from the final states:")
+        for st in program.factorised.statements:
+            out.append(f"  {st.name}[{', '.join(st.indices)}] = {format_expr(_with_field_names(st.expr))}")
         out.append("")
     out.append(f"outputs: {', '.join(program.outputs)}; backend: {program.backend.name}")
     return "\n".join(out) + "\n"

@@ -22,12 +22,11 @@ class CompositeRule:
 
 
 def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    # A row whose every element is -inf has no mass; its softmax is defined as 0.
+    # A row whose every element is -inf has no mass: its softmax is 0/0 = NaN,
+    # as torch.softmax gives and as the factorised form u / l gives.
     m = torch.amax(x, dim=dims, keepdim=True)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     w = torch.exp(x - m)
-    total = w.sum(dim=dims, keepdim=True)
-    return torch.where(total == 0, torch.zeros_like(w), w / total)
+    return w / w.sum(dim=dims, keepdim=True)
 
 
 def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -41,7 +40,7 @@ def _logsumexp(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 COMPOSITES: dict[str, CompositeRule] = {
     r.name: r for r in [
         CompositeRule("softmax", True, _softmax,
-                      "exp(x - max x) / sum exp(x - max x) along the index; 0 on a row that is all -inf"),
+                      "exp(x - max x) / sum exp(x - max x) along the index; NaN on a row that is all -inf"),
         CompositeRule("mean", False, _mean, "sum(x) / len(index)"),
         CompositeRule("logsumexp", False, _logsumexp, "log(sum(exp(x))), computed max-shifted"),
     ]
