@@ -6,11 +6,12 @@
     out = attention(Q=q, K=k, V=v, scale=0.125)
 """
 from .algebra import Field, Summary
+from .algebra.user import summary
 from .einsum import einsum
 from .errors import BackendError, BindError, CheckError, EinfoldError, LawError, ParseError
 from .program import Program, compile
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "Program", "einsum", "Summary", "Field", "EinfoldError", "ParseError",
+__all__ = ["compile", "Program", "einsum", "summary", "Summary", "Field", "EinfoldError", "ParseError",
            "CheckError", "BindError", "LawError", "BackendError", "__version__"]

@@ -87,11 +87,34 @@ def _binary_monoid(name: str, op: str, identity: float, commutative: bool = True
     )
 
 
+def _arg_monoid(name: str, better: str, identity: float) -> Summary:
+    """argmax / argmin with a payload: fields m (the extreme value) and p (the
+    payload at it).  `better(b.m, a.m)` says the right state wins; ties keep the
+    left (first) state, so the payload is that of the first extreme element.
+    That makes the summary ordered: swapping equal-valued states with different
+    payloads changes the result, hence commutative=False (the law checker finds
+    the tie)."""
+    take_right = Call(better, (Var("b.m"), Var("a.m")))
+    return Summary(
+        name=name,
+        fields=(Field("m"), Field("p")),
+        arity=2,
+        identity=(Const(identity), Const(0.0)),
+        lift=(Var("x0"), Var("x1")),
+        combine=(Call("where", (take_right, Var("b.m"), Var("a.m"))),
+                 Call("where", (take_right, Var("b.p"), Var("a.p")))),
+        finalize=Var("p"),
+        commutative=False,
+    )
+
+
 BUILTINS: dict[str, Summary] = {
     s.name: s for s in [
         _binary_monoid("sum", "add", 0.0),
         _binary_monoid("max", "maximum", -math.inf),
         _binary_monoid("min", "minimum", math.inf),
         _binary_monoid("prod", "mul", 1.0),
+        _arg_monoid("argmax", "gt", -math.inf),
+        _arg_monoid("argmin", "lt", math.inf),
     ]
 }

@@ -1,0 +1,466 @@
+"""The law checker: a summary's laws are checked, never assumed.
+
+For associativity, left and right identity and commutativity (checked where
+claimed; probed, but not required, where not) each law gets one status:
+
+- "proved": sympy shows both sides equal over the reals (field values are real,
+  hence finite, symbols; identities may be +-oo).  Combines built from max/min
+  or comparisons (where(b.m > a.m, ...)) are proved *by cases*: for every
+  ordering of the symbols that appear as arguments of Max/Min or of a
+  comparison -- ties included, i.e. every weak order -- the symbols are replaced
+  by u, u + d1, u + d1 + d2, ... (d_k > 0), which lets sympy resolve every
+  Max/Min/comparison, and each case is simplified on its own.  General: no
+  per-summary code.
+- "tested": sympy could not decide; hypothesis searched float64 states and
+  found no counterexample.  The states are the ones a fold can actually reach:
+  the identity, or the fold of 1-3 lifted random elements (moderate floats,
+  |x| <= 1e3, and small exact integers so that ties occur).  Both sides agree
+  when they are within a relative tolerance of 1e-9 of the largest magnitude
+  involved, equal infinities, or NaN on both sides.
+- "failed": hypothesis found (and shrank) a counterexample, kept in the report
+  with the field values of a, b (, c) and both sides.
+
+`check_laws(summary)` returns a LawReport; `require_laws(summary)` returns the
+summary with the report attached, or raises LawError naming the summary, the
+law and the counterexample.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import sympy
+import torch
+
+from ..errors import LawError
+from ..ops import INT
+from .formula import evaluate, to_sympy
+from .summary import Summary
+
+ASSOCIATIVE, LEFT_IDENTITY, RIGHT_IDENTITY, COMMUTATIVE = (
+    "associative", "left identity", "right identity", "commutative")
+PROVED, TESTED, FAILED = "proved", "tested", "failed"
+
+DEFAULT_EXAMPLES = 100
+RTOL = 1e-9
+MAX_ORDERED = 4         # case split over at most 4 ordered things: 75 weak orders
+MAX_OPS = 2000          # larger differences go to testing rather than simplify
+
+
+# ---------------------------------------------------------------- the report
+@dataclass(frozen=True)
+class Counterexample:
+    """Concrete field values on which the two sides of a law differ."""
+
+    fields: tuple[str, ...]
+    states: tuple[tuple[str, tuple[float, ...]], ...]    # ("a", values), ("b", values), ...
+    lhs_text: str
+    lhs: tuple[float, ...]
+    rhs_text: str
+    rhs: tuple[float, ...]
+
+    def _state(self, values: Sequence[float]) -> str:
+        return "(" + ", ".join(f"{n}={_num(v)}" for n, v in zip(self.fields, values)) + ")"
+
+    def __str__(self) -> str:
+        given = ", ".join(f"{name} = {self._state(v)}" for name, v in self.states)
+        return (f"{given}: {self.lhs_text} = {self._state(self.lhs)} but "
+                f"{self.rhs_text} = {self._state(self.rhs)}")
+
+
+@dataclass(frozen=True)
+class LawResult:
+    law: str
+    status: str                    # PROVED, TESTED or FAILED
+    method: str                    # "sympy", "sympy, by cases on max order", "hypothesis, 100 examples"
+    claimed: bool = True           # False: commutativity probed for information only
+    counterexample: Counterexample | None = None
+
+    @property
+    def holds(self) -> bool:
+        return self.status != FAILED
+
+    def describe(self) -> str:
+        if self.status == FAILED:
+            text = f"failed ({self.method}): {self.counterexample}"
+        else:
+            text = f"{self.status} ({self.method})"
+        if self.claimed:
+            return text
+        if self.holds:
+            return f"not claimed, though it holds: {text}; it could be declared commutative"
+        return f"not claimed, and it does not hold ({self.method}): {self.counterexample}"
+
+
+@dataclass(frozen=True)
+class LawReport:
+    summary: str
+    results: tuple[LawResult, ...]
+
+    def __getitem__(self, law: str) -> LawResult:
+        for r in self.results:
+            if r.law == law:
+                return r
+        raise KeyError(law)
+
+    def __contains__(self, law: str) -> bool:
+        return any(r.law == law for r in self.results)
+
+    def status(self, law: str) -> str:
+        return self[law].status
+
+    @property
+    def failures(self) -> tuple[LawResult, ...]:
+        """Failed laws the summary claims (an unclaimed commutativity never fails)."""
+        return tuple(r for r in self.results if r.claimed and not r.holds)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def __str__(self) -> str:
+        parts = []
+        results = list(self.results)
+        left, right = self[LEFT_IDENTITY], self[RIGHT_IDENTITY]
+        for r in results:
+            if r.law == RIGHT_IDENTITY and _same(left, right):
+                continue
+            if r.law == LEFT_IDENTITY and _same(left, right):
+                parts.append(f"identity: {r.describe()}")
+                continue
+            parts.append(f"{r.law}: {r.describe()}")
+        return "; ".join(parts)
+
+
+def _same(x: LawResult, y: LawResult) -> bool:
+    return x.status == y.status and x.method == y.method and x.holds
+
+
+def _num(v: float) -> str:
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    return repr(int(v)) if v == int(v) and abs(v) < 1e15 else repr(v)
+
+
+# ---------------------------------------------------------------- entry points
+_CACHE: dict[tuple[Summary, int], LawReport] = {}
+
+
+def check_laws(summary: Summary, *, examples: int = DEFAULT_EXAMPLES) -> LawReport:
+    """Check associativity, left/right identity and commutativity of `summary`.
+    Commutativity must hold where claimed; otherwise it is probed and reported
+    (claimed=False) so that an honest `commutative=False` is visible."""
+    try:
+        key = (summary, examples)
+        if key in _CACHE:
+            return _CACHE[key]
+    except TypeError:           # an unhashable formula: check without caching
+        key = None
+    laws = _Laws(summary)
+    results = []
+    for law in (ASSOCIATIVE, LEFT_IDENTITY, RIGHT_IDENTITY, COMMUTATIVE):
+        proof = laws.prove(law)
+        if proof is not None:
+            results.append(LawResult(law, PROVED, proof))
+            continue
+        counterexample = laws.search(law, examples)
+        status = FAILED if counterexample is not None else TESTED
+        results.append(LawResult(law, status, f"hypothesis, {examples} examples",
+                                 counterexample=counterexample))
+    claimed = summary.commutative
+    results[-1] = replace(results[-1], claimed=claimed)
+    report = LawReport(summary.name, tuple(results))
+    if key is not None:
+        _CACHE[key] = report
+    return report
+
+
+def require_laws(summary: Summary, *, examples: int = DEFAULT_EXAMPLES) -> Summary:
+    """The summary with its law report attached; LawError if a claimed law fails."""
+    report = check_laws(summary, examples=examples)
+    if not report.ok:
+        lines = []
+        for r in report.failures:
+            if r.law == COMMUTATIVE:
+                lines.append(f"it is declared commutative but is not: {r.counterexample}; "
+                             f"declare it commutative=False and its merge order is kept")
+            else:
+                lines.append(f"it is not {_adjective(r.law)}: {r.counterexample}")
+        raise LawError(f"summary '{summary.name}' breaks the monoid laws: " + "; ".join(lines))
+    return replace(summary, laws=report)
+
+
+def _adjective(law: str) -> str:
+    return {ASSOCIATIVE: "associative", LEFT_IDENTITY: "unital on the left (its identity is not a left identity)",
+            RIGHT_IDENTITY: "unital on the right (its identity is not a right identity)"}.get(law, law)
+
+
+# ---------------------------------------------------------------- the laws of one summary
+@dataclass(frozen=True)
+class _Side:
+    """One law as two expressions over states named 'a', 'b', 'c' or 'e' (the identity)."""
+
+    states: tuple[str, ...]            # free states of the law
+    lhs_text: str
+    rhs_text: str
+    lhs: Callable                      # (combine, state lookup) -> state
+    rhs: Callable
+
+
+_LAWS = {
+    ASSOCIATIVE: _Side(("a", "b", "c"), "combine(combine(a, b), c)", "combine(a, combine(b, c))",
+                       lambda op, s: op(op(s["a"], s["b"]), s["c"]),
+                       lambda op, s: op(s["a"], op(s["b"], s["c"]))),
+    LEFT_IDENTITY: _Side(("a",), "combine(identity, a)", "a",
+                         lambda op, s: op(s["e"], s["a"]), lambda op, s: s["a"]),
+    RIGHT_IDENTITY: _Side(("a",), "combine(a, identity)", "a",
+                          lambda op, s: op(s["a"], s["e"]), lambda op, s: s["a"]),
+    COMMUTATIVE: _Side(("a", "b"), "combine(a, b)", "combine(b, a)",
+                       lambda op, s: op(s["a"], s["b"]), lambda op, s: op(s["b"], s["a"])),
+}
+
+
+class _Laws:
+    def __init__(self, summary: Summary):
+        self.s = summary
+        self.names = summary.field_names
+
+    # ------------------------------------------------------------ symbolic
+    def _symbols(self, state: str) -> tuple[sympy.Symbol, ...]:
+        return tuple(sympy.Symbol(f"{state}.{f.name}", integer=True) if f.dtype == INT
+                     else sympy.Symbol(f"{state}.{f.name}", real=True) for f in self.s.fields)
+
+    def _sym_combine(self, a: tuple, b: tuple) -> tuple:
+        env = {**{f"a.{n}": v for n, v in zip(self.names, a)},
+               **{f"b.{n}": v for n, v in zip(self.names, b)}}
+        return tuple(to_sympy(c, env) for c in self.s.combine)
+
+    def _sym_sides(self, law: str, values: dict) -> tuple[tuple, tuple]:
+        side = _LAWS[law]
+        states = {**values, "e": tuple(to_sympy(c, {}) for c in self.s.identity)}
+        return side.lhs(self._sym_combine, states), side.rhs(self._sym_combine, states)
+
+    def prove(self, law: str) -> str | None:
+        """The method that proved `law`, or None if sympy cannot decide."""
+        try:
+            return self._prove(law)
+        except Exception:  # noqa: BLE001 -- sympy may refuse a comparison: fall back to testing
+            return None
+
+    def _prove(self, law: str) -> str | None:
+        symbols = {st: self._symbols(st) for st in _LAWS[law].states}
+        lhs, rhs = self._sym_sides(law, symbols)
+        if all(_cheap_zero(l, r) for l, r in zip(lhs, rhs)):
+            return "sympy"
+        atoms, kinds, numbers = _order_atoms(lhs + rhs)
+        all_symbols = {x for xs in symbols.values() for x in xs}
+        atoms = [a for a in atoms if a in all_symbols]
+        pinned = numbers if len(numbers) == 1 else set()    # one constant (0) may join the order
+        if atoms and len(atoms) + len(pinned) <= MAX_ORDERED:
+            cases = [c for c in _weak_orders(atoms + sorted(pinned, key=float)) if _numbers_apart(c, pinned)]
+            if all(self._case_holds(law, symbols, c, pinned) for c in cases):
+                return f"sympy, by cases on {'/'.join(kinds)} order"
+        diffs = [l - r for l, r in zip(lhs, rhs)]
+        if any(_clearly_nonzero(d) for d in diffs):
+            return None
+        if all(_zero(d) for d in diffs):
+            return "sympy"
+        return None
+
+    def _case_holds(self, law: str, symbols: dict, blocks: list[list], numbers: set) -> bool:
+        value = _block_values(blocks, numbers)
+        env = {st: tuple(value.get(x, x) for x in xs) for st, xs in symbols.items()}
+        lhs, rhs = self._sym_sides(law, env)
+        return all(_cheap_zero(l, r) or (not _clearly_nonzero(l - r) and _zero(l - r))
+                   for l, r in zip(lhs, rhs))
+
+    # ------------------------------------------------------------ numeric
+    def _lift(self, element: Sequence[float]) -> tuple[float, ...]:
+        env = {f"x{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in enumerate(element)}
+        return tuple(float(evaluate(f, env)) for f in self.s.lift)
+
+    def _combine(self, a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
+        env = {**{f"a.{n}": torch.tensor(float(v), dtype=torch.float64) for n, v in zip(self.names, a)},
+               **{f"b.{n}": torch.tensor(float(v), dtype=torch.float64) for n, v in zip(self.names, b)}}
+        return tuple(float(evaluate(c, env)) for c in self.s.combine)
+
+    def _state(self, elements) -> tuple[float, ...]:
+        """A reachable state: the identity, or the ordered fold of lifted elements."""
+        if not elements:
+            return self.identity
+        state = self._lift(elements[0])
+        for x in elements[1:]:
+            state = self._combine(state, self._lift(x))
+        return state
+
+    @property
+    def identity(self) -> tuple[float, ...]:
+        return tuple(float(c.value) for c in self.s.identity)
+
+    def _violation(self, law: str, draws) -> Counterexample | None:
+        side = _LAWS[law]
+        states = {name: self._state(d) for name, d in zip(side.states, draws)}
+        states["e"] = self.identity
+        seen: list[tuple[float, ...]] = []
+
+        def op(a, b):
+            out = self._combine(a, b)
+            seen.append(out)
+            return out
+
+        with torch.no_grad():
+            lhs, rhs = side.lhs(op, states), side.rhs(op, states)
+        scale = max((abs(v) for st in [*states.values(), *seen] for v in st if math.isfinite(v)),
+                    default=0.0)
+        if all(_close(l, r, scale) for l, r in zip(lhs, rhs)):
+            return None
+        return Counterexample(self.names, tuple((n, states[n]) for n in side.states),
+                              side.lhs_text, lhs, side.rhs_text, rhs)
+
+    def search(self, law: str, examples: int) -> Counterexample | None:
+        """Hypothesis looks for (and shrinks) a counterexample among reachable states."""
+        from hypothesis import HealthCheck, Phase, find, settings
+        from hypothesis import strategies as st
+        from hypothesis.errors import NoSuchExample
+
+        element = st.one_of(st.integers(-3, 3).map(float),
+                            st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False))
+        item = st.tuples(*[element] * self.s.arity)
+        draws = st.tuples(*[st.lists(item, max_size=3)] * len(_LAWS[law].states))
+        config = settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+                          phases=(Phase.generate, Phase.shrink),
+                          suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+        try:
+            found = find(draws, lambda d: self._violation(law, d) is not None, settings=config)
+        except NoSuchExample:
+            return None
+        return self._violation(law, found)
+
+
+# ---------------------------------------------------------------- sympy helpers
+def _cheap_zero(lhs: sympy.Expr, rhs: sympy.Expr) -> bool:
+    if lhs == rhs:
+        return True
+    try:
+        return sympy.expand(lhs - rhs) == 0
+    except Exception:  # noqa: BLE001 -- undecided, not an error
+        return False
+
+
+def _zero(diff: sympy.Expr) -> bool:
+    """sympy's simplify says `diff` is 0 (skipped for very large expressions)."""
+    if diff.has(sympy.nan, sympy.zoo) or sympy.count_ops(diff) > MAX_OPS:
+        return False
+    diff = sympy.piecewise_fold(diff)
+    return sympy.simplify(diff) == 0
+
+
+def _clearly_nonzero(diff: sympy.Expr) -> bool:
+    """`diff` is a nonzero number at some real point: it is not identically 0, so
+    simplify need not try (the counterexample then comes from hypothesis)."""
+    rng = random.Random(0)
+    for _ in range(2):
+        point = {}
+        for x in diff.free_symbols:
+            v = sympy.Integer(rng.randint(1, 9)) if x.is_integer else sympy.Rational(rng.randint(1, 97),
+                                                                                       rng.randint(1, 13))
+            point[x] = v if x.is_positive or rng.random() < 0.5 else -v
+        try:
+            value = complex(diff.subs(point).evalf(30))
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(abs(value)) and abs(value) > 1e-12:
+            return True
+    return False
+
+
+def _order_atoms(exprs: Sequence[sympy.Expr]) -> tuple[list, list[str], set]:
+    """Arguments of Max/Min and sides of comparisons: the things whose order the
+    value depends on.  Returns (symbols in first-seen order, kinds, numbers)."""
+    atoms: dict = {}
+    kinds: dict[str, None] = {}
+    numbers: set = set()
+
+    def visit(e):
+        if isinstance(e, (sympy.Max, sympy.Min)):
+            kinds["max" if isinstance(e, sympy.Max) else "min"] = None
+            args = e.args
+        elif isinstance(e, sympy.core.relational.Relational):
+            kinds["comparison"] = None
+            args = (e.lhs, e.rhs)
+        else:
+            args = ()
+        for a in args:
+            if isinstance(a, sympy.Symbol):
+                atoms[a] = None
+            elif a.is_Number and a.is_finite:
+                numbers.add(a)
+        for c in e.args:
+            if isinstance(c, sympy.Basic):
+                visit(c)
+
+    for e in exprs:
+        visit(e)
+    return list(atoms), list(kinds), numbers
+
+
+def _weak_orders(items: list) -> Iterator[list[list]]:
+    """Every ordering of `items` with ties: ordered set partitions, lowest block first."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for order in _weak_orders(rest):
+        for i in range(len(order)):
+            yield order[:i] + [order[i] + [first]] + order[i + 1:]
+        for i in range(len(order) + 1):
+            yield order[:i] + [[first]] + order[i:]
+
+
+def _numbers_apart(blocks: list[list], numbers: set) -> bool:
+    return all(sum(1 for x in b if x in numbers) <= 1 for b in blocks)
+
+
+def _block_values(blocks: list[list], numbers: set) -> dict:
+    """Values realising one weak order: a block holding a number is that number;
+    the others are spaced from it (or from a free base u) by positive symbols."""
+    pivot = next((k for k, b in enumerate(blocks) if any(x in numbers for x in b)), 0)
+    base = next((x for x in blocks[pivot] if x in numbers), sympy.Symbol("u", real=True))
+    gaps = [sympy.Symbol(f"d{k}", positive=True) for k in range(len(blocks))]
+    value = {}
+    for k, block in enumerate(blocks):
+        if k >= pivot:
+            v = base + sum(gaps[pivot + 1:k + 1], sympy.Integer(0))
+        else:
+            v = base - sum(gaps[k + 1:pivot + 1], sympy.Integer(0))
+        for x in block:
+            if x not in numbers:
+                value[x] = v
+    return value
+
+
+# ---------------------------------------------------------------- numeric helpers
+def _close(x: float, y: float, scale: float) -> bool:
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    if math.isinf(x) or math.isinf(y):
+        return x == y
+    return abs(x - y) <= RTOL * max(scale, abs(x), abs(y))
+
+
+__all__ = [
+    "ASSOCIATIVE",
+    "COMMUTATIVE",
+    "FAILED",
+    "LEFT_IDENTITY",
+    "PROVED",
+    "RIGHT_IDENTITY",
+    "TESTED",
+    "Counterexample",
+    "LawReport",
+    "LawResult",
+    "check_laws",
+    "require_laws",
+]

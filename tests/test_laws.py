@@ -1,0 +1,184 @@
+"""The law checker: every builtin's laws, proofs by cases on max/min order,
+numeric testing where sympy cannot decide, and refusals with counterexamples."""
+import dataclasses
+import math
+
+import pytest
+
+from compiler.algebra import BUILTINS, Field, Summary
+from compiler.algebra.laws import (
+    ASSOCIATIVE,
+    COMMUTATIVE,
+    FAILED,
+    LEFT_IDENTITY,
+    PROVED,
+    RIGHT_IDENTITY,
+    TESTED,
+    LawReport,
+    _Laws,
+    _weak_orders,
+    check_laws,
+    require_laws,
+)
+from compiler.errors import LawError
+from compiler.ir import Call, Const, Var
+
+A, B = Var("a.acc"), Var("b.acc")
+
+
+def one_field(name, combine, identity, commutative=True):
+    return Summary(name=name, fields=(Field("acc"),), arity=1, identity=(Const(identity),),
+                   lift=(Var("x0"),), combine=(combine,), finalize=Var("acc"), commutative=commutative)
+
+
+@pytest.mark.parametrize("name", ["sum", "max", "min", "prod"])
+def test_commutative_builtins_prove_every_law(name):
+    report = check_laws(BUILTINS[name])
+    for law in (ASSOCIATIVE, LEFT_IDENTITY, RIGHT_IDENTITY, COMMUTATIVE):
+        assert report[law].status == PROVED, str(report)
+        assert report[law].method.startswith("sympy")
+        assert report[law].claimed
+    assert report.ok
+    assert str(report).startswith("associative: proved (sympy")
+    assert "identity: proved" in str(report) and "commutative: proved" in str(report)
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_argmax_argmin_are_ordered_monoids(name):
+    s = BUILTINS[name]
+    assert s.field_names == ("m", "p") and s.arity == 2 and not s.commutative
+    report = check_laws(s)
+    assert report[ASSOCIATIVE].status == PROVED
+    assert "by cases" in report[ASSOCIATIVE].method           # where(b.m > a.m, ...) needs the order
+    assert report[LEFT_IDENTITY].status == PROVED             # -inf / +inf identity through sympy oo
+    assert report[RIGHT_IDENTITY].status == PROVED
+    # Commutativity is not claimed, and the probe confirms it would be false: a tie
+    # between equal values with different payloads.
+    probe = report[COMMUTATIVE]
+    assert not probe.claimed and probe.status == FAILED and report.ok
+    a, b = dict(probe.counterexample.states)["a"], dict(probe.counterexample.states)["b"]
+    assert a[0] == b[0] and a[1] != b[1]
+    assert "not claimed, and it does not hold" in str(report)
+
+
+def test_argmax_declared_commutative_is_refused():
+    liar = dataclasses.replace(BUILTINS["argmax"], name="argmax_c", commutative=True)
+    with pytest.raises(LawError) as err:
+        require_laws(liar)
+    text = str(err.value)
+    assert "'argmax_c'" in text and "commutative" in text and "combine(b, a)" in text
+
+
+def test_require_laws_attaches_the_report():
+    s = require_laws(BUILTINS["max"])
+    assert isinstance(s.laws, LawReport) and s == BUILTINS["max"] and s.laws.ok
+
+
+def test_subtraction_is_refused_with_a_counterexample():
+    diff = one_field("diff", Call("sub", (A, B)), 0.0, commutative=False)
+    report = check_laws(diff, examples=50)
+    bad = report[ASSOCIATIVE]
+    assert bad.status == FAILED
+    ce = bad.counterexample
+    assert [n for n, _ in ce.states] == ["a", "b", "c"]
+    (a,), (b,), (c,) = (v for _, v in ce.states)
+    assert ce.lhs == ((a - b) - c,) and ce.rhs == (a - (b - c),) and ce.lhs != ce.rhs
+    assert report[LEFT_IDENTITY].status == FAILED            # 0 - a != a
+    assert report[RIGHT_IDENTITY].status == PROVED           # a - 0 == a
+    with pytest.raises(LawError) as err:
+        require_laws(diff, examples=50)
+    text = str(err.value)
+    assert "'diff'" in text and "not associative" in text and "a = (acc=" in text and "c = (acc=" in text
+    assert "combine(combine(a, b), c)" in text and "combine(a, combine(b, c))" in text
+
+
+def test_wrong_identity_is_refused():
+    report = check_laws(one_field("sum1", Call("add", (A, B)), 1.0), examples=30)
+    assert report[ASSOCIATIVE].status == PROVED
+    assert report[LEFT_IDENTITY].status == FAILED and report[RIGHT_IDENTITY].status == FAILED
+    assert not report.ok and "combine(identity, a)" in str(report)
+
+
+def test_max_by_cases_when_sympy_cannot_flatten():
+    # max written with where: no Max node for sympy to flatten; provable only by cases.
+    c = Call("where", (Call("gt", (B, A)), B, A))
+    report = check_laws(one_field("max_where", c, -math.inf))
+    assert report[ASSOCIATIVE].status == PROVED and "by cases on comparison order" in report[ASSOCIATIVE].method
+    assert report[COMMUTATIVE].status == PROVED and report[LEFT_IDENTITY].status == PROVED
+
+
+def test_non_associative_max_variant_fails():
+    # max(a, b) + 1 is commutative but not associative
+    c = Call("add", (Call("maximum", (A, B)), Const(1.0)))
+    report = check_laws(one_field("maxplus1", c, -math.inf), examples=50)
+    assert report[ASSOCIATIVE].status == FAILED and report[COMMUTATIVE].status == PROVED
+
+
+def _matrix(commutative):
+    m = {f: (Var(f"a.{f}"), Var(f"b.{f}")) for f in "pqrs"}
+    (ap, bp), (aq, bq), (ar, br), (as_, bs) = m["p"], m["q"], m["r"], m["s"]
+    mul, add = (lambda x, y: Call("mul", (x, y))), (lambda x, y: Call("add", (x, y)))
+    return Summary(name="mat2", fields=tuple(Field(f) for f in "pqrs"), arity=4,
+                   identity=tuple(Const(v) for v in (1.0, 0.0, 0.0, 1.0)),
+                   lift=tuple(Var(f"x{k}") for k in range(4)),
+                   combine=(add(mul(ap, bp), mul(aq, br)), add(mul(ap, bq), mul(aq, bs)),
+                            add(mul(ar, bp), mul(as_, br)), add(mul(ar, bq), mul(as_, bs))),
+                   finalize=Var("p"), commutative=commutative)
+
+
+def test_ordered_matrix_product():
+    report = check_laws(_matrix(False), examples=50)
+    assert report[ASSOCIATIVE].status == PROVED
+    assert report[LEFT_IDENTITY].status == PROVED and report[RIGHT_IDENTITY].status == PROVED
+    assert report.ok and not report[COMMUTATIVE].claimed and report[COMMUTATIVE].status == FAILED
+    with pytest.raises(LawError, match="declared commutative but is not"):
+        require_laws(_matrix(True), examples=50)
+
+
+def _chan(mean_merge):
+    a = {f: Var(f"a.{f}") for f in ("n", "mean", "m2")}
+    b = {f: Var(f"b.{f}") for f in ("n", "mean", "m2")}
+    n = Call("add", (a["n"], b["n"]))
+    empty = Call("eq", (n, Const(0.0)))
+    safe = Call("where", (empty, Const(1.0), n))
+    d = Call("sub", (b["mean"], a["mean"]))
+    means = {
+        "chan": Call("where", (empty, Const(0.0),
+                               Call("add", (a["mean"], Call("div", (Call("mul", (d, b["n"])), safe)))))),
+        "naive": Call("div", (Call("add", (a["mean"], b["mean"])), Const(2.0))),
+    }
+    m2 = Call("add", (Call("add", (a["m2"], b["m2"])), Call("where", (
+        empty, Const(0.0), Call("div", (Call("mul", (Call("mul", (Call("mul", (d, d)), a["n"])), b["n"])),
+                                        safe))))))
+    return Summary(name=f"welford_{mean_merge}", fields=(Field("n"), Field("mean"), Field("m2")), arity=1,
+                   identity=(Const(0.0),) * 3, lift=(Const(1.0), Var("x0"), Const(0.0)),
+                   combine=(n, means[mean_merge], m2),
+                   finalize=Call("div", (Var("m2"), Var("n"))), commutative=True)
+
+
+def test_welford_chan_merge():
+    report = check_laws(_chan("chan"), examples=60)
+    assert report[ASSOCIATIVE].status in (PROVED, TESTED)
+    assert report[LEFT_IDENTITY].holds and report[RIGHT_IDENTITY].holds and report[COMMUTATIVE].holds
+    assert report.ok
+    if report[ASSOCIATIVE].status == TESTED:
+        assert report[ASSOCIATIVE].method == "hypothesis, 60 examples"
+
+
+def test_welford_with_a_naive_mean_merge_fails():
+    report = check_laws(_chan("naive"), examples=60)
+    assert report[ASSOCIATIVE].status == FAILED and not report.ok
+
+
+def test_numeric_testing_tolerates_reassociation_rounding():
+    # The hypothesis path alone, on a law that holds: float64 sums reassociated
+    # (cancellation included) must not be reported as counterexamples.
+    laws = _Laws(BUILTINS["sum"])
+    assert laws.search(ASSOCIATIVE, 200) is None
+    assert _Laws(_matrix(False)).search(ASSOCIATIVE, 100) is None
+
+
+def test_weak_orders_enumerate_ties():
+    assert [len(list(_weak_orders(list(range(n))))) for n in range(5)] == [1, 1, 3, 13, 75]
+    orders = {tuple(tuple(b) for b in o) for o in _weak_orders(["x", "y"])}
+    assert orders == {(("x",), ("y",)), (("y",), ("x",)), (("y", "x"),)}
