@@ -27,7 +27,7 @@ class Program:
         if unknown:
             raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                                f"known: {', '.join(KNOWN_OPTIONS)}")
-        summaries = {s.name: s for s in options.get("summaries", ())}
+        summaries = {s.name: _checked_user_summary(s) for s in options.get("summaries", ())}
         backend_class = backends.choose(backend)
         self.text = source
         self.checked: IRProgram = check(parse(source), outputs=tuple(outputs) if outputs else None,
@@ -54,6 +54,18 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<einfold.Program {self.outputs} backend={self.backend.name}>"
+
+
+def _checked_user_summary(s: Summary) -> Summary:
+    """A summary given to compile(): no builtin's name, laws checked (never assumed)."""
+    from .algebra import BUILTINS, COMPOSITES
+    from .algebra.laws import require_laws
+    from .ops import FUNCTIONS
+    if not isinstance(s, Summary):
+        raise EinfoldError(f"summaries= takes compiler.summary(...) values, not {type(s).__name__}")
+    if s.name in BUILTINS or s.name in COMPOSITES or s.name in FUNCTIONS:
+        raise EinfoldError(f"a user summary cannot take the builtin name '{s.name}'")
+    return s if s.laws is not None else require_laws(s)
 
 
 def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",

@@ -155,6 +155,11 @@ class _State:
         return len(object.__getattribute__(self, "_fields"))
 
 
+def state(prefix: str, fields: tuple[str, ...]) -> _State:
+    """A symbolic state whose fields read as Vars `{prefix}{field}` (a.n, b.mean)."""
+    return _State(prefix, fields)
+
+
 # ---------------------------------------------------------------- the constructor
 def summary(name: str, *, fields: Iterable[str | tuple[str, str]], identity: Iterable[float],
             lift: Callable, combine: Callable, finalize: Callable | None,
@@ -310,4 +315,4 @@ def _type(e: Expr, types: Mapping[str, str]) -> str | None:
     return None
 
 
-__all__ = ["Sym", "fn", "summary"]
+__all__ = ["Sym", "fn", "state", "summary"]

@@ -20,11 +20,14 @@ reduction becomes a projection (a field, or a formula of fields) of its fold.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass, field, replace
 
 import sympy
 
 from ..algebra import BUILTINS, Field, Rescaled, Summary
+from ..algebra.laws import require_laws
+from ..algebra.moments import centred_moments
 from ..ir import Call, Const, Expr, Extent, Program, Reduce, Var, children, walk, with_children
 from .symbolic import SymbolTable, from_sympy, to_sympy
 from .stabilise import factors, product
@@ -150,29 +153,27 @@ def _base_component(member: Reduce, name: str, args: _Args) -> _Component:
     s = member.summary
     lifts = [_replace_vars(f, {f"x{k}": args.abstract(a, {}) for k, a in enumerate(member.args)})
              for f in s.lift]
-    rename = {f"{side}.{f}": Var(f"{side}.{name}" if len(s.fields) == 1 else f"{side}.{name}_{f}")
+    rename = {f"{side}.{f}": Var(f"{side}.{_component_field(s, name, f)}")
               for side in "ab" for f in s.field_names}
-    fields = [Field(name if len(s.fields) == 1 else f"{name}_{f.name}", f.dtype) for f in s.fields]
+    fields = [Field(_component_field(s, name, f.name), f.dtype) for f in s.fields]
     return _Component(fields, list(s.identity), lifts, [_replace_vars(c, rename) for c in s.combine],
                       s.commutative)
 
 
+def _component_field(summary: Summary, name: str, field_name: str) -> str:
+    """A member's fields inside the product summary: `name`, or `name_field`."""
+    return name if len(summary.fields) == 1 else f"{name}_{field_name}"
+
+
+def _finalize_from(summary: Summary, name: str, projection) -> Expr:
+    """The member's value: its finalize over its (renamed) fields in the fold."""
+    return _replace_vars(summary.finalize, {f: projection(_component_field(summary, name, f))
+                                            for f in summary.field_names})
+
+
 def _welford(name: str, x: Expr) -> _Component:
-    n, mean, m2 = (f"{name}_n", f"{name}_mean", f"{name}_m2")
-    a = {f: Var(f"a.{f}") for f in (n, mean, m2)}
-    b = {f: Var(f"b.{f}") for f in (n, mean, m2)}
-    total = Call("add", (a[n], b[n]))
-    delta = Call("sub", (b[mean], a[mean]))
-    empty = Call("eq", (total, Const(0.0)))
-    guarded = lambda e: Call("where", (empty, Const(0.0), e))  # noqa: E731
-    combine = [
-        total,
-        Call("add", (a[mean], guarded(Call("div", (Call("mul", (delta, b[n])), total))))),
-        Call("add", (Call("add", (a[m2], b[m2])), guarded(Call("div", (
-            Call("mul", (Call("mul", (Call("mul", (delta, delta)), a[n])), b[n])), total))))),
-    ]
-    return _Component([Field(n), Field(mean), Field(m2)], [Const(0.0)] * 3,
-                      [Const(1.0), x, Const(0.0)], combine, True, None,
+    fields, identity, lift, combine = centred_moments(name, x)
+    return _Component(fields, identity, lift, combine, True, None,
                       ["centred moments: Chan/Welford merge (count, mean, M2) chosen for numerical "
                        "stability"])
 
@@ -262,7 +263,7 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         # separable expansion in powers of the base sum
         components.append(_base_component(base, name, args))
         handled.add(base)
-        replacement[base] = projection(name)
+        replacement[base] = _finalize_from(base.summary, name, projection)
         for d in deps:
             body = to_sympy(_substitute(d.args[0], {base: S}), table)
             poly = sympy.Poly(sympy.expand(body), Ss)
@@ -289,7 +290,7 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
             return None          # a dependency no rule resolves: leave the group as it is
         name = names.get(m) or f"s{len(components) + 1}"
         components.append(_base_component(m, name, args))
-        replacement[m] = projection(name)
+        replacement[m] = _finalize_from(m.summary, name, projection)
         handled.add(m)
 
     fields = [f for c in components for f in c.fields]
@@ -305,9 +306,17 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         rescaled=tuple(c.rescaled for c in components if c.rescaled is not None),
         notes=tuple(n for c in components for n in c.notes),
     )
+    summary = _with_laws(summary)
     fold = Reduce(summary, group.indices, tuple(args.exprs))
     patch = {f"@{f.name}": replace(fold, result=f.name) for f in fields}
     return summary, tuple(args.exprs), {m: _replace_vars(e, patch) for m, e in replacement.items()}
+
+
+@lru_cache(maxsize=256)
+def _with_laws(summary: Summary) -> Summary:
+    """Laws are checked, never assumed: a derived summary that failed one would
+    be a bug in this pass, reported as a LawError with its counterexample."""
+    return require_laws(summary)
 
 
 def _weight_only(d: Reduce, leader: Reduce) -> Expr:
