@@ -3,7 +3,7 @@ to the single-pass form, with every derived summary's merge and law status."""
 from __future__ import annotations
 
 from .algebra import Summary
-from .ir import Expr, Reduce, Var, format_expr, format_program, transform, walk
+from .ir import Const, Expr, Reduce, Var, format_expr, format_program, transform, walk
 from .passes import PIPELINE
 
 
@@ -35,15 +35,22 @@ def describe_summary(s: Summary, args: tuple[Expr, ...] = (), indices: tuple[str
         lines += [f"    {n}" for n in s.notes]
     for k, a in enumerate(args):
         lines.append(f"  x{k} = {format_expr(a)}")
+    structured = {}
     for r in s.rescaled:
-        values = ", ".join(f"{n} = sum w * {format_expr(v)}" for n, v in r.values)
-        lines.append(f"  rescaled: {r.leader} = {r.leader_monoid}({format_expr(r.leader_arg)}); {values}")
-        lines.append(f"    w(x, r) = {format_expr(r.weight)}, h(r, r_new) = {format_expr(r.repair)}")
-        lines.append(f"    a leader at its identity is no reference point: w and h use 0 in its place")
-    lines.append(f"  lift:")
-    lines += [f"    {f} = {format_expr(e)}" for f, e in zip(s.field_names, s.lift)]
-    lines.append("  merge (a, b) -> state:")
-    lines += [f"    {f} = {format_expr(e)}" for f, e in zip(s.field_names, s.combine)]
+        lf = r.leader
+        structured[lf] = (f"{lf} = {format_expr(r.leader_arg)}", f"{lf} = {r.leader_monoid}(a.{lf}, b.{lf})")
+        for name, value in r.values:
+            times = "" if value == Const(1) else f" * {format_expr(value)}"
+            structured[name] = (f"{name} = w(x, {lf}){times}",
+                                f"{name} = a.{name} * h(a.{lf}, {lf}) + b.{name} * h(b.{lf}, {lf})")
+        lines.append(f"  w(x, r) = {format_expr(r.weight)};  h(r, r_new) = {format_expr(r.repair)}")
+        lines.append(f"  ({lf} = -inf is no reference point: w and h take 0 in its place)")
+    lines.append("  lift:")
+    lines += [f"    {structured[f][0] if f in structured else f'{f} = {format_expr(e)}'}"
+              for f, e in zip(s.field_names, s.lift)]
+    lines.append("  merge (a, b):")
+    lines += [f"    {structured[f][1] if f in structured else f'{f} = {format_expr(e)}'}"
+              for f, e in zip(s.field_names, s.combine)]
     if not s.rescaled and not s.notes:
         lines.append(f"  finalize = {format_expr(s.finalize)}")
     if s.laws is not None:
