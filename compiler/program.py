@@ -15,7 +15,7 @@ from .parse import parse
 from .passes import run_pipeline
 from .schedule import Plan
 
-KNOWN_OPTIONS = ("summaries",)
+KNOWN_OPTIONS = ("summaries", "split")
 
 
 class Program:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from ..errors import BackendError
 from .oracle import OracleBackend
+from .triton import TritonBackend
 
-BACKENDS = {OracleBackend.name: OracleBackend}
+BACKENDS = {OracleBackend.name: OracleBackend, TritonBackend.name: TritonBackend}
 
 
 def choose(name: str):
     if name == "auto":
-        return OracleBackend
+        # Compiled kernels on CUDA tensors; on CPU tensors the same kernels run under
+        # Triton's interpreter (the backend warns once when it does).
+        return TritonBackend
     if name not in BACKENDS:
         raise BackendError(f"unknown backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}")
     return BACKENDS[name]

@@ -1,0 +1,149 @@
+"""The "triton" backend: generated, fused Triton kernels.
+
+    analysis.py  which statements share a kernel, grid and epilogue indices,
+                 materialised reductions (names only, independent of sizes)
+    emit.py      one kernel's source from templates: tiles, loops, folds
+    ops.py       the operator emission table
+    module.py    the whole module (kernels + launcher), split decisions, Plan
+    load.py      the on-disk module cache and import
+
+Source is generated once per signature (input kinds and dtypes, extents), and
+the imported launcher is kept, so a repeated call costs a dict lookup, the
+output allocation and the kernel launches.  CUDA tensors run compiled kernels;
+CPU tensors run the same kernels under Triton's interpreter (slow; said once
+with a warning)."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from ...bind import Binding
+from ...errors import BackendError
+from ...ir import Program
+from ...schedule import Plan
+from .analysis import form
+from .emit import Signature
+from .load import load
+from .module import Built, ModuleBuilder, auto_split
+
+_warned_interpreter = False
+
+
+def _note_interpreter() -> None:
+    global _warned_interpreter
+    if not _warned_interpreter:
+        _warned_interpreter = True
+        warnings.warn("einfold: no CUDA tensors, so the triton backend runs its kernels under Triton's "
+                      "interpreter (TRITON_INTERPRET=1): correct but slow", RuntimeWarning, stacklevel=3)
+
+
+def _pass_names() -> tuple[str, ...]:
+    from ...passes import PIPELINE
+    return tuple(name for name, _ in PIPELINE)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None):
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+            raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
+        self.program = program
+        self.outputs = tuple(outputs)
+        self.split = split
+        self.structure = form(program, self.outputs, split)
+        self._built: dict[tuple, tuple[Built, object]] = {}
+        self._last: Built | None = None
+
+    # ------------------------------------------------------------ specialisation
+    def signature(self, binding: Binding, extents: dict[str, int]) -> Signature:
+        inputs = []
+        for decl in self.program.inputs:
+            value = binding.values[decl.name]
+            if isinstance(value, torch.Tensor):
+                inputs.append((decl.name, "tensor", value.dim(), value.dtype))
+            else:
+                inputs.append((decl.name, "number", 0, None))
+        return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
+                         _sm_count(binding.device))
+
+    def build(self, signature: Signature) -> Built:
+        built = ModuleBuilder(self.program, self.outputs, self.structure, signature, self.split,
+                              _pass_names()).build()
+        self._last = built
+        return built
+
+    def _entry(self, binding: Binding, extents: dict[str, int]):
+        sig = self.signature(binding, extents)
+        interpret = binding.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        key = (sig, interpret)
+        entry = self._built.get(key)
+        if entry is None:
+            built = self.build(sig)
+            module = load(built.source, repr(self.split), interpret)
+            entry = (built, module.launch)
+            self._built[key] = entry
+        if interpret:
+            _note_interpreter()
+        return entry
+
+    def _extents(self, binding: Binding) -> dict[str, int]:
+        """Every index name's extent: the passes and the analysis introduce names
+        (renamed bound indices) that share an extent symbol with a bound one."""
+        by_symbol = {}
+        for name, symbol in self.program.extents:
+            if name in binding.extents:
+                by_symbol[symbol] = binding.extents[name]
+        n = dict(binding.extents)
+        for name, symbol in self.program.extents:
+            if name not in n and symbol in by_symbol:
+                n[name] = by_symbol[symbol]
+        for fresh, original in self.structure.fresh_names.items():
+            n[fresh] = n[original]
+        return n
+
+    # ------------------------------------------------------------ interface
+    def run(self, binding: Binding) -> dict[str, torch.Tensor]:
+        if binding.device.type not in ("cuda", "cpu"):
+            raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
+                               f"not on {binding.device.type}")
+        extents = self._extents(binding)
+        _, launch = self._entry(binding, extents)
+        t = dict(binding.values)
+        for name in self.outputs:
+            st = self.program.statement(name)
+            dtype = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
+            t[name] = torch.empty([binding.extents[i] for i in st.indices], dtype=dtype, device=binding.device)
+        launch(t, extents, binding.device)
+        return {name: t[name] for name in self.outputs}
+
+    def plan(self, binding: Binding) -> Plan:
+        return self.build(self.signature(binding, self._extents(binding))).plan
+
+    @property
+    def source(self) -> str:
+        """The generated module of the last call, or (before any call) the module for
+        float32 tensors with every extent 128."""
+        if self._last is None:
+            inputs = tuple((i.name, "tensor" if i.rank else "number", i.rank,
+                            torch.float32 if i.rank else None) for i in self.program.inputs)
+            sig = Signature(tuple((name, 128) for name, _ in self.program.extents), inputs, torch.float32, None)
+            self.build(sig)
+        return self._last.source
+
+
+__all__ = ["TritonBackend", "auto_split"]

@@ -1,0 +1,312 @@
+"""Kernel formation: which statements share a kernel, what the grid is, and
+which reductions must be materialised in global memory.
+
+Everything here works on IR names; the emitter turns names into tile axes.
+
+Vocabulary (for one kernel whose widest statement has left-hand indices L):
+
+- a *fold* is a Reduce node without its projection (`node.fold`);
+- a *top fold* is a fold reachable from the statement whose free indices are
+  all names of L (it may sit inside another fold's arguments, but it does not
+  read that fold's bound indices, so it can be hoisted out of its loop);
+- the *grid* G is the intersection of the top folds' free indices (all of L
+  when there are none): one program per G-tile, every top fold with free
+  indices G is computed once per program (a *program fold*);
+- the *epilogue* E = L minus G is looped inside the program, in tiles; top
+  folds that also vary over E indices are computed inside that loop.
+
+A single-kernel schedule therefore always exists; when the grid would be empty
+while the output is not (a full reduction next to an elementwise output, or
+reductions with disjoint free indices) the program count would be 1, so those
+reductions are *materialised*: each becomes a buffer statement with its own
+kernel, read back by an access."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from ...algebra import BUILTINS
+from ...ir import (Access, Assign, Call, Composite, Expr, Extent, Index, Program, Reduce, Var, children,
+                   free_indices, walk, with_children)
+
+
+@lru_cache(maxsize=None)
+def free(e: Expr) -> frozenset:
+    return frozenset(free_indices(e))
+
+
+# ---------------------------------------------------------------- inlining
+def rename(e: Expr, mapping: dict[str, str], avoid: frozenset, fresh_names: dict[str, str]) -> Expr:
+    """Capture-avoiding renaming of free indices.  A bound index whose name is a
+    target of `mapping` is renamed to a fresh name (deterministically: the first
+    `name_<n>` not in `avoid`), recorded in `fresh_names` (fresh -> original)."""
+    if isinstance(e, Access):
+        return replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
+    if isinstance(e, Index | Extent):
+        return replace(e, name=mapping.get(e.name, e.name))
+    if isinstance(e, Reduce):
+        targets = set(mapping.values())
+        inner = dict(mapping)
+        bound = []
+        for b in e.indices:
+            inner.pop(b, None)
+            if b in targets:
+                n = 1
+                while f"{b}_{n}" in avoid or f"{b}_{n}" in targets:
+                    n += 1
+                fresh_names[f"{b}_{n}"] = fresh_names.get(b, b)
+                inner[b] = f"{b}_{n}"
+            bound.append(inner.get(b, b))
+        e = replace(e, indices=tuple(bound))
+        return with_children(e, tuple(rename(c, inner, avoid, fresh_names) for c in children(e)))
+    return with_children(e, tuple(rename(c, mapping, avoid, fresh_names) for c in children(e)))
+
+
+def all_index_names(e: Expr) -> set[str]:
+    names = set()
+    for n in walk(e):
+        if isinstance(n, Access):
+            names.update(n.indices)
+        elif isinstance(n, Index | Extent):
+            names.add(n.name)
+        elif isinstance(n, Reduce):
+            names.update(n.indices)
+    return names
+
+
+def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict[str, str]) -> Expr:
+    """Replace accesses to the statements in `defs` by their (inlined) bodies."""
+    if isinstance(e, Access) and e.tensor in defs:
+        st = defs[e.tensor]
+        body = inline(st.expr, defs, avoid, fresh_names)
+        mapping = dict(zip(st.indices, e.indices))
+        return rename(body, mapping, avoid | all_index_names(body) | set(e.indices), fresh_names)
+    return with_children(e, tuple(inline(c, defs, avoid, fresh_names) for c in children(e)))
+
+
+# ---------------------------------------------------------------- folds
+def top_folds(e: Expr, lhs: tuple[str, ...]) -> list[Reduce]:
+    """Folds whose free indices are names of the left-hand side (not bound by an
+    enclosing reduction), innermost first, each once."""
+    out: dict[Reduce, None] = {}
+
+    def visit(node: Expr, bound: frozenset) -> None:
+        inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
+        for c in children(node):
+            visit(c, inner)
+        if isinstance(node, Reduce) and not (free(node) & bound):
+            out[node.fold] = None
+
+    visit(e, frozenset())
+    return list(out)
+
+
+def replace_folds(e: Expr, table: dict[Reduce, Access]) -> Expr:
+    """Replace the (unshadowed) occurrences of materialised Reduce nodes by reads."""
+    def visit(node: Expr, bound: frozenset) -> Expr:
+        if isinstance(node, Reduce) and node in table and not (free(node) & bound):
+            return table[node]
+        inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
+        return with_children(node, tuple(visit(c, inner) for c in children(node)))
+    return visit(e, frozenset())
+
+
+def reads(e: Expr) -> set[str]:
+    return {n.tensor for n in walk(e) if isinstance(n, Access)}
+
+
+def contraction_names(e: Expr) -> set[str]:
+    """Index names that take part in a matrix-product-like contraction (a sum of a
+    product over one index, or a rescaled summary); their tiles are kept at least
+    16 wide so that the emitter can use tl.dot."""
+    names: set[str] = set()
+    for n in walk(e):
+        if isinstance(n, Reduce) and n.summary == BUILTINS["sum"] and len(n.indices) == 1:
+            arg = n.args[0]
+            if _is_product(arg):
+                names |= set(free_indices(arg))
+        elif isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) and value_only_names(n):
+            # the weights times values that carry another free index: a matrix product
+            for a in n.args:
+                names |= set(free_indices(a))
+    return names
+
+
+def _is_product(e: Expr) -> bool:
+    return isinstance(e, Call) and e.op == "mul"
+
+
+def value_only_names(e: Expr) -> set[str]:
+    """Free indices of a rescaled fold that its weights do not vary over (attention's
+    output feature index j): tiling them would recompute the weights per tile, so the
+    schedule prefers to keep them whole."""
+    names: set[str] = set()
+    for n in walk(e):
+        if isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()):
+            for rs in n.summary.rescaled:
+                used = {v.name for part in (rs.weight, rs.leader_arg) for v in walk(part) if isinstance(v, Var)}
+                weight_free = set()
+                for k, a in enumerate(n.args):
+                    if f"x{k}" in used:
+                        weight_free |= set(free_indices(a))
+                names |= set(free_indices(n)) - weight_free
+    return names
+
+
+# ---------------------------------------------------------------- kernels
+@dataclass
+class KernelSpec:
+    name: str
+    statements: tuple[Assign, ...]         # stored by this kernel; same-kernel reads inlined
+    grid: tuple[str, ...]                  # G, in left-hand order
+    epilogue: tuple[str, ...]              # E = L - G, in left-hand order
+    why: str
+    buffers: tuple[str, ...] = ()          # which of `statements` are intermediate buffers
+    program_folds: tuple[Reduce, ...] = ()  # top folds with free indices exactly G
+    dependent: bool = False                # some program fold reads another one
+    split_note: str = ""
+
+    @property
+    def lhs(self) -> tuple[str, ...]:
+        return self.grid + self.epilogue
+
+
+@dataclass
+class Structure:
+    kernels: list[KernelSpec]
+    fresh_names: dict[str, str]            # renamed bound index -> original index name
+    buffer_indices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def _grid_of(expr: Expr, lhs: tuple[str, ...]) -> tuple[tuple[str, ...], list[Reduce]]:
+    folds = top_folds(expr, lhs)
+    if not folds:
+        return lhs, folds
+    common = set(lhs)
+    for f in folds:
+        common &= free(f)
+    return tuple(i for i in lhs if i in common), folds
+
+
+def _describe(folds) -> str:
+    names = []
+    for f in folds:
+        text = f"{f.summary.name}[{', '.join(f.indices)}]"
+        if text not in names:
+            names.append(text)
+    return ", ".join(names)
+
+
+class Former:
+    """Builds the kernel list of a program (independent of extents)."""
+
+    def __init__(self, program: Program, outputs: tuple[str, ...], split: int | None):
+        if any(isinstance(n, Composite) for s in program.statements for n in walk(s.expr)):
+            from ...passes.lower import lower
+            program = lower(program)
+        self.program = program
+        self.outputs = outputs
+        self.split = split
+        self.avoid = frozenset(i for i, _ in program.extents)
+        self.fresh_names: dict[str, str] = {}
+        self.kernels: list[KernelSpec] = []
+        self.buffer_count = 0
+        self.buffer_indices: dict[str, tuple[str, ...]] = {}
+
+    def run(self) -> Structure:
+        defs = {s.name: s for s in self.program.statements}
+        non_outputs = {n: s for n, s in defs.items() if n not in self.outputs}
+        for s in self.program.statements:
+            if s.name not in self.outputs:
+                continue
+            last = self.kernels[-1] if self.kernels else None
+            joined = None
+            if last is not None and not last.buffers:
+                group_defs = {**non_outputs, **{t.name: t for t in last.statements}}
+                expr = inline(s.expr, group_defs, self.avoid, self.fresh_names)
+                grid, _ = _grid_of(expr, s.indices)
+                if grid == last.grid and (s.indices == last.grid or s.indices == last.lhs or
+                                          (last.lhs == last.grid and s.indices[:len(grid)] == grid)):
+                    joined = replace(s, expr=expr)
+            if joined is not None:
+                self._join(last, joined)
+            else:
+                expr = inline(s.expr, non_outputs, self.avoid, self.fresh_names)
+                self._add(replace(s, expr=expr), buffer=False)
+        return Structure(self.kernels, self.fresh_names, self.buffer_indices)
+
+    # ------------------------------------------------------------
+    def _join(self, k: KernelSpec, s: Assign) -> None:
+        statements = k.statements + (s,)
+        widest = max(statements, key=lambda t: len(t.indices))
+        epilogue = tuple(i for i in widest.indices if i not in k.grid)
+        folds = []
+        for t in statements:
+            folds += [f for f in top_folds(t.expr, t.indices) if f not in folds]
+        k.statements = statements
+        k.epilogue = epilogue
+        k.program_folds = tuple(f for f in folds if free(f) == set(k.grid))
+        k.dependent = _dependent(k.program_folds)
+        k.why = _why(k.grid, epilogue, folds, len(statements))
+
+    def _add(self, s: Assign, buffer: bool) -> None:
+        grid, folds = _grid_of(s.expr, s.indices)
+        if not grid and s.indices and folds:
+            # No index shared by every reduction: one program would do all the work.
+            # Materialise the reductions that do not vary over the whole output.
+            todo = [f for f in folds if free(f) != set(s.indices)]
+            s = self._materialise(s, todo, "it shares no output index with the others")
+            grid, folds = _grid_of(s.expr, s.indices)
+        program_folds = tuple(f for f in folds if free(f) == set(grid))
+        if self.split and self.split > 1 and _dependent(program_folds):
+            # A split kernel merges independent states; materialise what others read.
+            inner = [f for f in program_folds if any(f in _sub_folds(g) for g in program_folds if g != f)]
+            s = self._materialise(s, inner, "a split fold reads it")
+            grid, folds = _grid_of(s.expr, s.indices)
+            program_folds = tuple(f for f in folds if free(f) == set(grid))
+        epilogue = tuple(i for i in s.indices if i not in grid)
+        why = _why(grid, epilogue, folds, 1)
+        if buffer:
+            why = f"materialises {s.name}: {why}"
+        self.kernels.append(KernelSpec(
+            name=f"einfold_{s.name}", statements=(s,), grid=grid, epilogue=epilogue, why=why,
+            buffers=(s.name,) if buffer else (), program_folds=program_folds,
+            dependent=_dependent(program_folds)))
+
+    def _materialise(self, s: Assign, todo: list[Reduce], reason: str) -> Assign:
+        table: dict[Reduce, Access] = {}
+        for f in todo:                                  # innermost first
+            body = replace_folds(f, table)
+            indices = tuple(i for i in s.indices if i in free(f))
+            name = f"buf{self.buffer_count}"
+            self.buffer_count += 1
+            self.buffer_indices[name] = indices
+            note = f"{f.summary.name}[{', '.join(f.indices)}] over ({', '.join(indices)})"
+            self._add(Assign(name, indices, body, "float"), buffer=True)
+            self.kernels[-1].why = f"materialises {note} into {name} ({reason})"
+            table[f] = Access(name, indices)
+        return replace(s, expr=replace_folds(s.expr, table))
+
+
+def _sub_folds(f: Reduce) -> set[Reduce]:
+    return {n.fold for a in f.args for n in walk(a) if isinstance(n, Reduce)}
+
+
+def _dependent(program_folds) -> bool:
+    return any(f in _sub_folds(g) for g in program_folds for f in program_folds if f != g)
+
+
+def _why(grid, epilogue, folds, n_statements) -> str:
+    if not folds:
+        return f"elementwise over ({', '.join(grid)}): one fused kernel"
+    parts = [f"one program per ({', '.join(grid)}) tile" if grid else "one program"]
+    parts.append(f"folds {_describe(folds)} streamed over their indices")
+    if epilogue:
+        parts.append(f"epilogue loop over ({', '.join(epilogue)})")
+    if n_statements > 1:
+        parts.append(f"{n_statements} statements share it")
+    return "; ".join(parts)
+
+
+def form(program: Program, outputs: tuple[str, ...], split: int | None) -> Structure:
+    return Former(program, outputs, split).run()

@@ -1,0 +1,991 @@
+"""Triton source generation: one kernel per KernelSpec (two when split), built
+from small templates with holes.
+
+A kernel is a tree of *scopes*: the program (root, level 0: grid tiles), the
+epilogue loop, and one body per fold loop.  Every value is a tile over *axes*
+(a grid tile, an epilogue tile, a loop tile, a whole small index, or a scalar
+grid coordinate); a value is emitted in the outermost scope whose axes it
+uses, so loop-invariant loads and folds are hoisted out of loops and computed
+once (Q's tile is loaded once per program; the max of a softmax is folded once
+per row before the loops that read it).  Equal IR nodes over equal axes are
+one value (a fold read through several projections is computed once).
+
+Folds follow the summary's algebra, never the operator's name:
+
+- sum of a product over one index: a contraction, `tl.dot` when both operands
+  are 2-D tiles at least 16 wide, else a broadcast product and `tl.sum`;
+- max / min: `tl.max` / `tl.min` of the identity-padded tile;
+- a summary with `rescaled` structure streams FlashAttention-style: running
+  leader r, repair factor h(r, r_new) on the carried fields, weights
+  w(x, r_new) on the tile, fields += sum(w * v) (a `tl.dot` for attention);
+- any other summary: the lifted fields, padded with the identity, are reduced
+  within the tile with `tl.reduce` and a combine function generated from the
+  summary's combine formulas (non-commutative summaries: `tl.associative_scan`,
+  which keeps order, and its last element), then merged into the running state
+  with the same combine.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ...algebra import BUILTINS
+from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, walk
+from . import ops as emission
+from .analysis import KernelSpec, contraction_names, free, value_only_names
+
+WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
+DOT_BLOCK = 64        # tile of an index that takes part in tl.dot
+ROW_BLOCK = 1024      # tile of a streamed index without tl.dot
+TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
+
+TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+             torch.float64: "tl.float64"}
+
+
+def np2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def ident(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+# ---------------------------------------------------------------- axes, values, scopes
+@dataclass(eq=False)
+class Axis:
+    id: int
+    name: str          # IR index name
+    var: str           # suffix of its generated names
+    level: int         # scope level that introduces it
+    kind: str          # "grid", "epilogue", "loop" or "whole"
+    block: int         # tile size; 0 for a scalar grid coordinate
+
+    @property
+    def scalar(self) -> bool:
+        return self.block == 0
+
+    @property
+    def offs(self) -> str:
+        return f"idx_{self.var}" if self.scalar else f"offs_{self.var}"
+
+    @property
+    def mask(self) -> str:
+        return f"mask_{self.var}"
+
+    @property
+    def block_name(self) -> str:
+        return f"BLOCK_{self.var}"
+
+
+def sort_axes(axes) -> tuple[Axis, ...]:
+    return tuple(sorted(set(axes), key=lambda a: a.id))
+
+
+def dims(axes) -> tuple[Axis, ...]:
+    return tuple(a for a in sort_axes(axes) if not a.scalar)
+
+
+@dataclass(frozen=True)
+class Value:
+    code: str
+    axes: tuple[Axis, ...]             # sorted; scalar grid axes included
+    kind: str = "float"                # "float", "int" or "bool"
+    const: object = None               # Python value of a literal
+    raw: str | None = None             # a load in its stored dtype (for tl.dot)
+    raw_dtype: object = None
+    zero: frozenset = frozenset()      # axes outside whose extent the value is exactly 0
+
+
+class Scope:
+    def __init__(self, parent: "Scope | None", level: int, env: dict, kind: str, lines=None, memo=None):
+        self.parent = parent
+        self.level = level
+        self.env = env
+        self.kind = kind               # "root", "epilogue", "body", "merge"
+        self.lines: list[str] = [] if lines is None else lines
+        self.memo: dict = {} if memo is None else memo
+
+    def chain(self):
+        s = self
+        while s is not None:
+            yield s
+            s = s.parent
+
+
+def indent(lines: list[str], depth: int = 1) -> list[str]:
+    pad = "    " * depth
+    return [pad + line if line else line for line in lines]
+
+
+def flatten_mul(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "mul":
+        return flatten_mul(e.args[0]) + flatten_mul(e.args[1])
+    return [e]
+
+
+# ---------------------------------------------------------------- module-level facts
+@dataclass(frozen=True)
+class Signature:
+    """What a generated module is specialised to (besides the program)."""
+    extents: tuple[tuple[str, int], ...]
+    inputs: tuple[tuple[str, str, int, object], ...]    # name, "tensor" | "number", rank, dtype
+    dtype: torch.dtype                                  # float results
+    sm_count: int | None                                # None: no auto split (no GPU)
+
+    def extent(self, name: str) -> int:
+        return dict(self.extents)[name]
+
+
+@dataclass
+class TensorInfo:
+    kind: str            # "tensor" or "number"
+    rank: int
+    dtype: object        # torch dtype, or None for numbers
+
+
+@dataclass
+class KernelCode:
+    name: str
+    source: str
+    params: list[tuple[str, str]]        # (parameter, launcher expression)
+    constexprs: dict[str, int]
+    grid: list[str]                      # launcher expressions, multiplied together
+    split_axis: bool                     # a second grid dimension of n_split programs
+    why: str
+    writes: tuple[str, ...]
+    buffers: list[tuple[str, list[str], str]] = field(default_factory=list)   # (name, shape exprs, dtype)
+
+
+class ModuleContext:
+    """Facts shared by the kernels of one module."""
+
+    def __init__(self, signature: Signature, fresh_names: dict[str, str]):
+        self.sig = signature
+        self.fresh_names = fresh_names
+        self.cdt = "tl.float64" if signature.dtype == torch.float64 else "tl.float32"
+        self.dot_dtype = None if signature.dtype == torch.float64 else (
+            signature.dtype if signature.dtype in (torch.float16, torch.bfloat16) else torch.float32)
+        self.tensors: dict[str, TensorInfo] = {
+            name: TensorInfo(kind, rank, dtype) for name, kind, rank, dtype in signature.inputs}
+        self.helpers: set[str] = set()
+        self.combines: dict[tuple, tuple[str, str]] = {}      # (summary, fields) -> (name, source)
+        self.split_layouts: dict = {}
+
+    def extent(self, name: str) -> int:
+        extents = dict(self.sig.extents)
+        while name not in extents and name in self.fresh_names:
+            name = self.fresh_names[name]
+        return extents[name]
+
+    def combine_fn(self, summary, fields: tuple[str, ...]) -> str:
+        key = (summary, fields)
+        if key not in self.combines:
+            base = f"combine_{ident(summary.name)}"
+            taken = {n for n, _ in self.combines.values()}
+            name, k = base, 1
+            while name in taken:
+                k += 1
+                name = f"{base}_{k}"
+            index = {f: summary.field_names.index(f) for f in fields}
+            names = {f"a.{f}": f"a_{f}" for f in fields} | {f"b.{f}": f"b_{f}" for f in fields}
+            params = ", ".join([f"a_{f}" for f in fields] + [f"b_{f}" for f in fields])
+            results = ", ".join(inline_formula(summary.combine[index[f]], names, self.helpers) for f in fields)
+            source = (f"@triton.jit\ndef {name}({params}):\n"
+                      f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})\n"
+                      f"    return {results}\n")
+            self.combines[key] = (name, source)
+        return self.combines[key][0]
+
+
+def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
+    """A summary formula as one Triton expression over parameter names."""
+    if isinstance(e, Var):
+        return names[e.name]
+    if isinstance(e, Const):
+        return emission.literal(e.value)
+    if isinstance(e, Call):
+        args = [inline_formula(a, names, helpers) for a in e.args]
+        if e.op == "pow" and isinstance(e.args[1], Const):
+            n = emission.small_integer_power(e.args[1].value)
+            if n is not None and n > 0:
+                return "(" + " * ".join([args[0]] * n) + ")"
+        return emission.emit(e.op, args, helpers)
+    raise TypeError(f"cannot emit {type(e).__name__} inside a summary formula")
+
+
+# ---------------------------------------------------------------- the kernel emitter
+class KernelEmitter:
+    def __init__(self, ctx: ModuleContext, spec: KernelSpec, mode: str = "full", split: int = 1):
+        self.ctx = ctx
+        self.spec = spec
+        self.mode = mode                 # "full", "partial" (split states) or "merge"
+        self.split = split
+        self.name = spec.name + {"full": "", "partial": "_partial", "merge": "_merge"}[mode]
+        self.params: dict[str, str] = {}
+        self.constexprs: dict[str, int] = {}
+        self.temp_ids = itertools.count()
+        self.axis_ids = itertools.count()
+        self.fold_ids = itertools.count()
+        self.vars: set[str] = set()
+        self.whole: dict[str, Axis] = {}
+        self.root = Scope(None, 0, {}, "root")
+        self.buffers: list[tuple[str, list[str], str]] = []
+        exprs = [s.expr for s in spec.statements]
+        self.contraction = set().union(*(contraction_names(e) for e in exprs))
+        self.value_only = set().union(*(value_only_names(e) for e in exprs))
+        self.has_folds = any(isinstance(n, Reduce) for e in exprs for n in walk(e))
+
+    # ------------------------------------------------------------ names
+    def temp(self, stem: str = "t") -> str:
+        return f"{stem}{next(self.temp_ids)}"
+
+    def axis_var(self, name: str) -> str:
+        base = ident(name)
+        var, k = base, 1
+        while var in self.vars:
+            k += 1
+            var = f"{base}{k}"
+        self.vars.add(var)
+        return var
+
+    def new_axis(self, name: str, level: int, kind: str, block: int) -> Axis:
+        ax = Axis(next(self.axis_ids), name, self.axis_var(name), level, kind, block)
+        if block:
+            self.constexprs[ax.block_name] = block
+        return ax
+
+    def extent_param(self, name: str) -> str:
+        p = f"n_{ident(name)}"
+        self.params.setdefault(p, f'n["{name}"]')
+        return p
+
+    def tensor_params(self, name: str, rank: int) -> tuple[str, list[str]]:
+        ptr = f"{ident(name)}_ptr"
+        self.params.setdefault(ptr, f't["{name}"]')
+        strides = []
+        for d in range(rank):
+            s = f"{ident(name)}_s{d}"
+            self.params.setdefault(s, f't["{name}"].stride({d})')
+            strides.append(s)
+        return ptr, strides
+
+    # ------------------------------------------------------------ tiling
+    def _np(self, name: str) -> int:
+        return np2(self.ctx.extent(name))
+
+    def loop_block(self, name: str) -> int:
+        if name in self.contraction:
+            return min(DOT_BLOCK, max(16, self._np(name)))
+        return min(self._np(name), ROW_BLOCK)
+
+    def whole_block(self, name: str) -> int:
+        return max(16 if name in self.contraction else 1, self._np(name))
+
+    def free_block(self, name: str) -> int:
+        """Tile of a grid or epilogue index."""
+        if name in self.value_only and self._np(name) <= WHOLE_MAX:
+            return max(16, self._np(name))
+        if name in self.contraction:
+            return min(DOT_BLOCK, max(16, self._np(name)))
+        return 0
+
+    def streamed_block(self) -> int:
+        """The widest non-dot tile of a loop inside this kernel (bounds the grid tile)."""
+        widest = 1
+        for s in self.spec.statements:
+            for n in walk(s.expr):
+                if isinstance(n, Reduce):
+                    for b in n.indices:
+                        if b not in self.contraction:
+                            widest = max(widest, self.loop_block(b))
+        for e in self.spec.epilogue:
+            if not self.free_block(e):
+                widest = max(widest, self.loop_block(e))
+        return widest
+
+    # ------------------------------------------------------------ placement and memo
+    def target(self, axes, scope: Scope) -> Scope:
+        level = max((a.level for a in axes), default=0)
+        for s in scope.chain():
+            if s.level == level:
+                return s
+        raise AssertionError("an axis is not visible from this scope")
+
+    def lookup(self, key, scope: Scope):
+        for s in scope.chain():
+            if key in s.memo:
+                return s.memo[key]
+        return None
+
+    def assign(self, code: str, axes, scope: Scope, kind: str = "float", stem: str = "t", **extra) -> Value:
+        name = self.temp(stem)
+        scope.lines.append(f"{name} = {code}")
+        return Value(name, sort_axes(axes), kind, **extra)
+
+    # ------------------------------------------------------------ broadcasting helpers
+    @staticmethod
+    def expand(v: Value, target) -> str:
+        """`v`'s code with size-1 dimensions inserted so that it broadcasts over `target`."""
+        target_dims = dims(target)
+        own = dims(v.axes)
+        if not own or own == target_dims:
+            return v.code
+        code = v.code if re.fullmatch(r"[A-Za-z_]\w*", v.code) else f"({v.code})"
+        return code + "[" + ", ".join(":" if a in own else "None" for a in target_dims) + "]"
+
+    @staticmethod
+    def shape(axes) -> str:
+        return "[" + ", ".join(a.block_name for a in dims(axes)) + "]"
+
+    def mask_code(self, mask_axes, target) -> str | None:
+        parts = [self.expand(Value(a.mask, (a,), "bool"), target) for a in dims(mask_axes)]
+        return " & ".join(parts) if parts else None
+
+    def as_float(self, v: Value) -> Value:
+        if v.kind == "float":
+            return v
+        if v.const is not None:
+            return Value(emission.literal(float(v.const)), (), "float", const=float(v.const))
+        return Value(f"{v.code}.to({self.ctx.cdt})", v.axes, "float")
+
+    # ------------------------------------------------------------ expressions
+    def value(self, e: Expr, scope: Scope) -> Value:
+        if isinstance(e, Const):
+            kind = "bool" if isinstance(e.value, bool) else "int" if isinstance(e.value, int) else "float"
+            return Value(emission.literal(e.value), (), kind, const=e.value)
+        if isinstance(e, Index):
+            ax = scope.env[e.name]
+            return Value(ax.offs, (ax,), "int")
+        if isinstance(e, Extent):
+            return Value(self.extent_param(e.name), (), "int")
+        if isinstance(e, Var):
+            raise TypeError(f"free summary variable '{e.name}' in a statement")
+        key = (e, tuple((n, scope.env[n].id) for n in sorted(free(e))))
+        found = self.lookup(key, scope)
+        if found is not None:
+            return found
+        if isinstance(e, Access):
+            v = self.load(e, scope)
+        elif isinstance(e, Call):
+            v = self.call(e.op, [self.value(a, scope) for a in e.args], None, scope)
+        elif isinstance(e, Reduce):
+            v = self.reduce(e, scope)
+        else:
+            raise TypeError(f"the triton backend cannot emit {type(e).__name__} (run the lower pass first)")
+        self.target(v.axes, scope).memo[key] = v
+        return v
+
+    def call(self, op: str, args: list[Value], pin: Scope | None, scope: Scope) -> Value:
+        """Apply an operator.  `pin`: emit into that scope (formulas over running
+        state); otherwise into the outermost scope the operands allow."""
+        from ...ops import OPS
+        if all(a.const is not None for a in args):
+            result = OPS[op].torch(*(torch.tensor(a.const, dtype=torch.float64 if isinstance(a.const, float)
+                                                  else torch.int64) for a in args)).item()
+            if isinstance(result, bool):
+                return Value(emission.literal(result), (), "bool", const=result)
+            kind = "int" if isinstance(result, int) else "float"
+            return Value(emission.literal(result), (), kind, const=result)
+        axes = sort_axes(a for v in args for a in v.axes)
+        place = pin if pin is not None else self.target(axes, scope)
+        kinds = [a.kind for a in args]
+        if op == "pow" and args[1].const is not None:
+            n = emission.small_integer_power(args[1].const)
+            base = self.as_float(args[0])
+            if n is not None:
+                if n == 0:
+                    return Value("1.0", (), "float", const=1.0)
+                code = " * ".join([base.code] * abs(n))
+                return self.assign(f"1.0 / ({code})" if n < 0 else code, base.axes, place)
+            if args[1].const == 0.5:
+                return self.assign(f"tl.sqrt({base.code})", base.axes, place)
+            if args[1].const == -0.5:
+                return self.assign(f"tl.rsqrt({base.code})", base.axes, place)
+        if op in emission.FLOAT_RESULT:
+            kind = "float"
+            args = [self.as_float(a) for a in args]
+        elif op in emission.BOOL_RESULT:
+            kind = "bool"
+        elif op == "where":
+            kind = "float" if "float" in kinds[1:] else kinds[1]
+            if kind == "float":
+                args = [args[0]] + [self.as_float(a) for a in args[1:]]
+        else:
+            kind = "float" if "float" in kinds else "int"
+            if kind == "float":
+                args = [self.as_float(a) for a in args]
+        codes = [self.expand(a, axes) if a.const is None else a.code for a in args]
+        return self.assign(emission.emit(op, codes, self.ctx.helpers), axes, place, kind)
+
+    def formula(self, e: Expr, env: dict[str, Value], scope: Scope) -> Value:
+        """A summary formula (lift, combine, finalize, weight, repair) over Values, pinned to `scope`."""
+        if isinstance(e, Var):
+            return env[e.name]
+        if isinstance(e, Const):
+            return Value(emission.literal(e.value), (), "float", const=float(e.value))
+        if isinstance(e, Call):
+            return self.call(e.op, [self.formula(a, env, scope) for a in e.args], scope, scope)
+        raise TypeError(f"cannot emit {type(e).__name__} inside a summary formula")
+
+    # ------------------------------------------------------------ memory
+    def offsets(self, axes: list[Axis], strides: list[str], target) -> str:
+        terms = []
+        for ax, st in zip(axes, strides):
+            if ax.scalar:
+                terms.append(f"{ax.offs}.to(tl.int64) * {st}")
+            else:
+                terms.append(f"{self.expand(Value(ax.offs, (ax,), 'int'), target)}.to(tl.int64) * {st}")
+        return " + ".join(terms)
+
+    def load(self, e: Access, scope: Scope) -> Value:
+        info = self.ctx.tensors[e.tensor]
+        if info.kind == "number":
+            p = f"{ident(e.tensor)}_val"
+            self.params.setdefault(p, f'float(t["{e.tensor}"])')
+            return Value(p, (), "float")
+        axes = [scope.env[n] for n in e.indices]
+        ptr, strides = self.tensor_params(e.tensor, info.rank)
+        target = sort_axes(axes)
+        place = self.target(target, scope)
+        address = f"{ptr} + {self.offsets(axes, strides, target)}" if axes else ptr
+        mask = self.mask_code(target, target)
+        raw = self.temp(f"x_{ident(e.tensor)}")
+        if mask:
+            place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0)")
+        else:
+            place.lines.append(f"{raw} = tl.load({address})")
+        stored = TL_DTYPES.get(info.dtype)
+        code = raw if stored == self.ctx.cdt else f"{raw}.to({self.ctx.cdt})"
+        return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)))
+
+    def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
+        info = self.ctx.tensors[name]
+        axes = [scope.env[n] for n in indices]
+        ptr, strides = self.tensor_params(name, info.rank)
+        target = sort_axes(axes)
+        address = f"{ptr} + {self.offsets(axes, strides, target)}" if axes else ptr
+        if v.const is not None:
+            value = f"tl.full({self.shape(target)}, {v.code}, {self.ctx.cdt})"
+        elif dims(v.axes) != dims(target):
+            value = f"tl.broadcast_to({self.expand(v, target)}, {self.shape(target)})"
+        else:
+            value = v.code
+        mask = self.mask_code(target, target)
+        line = f"tl.store({address}, ({value}).to({ptr}.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
+        scope.lines.append(f"# {name}[{', '.join(indices)}]")
+        scope.lines.append(line)
+
+    # ------------------------------------------------------------ reductions
+    def reduce(self, R: Reduce, scope: Scope) -> Value:
+        state, key, T = self.fold_state(R, scope)
+        if R.result is not None:
+            return state[R.result]
+        fkey = ("final", key)
+        found = self.lookup(fkey, scope)
+        if found is None:
+            found = self.formula(R.summary.finalize, state, T)
+            T.memo[fkey] = found
+        return found
+
+    def fold_state(self, R: Reduce, scope: Scope):
+        fold = R.fold
+        names = sorted(free(fold))
+        env0 = {n: scope.env[n] for n in names}
+        T = self.target(env0.values(), scope)
+        key = ("fold", fold, tuple((n, env0[n].id) for n in names))
+        state = self.lookup(key, scope)
+        if state is None:
+            if self.mode == "merge" and T is self.root:
+                state = self.merge_fold(fold, env0)
+            else:
+                state = self.emit_fold(fold, env0, T)
+            T.memo[key] = state
+        return state, key, T
+
+    def emit_fold(self, fold: Reduce, env0: dict[str, Axis], T: Scope) -> dict[str, Value]:
+        s = fold.summary
+        k = next(self.fold_ids)
+        prefix = f"f{k}"
+        nested = T.kind in ("body", "merge")
+        loops: list[Axis] = []
+        bound: list[Axis] = []
+        for p, b in enumerate(fold.indices):
+            last = p == len(fold.indices) - 1
+            if not s.commutative and not last:
+                ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
+            elif nested and self._np(b) <= WHOLE_MAX:
+                ax = self.whole_axis(b)
+            else:
+                ax = self.new_axis(b, T.level + 1, "loop", self.loop_block(b))
+            bound.append(ax)
+            if ax.kind == "loop":
+                loops.append(ax)
+        env = {**env0, **{b: ax for b, ax in zip(fold.indices, bound)}}
+        if loops:
+            body = Scope(T, T.level + 1, env, "body")
+            for ax in loops:
+                body.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+                body.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
+        else:
+            body = Scope(T.parent, T.level, env, T.kind, lines=T.lines, memo=T.memo)
+        RA = sort_axes(bound)
+        init: list[str] = []
+        mark = len(T.lines)
+        T.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}]"
+                       + (f" over tiles of {', '.join(a.name for a in loops)}" if loops else " (whole)"))
+        if s == BUILTINS["sum"]:
+            state = self.sum_fold(fold, prefix, body, RA, bool(loops), init)
+        elif s in (BUILTINS["max"], BUILTINS["min"]):
+            state = self.extremum_fold(fold, prefix, body, RA, bool(loops), init)
+        elif self.rescaled_ok(s):
+            state = self.rescaled_fold(fold, prefix, body, RA, init)
+        else:
+            state = self.generic_fold(fold, s.field_names, prefix, body, RA, bool(loops), init)
+        if loops:
+            T.lines.extend(init)
+            headers, depth = [], 0
+            chunk = self.mode == "partial" and T is self.root
+            for p, ax in enumerate(loops):
+                n = self.extent_param(ax.name)
+                if chunk and p == 0:
+                    # flash-decoding: this program folds one contiguous chunk of the tiles
+                    T.lines.append(f"chunk_{ax.var} = tl.cdiv(tl.cdiv({n}, {ax.block_name}), n_split) "
+                                   f"* {ax.block_name}")
+                    T.lines.append(f"lo_{ax.var} = split_id * chunk_{ax.var}")
+                    T.lines.append(f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})")
+                    lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
+                else:
+                    lo, hi = "0", n
+                headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):"], depth)
+                depth += 1
+            T.lines.extend(headers)
+            T.lines.extend(indent(body.lines, depth))
+        else:
+            T.lines[mark + 1:mark + 1] = init      # the state exists before the straight-line body
+        return state
+
+    def whole_axis(self, name: str) -> Axis:
+        if name not in self.whole:
+            ax = self.new_axis(name, 0, "whole", self.whole_block(name))
+            self.root.lines.append(f"{ax.offs} = tl.arange(0, {ax.block_name})")
+            self.root.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(name)}")
+            self.whole[name] = ax
+        return self.whole[name]
+
+    def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope) -> Value:
+        """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
+        current = list(dims(axes))
+        for ax in sorted(dims(reduced), key=lambda a: -current.index(a)):
+            code = f"{fn}({code}, {current.index(ax)})"
+            current.remove(ax)
+        left = sort_axes(a for a in axes if a not in reduced)
+        return self.assign(code, left, body)
+
+    # sum: contraction-aware
+    def sum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
+        factors = [self.as_float(self.value(f, body)) for f in flatten_mul(fold.args[0])]
+        contrib = self.contract(factors, RA, body)
+        FA = sort_axes(a for a in contrib.axes if a not in RA)
+        if not looped:
+            return {"acc": contrib}
+        acc = f"{prefix}_acc"
+        init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
+        body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
+        return {"acc": Value(acc, FA)}
+
+    def contract(self, factors: list[Value], RA, body: Scope) -> Value:
+        """sum over the RA axes of the product of `factors`: tl.dot when it is a
+        matrix product of two 2-D tiles at least 16 wide, else broadcast and tl.sum."""
+        ra_dims = dims(RA)
+        dot = self.dot_plan(factors, ra_dims)
+        if dot is not None:
+            return self.emit_dot(*dot, body)
+        U = sort_axes([a for f in factors for a in f.axes] + list(RA))
+        product = " * ".join(self.expand(f, U) for f in factors) if factors else "1.0"
+        mask = self.mask_code(RA, U)
+        padded = any(set(ra_dims) <= f.zero for f in factors) and \
+            all(set(ra_dims) <= f.zero or f.raw is not None for f in factors)
+        if mask and not padded:
+            product = f"tl.where({mask}, {product}, 0.0)"
+        if not ra_dims:
+            return self.assign(product, U, body)
+        return self.reduce_axes(product, U, RA, "tl.sum", body)
+
+    def dot_plan(self, factors, ra_dims):
+        if self.ctx.dot_dtype is None or len(ra_dims) != 1:
+            return None
+        c = ra_dims[0]
+        inner = [f for f in factors if c in f.axes]
+        outer = [f for f in factors if c not in f.axes]
+        sides: dict[Axis, list[Value]] = {}
+        only_c = []
+        for f in inner:
+            other = [a for a in dims(f.axes) if a is not c]
+            if len(other) > 1:
+                return None
+            if other:
+                sides.setdefault(other[0], []).append(f)
+            else:
+                only_c.append(f)
+        if len(sides) != 2:
+            return None
+        a, b = sorted(sides, key=lambda ax: ax.id)
+        if min(a.block, b.block, c.block) < 16:
+            return None
+        return a, sides[a] + only_c, b, sides[b], c, outer
+
+    def dot_operand(self, fs: list[Value], rows: Axis, cols: Axis, c: Axis, body: Scope) -> str:
+        """One tl.dot operand laid out [rows, cols], zero outside c's extent, in the dot dtype."""
+        want = TL_DTYPES[self.ctx.dot_dtype]
+        target = sort_axes([rows, cols] + [a for f in fs for a in f.axes])
+        if len(fs) == 1 and c in fs[0].zero:
+            f = fs[0]
+            code = f.raw if f.raw is not None and f.raw_dtype == self.ctx.dot_dtype else \
+                f"{self.expand(f, target)}.to({want})"
+        else:
+            product = " * ".join(self.expand(f, target) for f in fs)
+            code = f"tl.where({self.mask_code([c], target)}, {product}, 0.0).to({want})"
+        if dims(target)[0] is not rows:
+            code = f"tl.trans({code})"
+        name = self.temp("op")
+        body.lines.append(f"{name} = {code}")
+        return name
+
+    def emit_dot(self, a, A, b, B, c, outer, body) -> Value:
+        left = self.dot_operand(A, a, c, c, body)
+        right = self.dot_operand(B, c, b, c, body)
+        precision = ', input_precision="ieee"' if self.ctx.dot_dtype == torch.float32 else ""
+        axes = sort_axes([a, b] + [x for f in A + B for x in f.axes if x is not c])
+        v = self.assign(f"tl.dot({left}, {right}{precision})", axes, body)
+        for f in outer:
+            axes = sort_axes(list(axes) + list(f.axes))
+            v = self.assign(f"{self.expand(v, axes)} * {self.expand(f, axes)}", axes, body)
+        return v
+
+    # max / min
+    def extremum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
+        s = fold.summary
+        x = self.as_float(self.value(fold.args[0], body))
+        fn, combine = ("tl.max", "tl.maximum") if s == BUILTINS["max"] else ("tl.min", "tl.minimum")
+        identity = emission.literal(s.identity[0].value)
+        U = sort_axes(list(x.axes) + list(RA))
+        padded = f"tl.where({self.mask_code(RA, U)}, {self.expand(x, U)}, {identity})" if dims(RA) else \
+            self.expand(x, U)
+        if dims(U) != dims(x.axes) or x.const is not None:
+            padded = f"tl.broadcast_to({padded}, {self.shape(U)})"
+        tile = self.reduce_axes(padded, U, RA, fn, body)
+        if not looped:
+            return {"acc": tile}
+        FA = tile.axes
+        acc = f"{prefix}_acc"
+        init.append(f"{acc} = tl.full({self.shape(FA)}, {identity}, {self.ctx.cdt})")
+        body.lines.append(f"{acc} = {combine}({acc}, {tile.code})")
+        return {"acc": Value(acc, FA)}
+
+    # rescaled (FlashAttention-style)
+    @staticmethod
+    def rescaled_fields(s) -> set[str]:
+        return {r.leader for r in s.rescaled} | {f for r in s.rescaled for f, _ in r.values}
+
+    def rescaled_ok(self, s) -> bool:
+        if not s.rescaled:
+            return False
+        covered = self.rescaled_fields(s)
+        rest = [f for f in s.field_names if f not in covered]
+        for f in rest:
+            used = {v.name.split(".", 1)[1] for v in walk(s.combine[s.field_names.index(f)]) if isinstance(v, Var)}
+            if used & covered:
+                return False
+        return True
+
+    def rescaled_fold(self, fold, prefix, body, RA, init) -> dict[str, Value]:
+        s = fold.summary
+        cdt = self.ctx.cdt
+        xs = {f"x{k}": self.as_float(self.value(a, body)) for k, a in enumerate(fold.args)}
+        state: dict[str, Value] = {}
+        updates: list[str] = []
+        for rs in s.rescaled:
+            ident_r = s.identity[s.field_names.index(rs.leader)].value
+            lit = emission.literal(ident_r)
+            fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
+            body.lines.append(f"# {rs.leader}: running {rs.leader_monoid} (the leader); the fields "
+                              f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
+            la = self.formula(rs.leader_arg, xs, body)
+            U = sort_axes(list(la.axes) + list(RA))
+            padded = f"tl.where({self.mask_code(RA, U)}, {self.expand(la, U)}, {lit})" if dims(RA) else \
+                self.expand(la, U)
+            if dims(U) != dims(la.axes):
+                padded = f"tl.broadcast_to({padded}, {self.shape(U)})"
+            tile = self.reduce_axes(padded, U, RA, fn, body)
+            r = f"{prefix}_{ident(rs.leader)}"
+            FR = tile.axes
+            init.append(f"{r} = tl.full({self.shape(FR)}, {lit}, {cdt})")
+            r_val = Value(r, FR)
+            r_new = self.assign(f"{comb}({r}, {tile.code})", FR, body, stem="r_new")
+            body.lines.append("# a leader still at the identity has no mass yet: use the finite stand-in 0")
+            r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", FR, body, stem="r_use")
+            alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
+            w = self.formula(rs.weight, {**xs, "r": r_use}, body)
+            PU = sort_axes(list(w.axes) + list(RA))
+            p_code = f"tl.where({self.mask_code(RA, PU)}, {self.expand(w, PU)}, 0.0)" if dims(RA) else \
+                self.expand(w, PU)
+            if dims(PU) != dims(w.axes):
+                p_code = f"tl.broadcast_to({p_code}, {self.shape(PU)})"
+            p = self.assign(p_code, PU, body, stem="p", zero=frozenset(dims(RA)))
+            for fname, v_expr in rs.values:
+                v = self.as_float(self.formula(v_expr, xs, body))
+                contrib = self.contract([p] if v.const == 1.0 else [p, v], RA, body)
+                FT = sort_axes(list(contrib.axes) + list(alpha.axes))
+                t = f"{prefix}_{ident(fname)}"
+                init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
+                body.lines.append(f"{t} = {self.expand(Value(t, FT), FT)} * {self.expand(alpha, FT)} + "
+                                  f"{self.expand(contrib, FT)}")
+                state[fname] = Value(t, FT)
+            updates.append(f"{r} = {r_new.code}")
+            state[rs.leader] = r_val
+        body.lines.extend(updates)
+        rest = tuple(f for f in s.field_names if f not in state)
+        if rest:
+            state.update(self.generic_fold(fold, rest, prefix, body, RA, True, init, xs=xs))
+        return state
+
+    # any summary
+    def generic_fold(self, fold, fields, prefix, body, RA, looped, init, xs=None) -> dict[str, Value]:
+        s = fold.summary
+        cdt = self.ctx.cdt
+        if xs is None:
+            xs = {f"x{k}": self.as_float(self.value(a, body)) for k, a in enumerate(fold.args)}
+        index = {f: s.field_names.index(f) for f in fields}
+        lifted = {f: self.formula(s.lift[index[f]], xs, body) for f in fields}
+        U = sort_axes([a for v in lifted.values() for a in v.axes] + list(RA))
+        ids = {f: emission.literal(s.identity[index[f]].value) for f in fields}
+        tiles = {}
+        mask = self.mask_code(RA, U)
+        for f in fields:
+            code = self.expand(lifted[f], U)
+            if mask:
+                code = f"tl.where({mask}, {code}, {ids[f]})"
+            if dims(U):
+                code = f"tl.broadcast_to({code}, {self.shape(U)})"
+            tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}_")
+        current = list(dims(U))
+        combine = self.ctx.combine_fn(s, tuple(fields))
+        names = {f: tiles[f].code for f in fields}
+        for ax in sorted(dims(RA), key=lambda a: -current.index(a)):
+            pos = current.index(ax)
+            args = ", ".join(names[f] for f in fields)
+            outs = [self.temp(f"tile_{ident(f)}_") for f in fields]
+            tuple_in = f"({args},)" if len(fields) > 1 else args
+            if s.commutative:
+                body.lines.append(f"{', '.join(outs)} = tl.reduce({tuple_in}, {pos}, {combine})")
+            else:
+                # tl.reduce may reorder operands; a scan keeps order and its last element is the fold
+                scans = [self.temp(f"scan_{ident(f)}_") for f in fields]
+                body.lines.append(f"{', '.join(scans)} = tl.associative_scan({tuple_in}, {pos}, {combine})")
+                last_axes = [a for a in current]
+                last = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {ax.block_name} - 1)", (ax,), "bool"),
+                                   last_axes)
+                for o, sc in zip(outs, scans):
+                    body.lines.append(f"{o} = tl.sum(tl.where({last}, {sc}, 0.0), {pos})")
+            names = dict(zip(fields, outs))
+            current.remove(ax)
+        FA = sort_axes(a for a in U if a not in RA)
+        tile_vals = {f: Value(names[f], FA) for f in fields}
+        if not looped:
+            return tile_vals
+        state = {}
+        for f in fields:
+            var = f"{prefix}_{ident(f)}"
+            init.append(f"{var} = tl.full({self.shape(FA)}, {ids[f]}, {cdt})")
+            state[f] = Value(var, FA)
+        env = {f"a.{f}": state[f] for f in fields} | {f"b.{f}": tile_vals[f] for f in fields}
+        env.update({f"a.{f}": Value(emission.literal(s.identity[i].value), (), const=s.identity[i].value)
+                    for i, f in enumerate(s.field_names) if f not in fields})
+        env.update({f"b.{f}": Value(emission.literal(s.identity[i].value), (), const=s.identity[i].value)
+                    for i, f in enumerate(s.field_names) if f not in fields})
+        body.lines.append(f"# merge the tile into the running state with the combine of '{s.name}'")
+        new = {f: self.formula(s.combine[index[f]], env, body) for f in fields}
+        for f in fields:
+            body.lines.append(f"{state[f].code} = {self.full_shape(new[f], FA)}")
+        return state
+
+    def full_shape(self, v: Value, axes) -> str:
+        if v.const is not None:
+            return f"tl.full({self.shape(axes)}, {v.code}, {self.ctx.cdt})"
+        if dims(v.axes) != dims(axes):
+            return f"tl.broadcast_to({self.expand(v, axes)}, {self.shape(axes)})"
+        return v.code
+
+    # ------------------------------------------------------------ split: merge of partial states
+    def merge_fold(self, fold: Reduce, env0: dict[str, Axis]) -> dict[str, Value]:
+        s = fold.summary
+        layout = self.ctx.split_layouts[(self.spec.name, fold)]
+        k = next(self.fold_ids)
+        prefix = f"f{k}"
+        root = self.root
+        cdt = self.ctx.cdt
+        state = {}
+        root.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}], merged from n_split partial "
+                          f"states in order")
+        for f in s.field_names:
+            axes = sort_axes(env0[n] for n in layout[f][1])
+            var = f"{prefix}_{ident(f)}"
+            root.lines.append(f"{var} = tl.full({self.shape(axes)}, "
+                              f"{emission.literal(s.identity[s.field_names.index(f)].value)}, {cdt})")
+            state[f] = Value(var, axes)
+        body = Scope(root, 1, dict(root.env), "merge")
+        loaded = {}
+        for f in s.field_names:
+            buf, names = layout[f]
+            axes = [env0[n] for n in names]
+            ptr, strides = self.tensor_params(buf, 1 + len(names))
+            target = sort_axes(axes)
+            address = f"{ptr} + split.to(tl.int64) * {strides[0]}"
+            if axes:
+                address += " + " + self.offsets(axes, strides[1:], target)
+            mask = self.mask_code(target, target)
+            ident_lit = emission.literal(s.identity[s.field_names.index(f)].value)
+            load = f"tl.load({address}, mask={mask}, other={ident_lit})" if mask else f"tl.load({address})"
+            loaded[f] = self.assign(load, target, body, stem=f"part_{ident(f)}_")
+        new: dict[str, Value] = {}
+        covered = self.rescaled_fields(s) if self.rescaled_ok(s) else set()
+        for rs in (s.rescaled if covered else ()):
+            lit = emission.literal(s.identity[s.field_names.index(rs.leader)].value)
+            comb = "tl.maximum" if rs.leader_monoid == "max" else "tl.minimum"
+            a, b = state[rs.leader], loaded[rs.leader]
+            axes = sort_axes(list(a.axes) + list(b.axes))
+            r_new = self.assign(f"{comb}({a.code}, {self.expand(b, axes)})", axes, body, stem="r_new")
+            body.lines.append("# the derived merge: rescale both sides to the common leader (finite stand-in "
+                              "0 while it is the identity)")
+            r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", axes, body, stem="r_use")
+            ha = self.formula(rs.repair, {"r": a, "r_new": r_use}, body)
+            hb = self.formula(rs.repair, {"r": b, "r_new": r_use}, body)
+            for fname, _ in rs.values:
+                ta, tb = state[fname], loaded[fname]
+                FT = ta.axes
+                new[fname] = self.assign(f"{self.expand(ta, FT)} * {self.expand(ha, FT)} + "
+                                         f"{self.expand(tb, FT)} * {self.expand(hb, FT)}", FT, body)
+            new[rs.leader] = r_new
+        rest = [f for f in s.field_names if f not in new]
+        if rest:
+            env = {f"a.{f}": state[f] for f in s.field_names} | {f"b.{f}": loaded[f] for f in s.field_names}
+            for f in rest:
+                new[f] = self.formula(s.combine[s.field_names.index(f)], env, body)
+        for f in s.field_names:
+            body.lines.append(f"{state[f].code} = {self.full_shape(new[f], state[f].axes)}")
+        root.lines.append("for split in range(0, n_split):")
+        root.lines.extend(indent(body.lines))
+        return state
+
+    # ------------------------------------------------------------ the kernel
+    def grid_axes(self) -> list[str]:
+        """Declare the grid axes; returns the launcher's grid factors."""
+        spec = self.spec
+        ext = self.ctx.extent
+        tiled = [g for g in spec.grid if ext(g) > 1][-2:]
+        blocks = {}
+        streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
+        for g in reversed(spec.grid):
+            if g not in tiled:
+                continue
+            b = self.free_block(g)
+            if not b:
+                if streamed:
+                    b = min(self._np(g), max(1, TILE_BUDGET // streamed))
+                elif not blocks:
+                    b = min(self._np(g), ROW_BLOCK)
+                else:
+                    b = min(self._np(g), max(1, TILE_BUDGET // max(blocks.values())))
+            blocks[g] = b
+        axes = {}
+        for g in spec.grid:
+            axes[g] = self.new_axis(g, 0, "grid", blocks.get(g, 0))
+        self.root.env.update(axes)
+        lines = self.root.lines
+        factors = []
+        if self.mode == "partial":
+            lines.append("split_id = tl.program_id(1)")
+            self.params.setdefault("n_split", "n_split")
+        elif self.mode == "merge":
+            self.params.setdefault("n_split", "n_split")
+        if spec.grid:
+            lines.append("pid = tl.program_id(0)")
+        order = list(reversed(spec.grid))
+        for p, g in enumerate(order):
+            ax = axes[g]
+            n = self.extent_param(g)
+            count = n if ax.scalar else f"tl.cdiv({n}, {ax.block_name})"
+            launcher = f'n["{g}"]' if ax.scalar else f'triton.cdiv(n["{g}"], {ax.block})'
+            factors.append(launcher)
+            coord = f"pid_{ax.var}"
+            if p == len(order) - 1:
+                lines.append(f"{coord} = pid")
+            else:
+                lines.append(f"{coord} = pid % {count}")
+                lines.append(f"pid = pid // {count}")
+            if ax.scalar:
+                lines.append(f"{ax.offs} = {coord}")
+            else:
+                lines.append(f"{ax.offs} = {coord} * {ax.block_name} + tl.arange(0, {ax.block_name})")
+                lines.append(f"{ax.mask} = {ax.offs} < {n}")
+        return factors
+
+    def build(self) -> KernelCode:
+        spec = self.spec
+        factors = self.grid_axes()
+        root = self.root
+        writes: list[str] = []
+        if self.mode == "partial":
+            for f in spec.program_folds:
+                state, _, _ = self.fold_state(f, root)
+                layout = {}
+                for fname, v in state.items():
+                    names = tuple(a.name for a in v.axes)
+                    buf = f"{spec.name}_state{list(spec.program_folds).index(f)}_{ident(fname)}"
+                    layout[fname] = (buf, names)
+                    self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), torch.float32)
+                    self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], "torch.float32"))
+                    ptr, strides = self.tensor_params(buf, 1 + len(names))
+                    axes = [root.env[n] for n in names]
+                    target = sort_axes(axes)
+                    address = f"{ptr} + split_id.to(tl.int64) * {strides[0]}"
+                    if axes:
+                        address += " + " + self.offsets(axes, strides[1:], target)
+                    mask = self.mask_code(target, target)
+                    root.lines.append(f"tl.store({address}, {self.full_shape(v, target)}"
+                                      + (f", mask={mask})" if mask else ")"))
+                self.ctx.split_layouts[(spec.name, f)] = layout
+                writes += [b for b, _ in layout.values()]
+        else:
+            full = set(spec.grid) | set(spec.epilogue)
+            for st in spec.statements:
+                if set(st.indices) == set(spec.grid):
+                    self.store(st.name, st.indices, self.value(st.expr, root), root)
+                    writes.append(st.name)
+            if spec.epilogue:
+                epi = Scope(root, 1, dict(root.env), "epilogue")
+                headers = []
+                for depth, e in enumerate(spec.epilogue):
+                    b = self.free_block(e) or self.loop_block(e)
+                    ax = self.new_axis(e, 1, "epilogue", b)
+                    epi.env[e] = ax
+                    headers += indent([f"for start_{ax.var} in range(0, {self.extent_param(e)}, "
+                                       f"{ax.block_name}):"], depth)
+                    epi.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+                    epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(e)}")
+                for st in spec.statements:
+                    if set(st.indices) == full and set(st.indices) != set(spec.grid):
+                        self.store(st.name, st.indices, self.value(st.expr, epi), epi)
+                        writes.append(st.name)
+                root.lines.append(f"# epilogue: loop over tiles of {', '.join(spec.epilogue)}")
+                root.lines.extend(headers)
+                root.lines.extend(indent(epi.lines, len(spec.epilogue)))
+        params = list(self.params)
+        signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
+        source = "\n".join([f"@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
+        return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
+                          self.mode == "partial", spec.why, tuple(writes), self.buffers)

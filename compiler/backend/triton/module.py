@@ -1,0 +1,159 @@
+"""Assemble a complete generated module: header, helpers, combine functions,
+kernels and a launcher that runs them in order; and the Plan that describes it.
+
+Split reductions (flash-decoding).  A kernel whose program folds are
+independent can split each fold's loop over N programs per output tile: the
+`_partial` kernel writes every field of each program's summary state to a
+buffer, the `_merge` kernel folds the N states in order with the summary's
+combine (the rescaled merge for rescaled fields), finalizes and runs the rest
+of the kernel.  `split=N` forces N; by default (`split=None`) a kernel is split
+when it launches fewer than 2 programs per SM and its longest program fold
+streams at least SPLIT_MIN_TILES tiles: N = min(ceil(2 * SMs / programs),
+tiles // 4, SPLIT_MAX), so that every split still streams four tiles or more.
+Without a GPU (the interpreter) the default never splits."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...ir import Program
+from ...schedule import Kernel, Plan
+from .analysis import KernelSpec, Structure
+from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
+from .ops import HELPERS
+
+SPLIT_MIN_TILES = 16
+SPLIT_MAX = 64
+
+
+@dataclass
+class Built:
+    source: str
+    plan: Plan
+
+
+def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
+    """The default number of splits (1: none) for a kernel of `programs` programs whose
+    longest fold streams `tiles` tiles, on a GPU with `sm_count` SMs."""
+    if not sm_count or tiles < SPLIT_MIN_TILES or programs >= 2 * sm_count:
+        return 1
+    n = min(math.ceil(2 * sm_count / max(programs, 1)), tiles // 4, SPLIT_MAX)
+    return n if n >= 2 else 1
+
+
+class ModuleBuilder:
+    def __init__(self, program: Program, outputs: tuple[str, ...], structure: Structure,
+                 signature: Signature, split: int | None, passes: tuple[str, ...]):
+        self.program = program
+        self.outputs = outputs
+        self.structure = structure
+        self.sig = signature
+        self.split = split
+        self.passes = passes
+        self.ctx = ModuleContext(signature, structure.fresh_names)
+        self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
+        self.notes: list[str] = []
+
+    def _register(self, spec: KernelSpec) -> None:
+        cdt = torch.float64 if self.sig.dtype == torch.float64 else torch.float32
+        for st in spec.statements:
+            if st.name in spec.buffers:
+                self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), cdt)
+            else:
+                dtype = {"float": self.sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
+                self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), dtype)
+
+    def _split_for(self, spec: KernelSpec, full: KernelEmitter) -> tuple[int, str]:
+        if not spec.program_folds:
+            return 1, "" if self.split in (None, 1) else "no fold streams per program; nothing to split"
+        if spec.dependent:
+            return 1, "" if self.split in (None, 1) else "its program folds read each other; not split"
+        programs = 1
+        for g in spec.grid:
+            ax = full.root.env[g]
+            n = self.ctx.extent(g)
+            programs *= n if ax.scalar else math.ceil(n / ax.block)
+        tiles = 0
+        for f in spec.program_folds:
+            b = f.indices[0]
+            block = full.loop_block(b) if f.summary.commutative or len(f.indices) == 1 else 1
+            tiles = max(tiles, math.ceil(self.ctx.extent(b) / block))
+        if self.split is None:
+            n = auto_split(programs, tiles, self.sig.sm_count)
+            why = f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream" if n > 1 else ""
+            return n, why
+        n = max(1, min(self.split, tiles))
+        return n, f"split={self.split} requested" + (f" (capped at {tiles} tiles)" if n < self.split else "")
+
+    def build(self) -> Built:
+        plan_kernels: list[Kernel] = []
+        buffers: list[str] = []
+        for spec in self.structure.kernels:
+            self._register(spec)
+            full = KernelEmitter(self.ctx, spec, "full")
+            code = full.build()
+            n_split, why = self._split_for(spec, full)
+            if n_split > 1:
+                partial = KernelEmitter(self.ctx, spec, "partial", n_split).build()
+                merge = KernelEmitter(self.ctx, spec, "merge", n_split).build()
+                self.kernels += [(partial, n_split), (merge, n_split)]
+                plan_kernels.append(Kernel(partial.name, partial.writes,
+                                           f"{spec.why}; the program folds split over {n_split} programs per "
+                                           f"tile ({why}), each writing its summary state"))
+                plan_kernels.append(Kernel(merge.name, merge.writes,
+                                           f"merges the {n_split} partial states in order with the combine, "
+                                           f"finalizes and stores"))
+                buffers += [b for b, _, _ in partial.buffers]
+            else:
+                if why:
+                    self.notes.append(f"{spec.name}: {why}")
+                self.kernels.append((code, 1))
+                plan_kernels.append(Kernel(code.name, code.writes, spec.why + (f" ({why})" if why else "")))
+            buffers += list(spec.buffers)
+        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)))
+
+    # ------------------------------------------------------------ source
+    def header(self) -> list[str]:
+        lines = ["# Generated by einfold's triton backend. Do not edit: regenerated from the source below.",
+                 "#", "# source:"]
+        lines += [f"#   {line}" for line in (self.program.source or "").strip().splitlines()] or ["#   (none)"]
+        lines.append(f"# passes: {', '.join(self.passes) or 'none'}")
+        lines.append(f"# outputs: {', '.join(self.outputs)}; float results in {self.sig.dtype}")
+        lines.append("# specialised to extents: " + ", ".join(f"{k}={v}" for k, v in self.sig.extents))
+        lines += [f"# note: {n}" for n in self.notes]
+        return lines
+
+    def launcher(self) -> list[str]:
+        lines = ["def launch(t, n, device):",
+                 '    """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;',
+                 '    buffers are added); n: extent of every index by name."""']
+        for code, n_split in self.kernels:
+            lines.append(f"    # {code.name}: {code.why}")
+            if code.split_axis or n_split > 1:
+                lines.append(f"    n_split = {n_split}")
+            for name, shape, dtype in code.buffers:
+                lines.append(f'    t["{name}"] = torch.empty(({", ".join(shape)},), dtype={dtype}, '
+                             f'device=device)')
+            grid = " * ".join(code.grid) if code.grid else "1"
+            dims = f"max(1, {grid}), n_split" if code.split_axis else f"max(1, {grid}),"
+            args = [expr for _, expr in code.params]
+            args += [f"{k}={v}" for k, v in code.constexprs.items()]
+            lines.append(f"    {code.name}[({dims})](")
+            lines.append("        " + ", ".join(args) + ")")
+        for spec in self.structure.kernels:
+            for b in spec.buffers:
+                shape = ", ".join(f'n["{i}"]' for i in spec.statements[0].indices)
+                dtype = "torch.float64" if self.sig.dtype == torch.float64 else "torch.float32"
+                lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), dtype={dtype}, '
+                                f'device=device)')
+        return lines
+
+    def source(self) -> str:
+        parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
+        parts += [HELPERS[h].rstrip() for h in sorted(self.ctx.helpers)]
+        parts += [src.rstrip() for _, src in self.ctx.combines.values()]
+        parts += [code.source.rstrip() for code, _ in self.kernels]
+        parts.append("\n".join(self.launcher()))
+        return "\n\n\n".join(parts) + "\n"
