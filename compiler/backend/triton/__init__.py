@@ -5,7 +5,7 @@
     emit.py      one kernel's source from templates: tiles, loops, folds
     ops.py       the operator emission table
     module.py    the whole module (kernels + launcher), split decisions, Plan
-    load.py      the on-disk module cache and import
+    cache.py     the on-disk module cache and import
 
 Source is generated once per signature (input kinds and dtypes, extents), and
 the imported launcher is kept, so a repeated call costs a dict lookup, the
@@ -19,14 +19,20 @@ import warnings
 
 import torch
 
-from ...bind import Binding
-from ...errors import BackendError
-from ...ir import Program
-from ...schedule import Plan
-from .analysis import form
-from .emit import Signature
-from .load import load
-from .module import Built, ModuleBuilder, auto_split
+# Triton's interpreter only runs library functions (tl.sum, tl.cdiv, ...) that were
+# created while TRITON_INTERPRET=1 was set, i.e. it must be set before triton.language
+# is first imported.  Without CUDA it is the only way to run kernels: set it now.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ...bind import Binding  # noqa: E402
+from ...errors import BackendError  # noqa: E402
+from ...ir import Program  # noqa: E402
+from ...schedule import Plan  # noqa: E402
+from .analysis import form  # noqa: E402
+from .emit import Signature  # noqa: E402
+from .cache import load  # noqa: E402
+from .module import Built, ModuleBuilder, auto_split  # noqa: E402
 
 _warned_interpreter = False
 
@@ -37,6 +43,13 @@ def _note_interpreter() -> None:
         _warned_interpreter = True
         warnings.warn("einfold: no CUDA tensors, so the triton backend runs its kernels under Triton's "
                       "interpreter (TRITON_INTERPRET=1): correct but slow", RuntimeWarning, stacklevel=3)
+
+
+def _interpreter_ready() -> bool:
+    """Whether triton.language was imported in interpreter mode."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
 def _pass_names() -> tuple[str, ...]:
@@ -70,6 +83,10 @@ class TritonBackend:
         self._last: Built | None = None
 
     # ------------------------------------------------------------ specialisation
+    @staticmethod
+    def interpreted(binding: Binding) -> bool:
+        return binding.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
     def signature(self, binding: Binding, extents: dict[str, int]) -> Signature:
         inputs = []
         for decl in self.program.inputs:
@@ -78,8 +95,9 @@ class TritonBackend:
                 inputs.append((decl.name, "tensor", value.dim(), value.dtype))
             else:
                 inputs.append((decl.name, "number", 0, None))
+        interpret = self.interpreted(binding)
         return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
-                         _sm_count(binding.device))
+                         None if interpret else _sm_count(binding.device), interpret)
 
     def build(self, signature: Signature) -> Built:
         built = ModuleBuilder(self.program, self.outputs, self.structure, signature, self.split,
@@ -89,8 +107,13 @@ class TritonBackend:
 
     def _entry(self, binding: Binding, extents: dict[str, int]):
         sig = self.signature(binding, extents)
-        interpret = binding.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        key = (sig, interpret)
+        interpret = sig.interpret
+        if interpret and not _interpreter_ready():
+            raise BackendError(
+                f"the inputs are on {binding.device.type}: the triton backend runs CUDA tensors, or CPU tensors "
+                f"under Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first "
+                f"imported; move the inputs to the GPU, set that variable, or use backend='reference'")
+        key = sig
         entry = self._built.get(key)
         if entry is None:
             built = self.build(sig)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ...algebra import BUILTINS
+from ...errors import BackendError
 from ...ir import (Access, Assign, Call, Composite, Expr, Extent, Index, Program, Reduce, Var, children,
                    free_indices, walk, with_children)
 
@@ -74,14 +75,18 @@ def all_index_names(e: Expr) -> set[str]:
     return names
 
 
-def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict[str, str]) -> Expr:
+def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict[str, str],
+           reading: tuple[str, ...] = ()) -> Expr:
     """Replace accesses to the statements in `defs` by their (inlined) bodies."""
     if isinstance(e, Access) and e.tensor in defs:
+        if e.tensor in reading:
+            cycle = " -> ".join(reading[reading.index(e.tensor):] + (e.tensor,))
+            raise BackendError(f"statement '{e.tensor}' reads itself ({cycle}); the IR is not a program")
         st = defs[e.tensor]
-        body = inline(st.expr, defs, avoid, fresh_names)
+        body = inline(st.expr, defs, avoid, fresh_names, reading + (e.tensor,))
         mapping = dict(zip(st.indices, e.indices))
         return rename(body, mapping, avoid | all_index_names(body) | set(e.indices), fresh_names)
-    return with_children(e, tuple(inline(c, defs, avoid, fresh_names) for c in children(e)))
+    return with_children(e, tuple(inline(c, defs, avoid, fresh_names, reading) for c in children(e)))
 
 
 # ---------------------------------------------------------------- folds
@@ -223,7 +228,7 @@ class Former:
             joined = None
             if last is not None and not last.buffers:
                 group_defs = {**non_outputs, **{t.name: t for t in last.statements}}
-                expr = inline(s.expr, group_defs, self.avoid, self.fresh_names)
+                expr = inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,))
                 grid, _ = _grid_of(expr, s.indices)
                 if grid == last.grid and (s.indices == last.grid or s.indices == last.lhs or
                                           (last.lhs == last.grid and s.indices[:len(grid)] == grid)):
@@ -231,7 +236,9 @@ class Former:
             if joined is not None:
                 self._join(last, joined)
             else:
-                expr = inline(s.expr, non_outputs, self.avoid, self.fresh_names)
+                if s.name in reads(s.expr):
+                    raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
+                expr = inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,))
                 self._add(replace(s, expr=expr), buffer=False)
         return Structure(self.kernels, self.fresh_names, self.buffer_indices)
 

@@ -135,6 +135,7 @@ class Signature:
     inputs: tuple[tuple[str, str, int, object], ...]    # name, "tensor" | "number", rank, dtype
     dtype: torch.dtype                                  # float results
     sm_count: int | None                                # None: no auto split (no GPU)
+    interpret: bool = False                             # kernels run under Triton's interpreter
 
     def extent(self, name: str) -> int:
         return dict(self.extents)[name]
@@ -169,6 +170,8 @@ class ModuleContext:
         self.cdt = "tl.float64" if signature.dtype == torch.float64 else "tl.float32"
         self.dot_dtype = None if signature.dtype == torch.float64 else (
             signature.dtype if signature.dtype in (torch.float16, torch.bfloat16) else torch.float32)
+        if signature.interpret and self.dot_dtype == torch.bfloat16:
+            self.dot_dtype = torch.float32      # Triton's interpreter multiplies bfloat16 tiles wrongly
         self.tensors: dict[str, TensorInfo] = {
             name: TensorInfo(kind, rank, dtype) for name, kind, rank, dtype in signature.inputs}
         self.helpers: set[str] = set()
@@ -223,7 +226,7 @@ class KernelEmitter:
         self.ctx = ctx
         self.spec = spec
         self.mode = mode                 # "full", "partial" (split states) or "merge"
-        self.split = split
+        self.split = split               # requested split: program folds stream at least this many tiles
         self.name = spec.name + {"full": "", "partial": "_partial", "merge": "_merge"}[mode]
         self.params: dict[str, str] = {}
         self.constexprs: dict[str, int] = {}
@@ -281,6 +284,12 @@ class KernelEmitter:
         if name in self.contraction:
             return min(DOT_BLOCK, max(16, self._np(name)))
         return min(self._np(name), ROW_BLOCK)
+
+    def split_block(self, name: str) -> int:
+        """A program fold's tile when the fold is split: small enough for `split` tiles."""
+        n = self.ctx.extent(name)
+        least = 16 if name in self.contraction else 1
+        return min(self.loop_block(name), max(least, np2(-(-n // self.split))))
 
     def whole_block(self, name: str) -> int:
         return max(16 if name in self.contraction else 1, self._np(name))
@@ -350,6 +359,9 @@ class KernelEmitter:
             return v
         if v.const is not None:
             return Value(emission.literal(float(v.const)), (), "float", const=float(v.const))
+        if not dims(v.axes):
+            # a scalar int may be a constexpr (Triton specialises some integer arguments)
+            return Value(f"({v.code} * 1.0)", v.axes, "float")
         return Value(f"{v.code}.to({self.ctx.cdt})", v.axes, "float")
 
     # ------------------------------------------------------------ expressions
@@ -519,6 +531,8 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
             elif nested and self._np(b) <= WHOLE_MAX:
                 ax = self.whole_axis(b)
+            elif T is self.root and p == 0 and self.split > 1:
+                ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
                 ax = self.new_axis(b, T.level + 1, "loop", self.loop_block(b))
             bound.append(ax)
@@ -844,7 +858,7 @@ class KernelEmitter:
             axes = [env0[n] for n in names]
             ptr, strides = self.tensor_params(buf, 1 + len(names))
             target = sort_axes(axes)
-            address = f"{ptr} + split.to(tl.int64) * {strides[0]}"
+            address = f"{ptr} + tl.cast(split, tl.int64) * {strides[0]}"
             if axes:
                 address += " + " + self.offsets(axes, strides[1:], target)
             mask = self.mask_code(target, target)
@@ -886,7 +900,12 @@ class KernelEmitter:
         """Declare the grid axes; returns the launcher's grid factors."""
         spec = self.spec
         ext = self.ctx.extent
-        tiled = [g for g in spec.grid if ext(g) > 1][-2:]
+        # Tile the last two grid indices that are not batch-like (read by every access:
+        # tiling those would make every operand 3-D); other grid indices are one program each.
+        accesses = [n for st in spec.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
+        batch = {g for g in spec.grid if accesses and all(g in a.indices for a in accesses)}
+        candidates = [g for g in spec.grid if ext(g) > 1]
+        tiled = [g for g in candidates if g not in batch][-2:] or candidates[-2:]
         blocks = {}
         streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
         for g in reversed(spec.grid):

@@ -1,0 +1,449 @@
+"""The triton backend against the float64 oracle.
+
+On a CPU machine the kernels run under Triton's interpreter (conftest sets
+TRITON_INTERPRET=1), so shapes here are tiny and deliberately not powers of
+two.  Tests marked `gpu` run realistic sizes against torch on the device machine."""
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import compiler
+from compiler import reference
+from compiler.backend.triton import TritonBackend, auto_split
+from compiler.backend.triton import cache
+from compiler.bind import bind
+from compiler.check import check
+from compiler.errors import BackendError
+from compiler.parse import parse
+
+warnings.filterwarnings("ignore", message="einfold: no CUDA tensors")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-2, atol=2e-2),
+       torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+CAUSAL = "O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]"
+LAYERNORM = """
+mu[i] = sum[j](X[i,j]) / len(j)
+var[i] = sum[j]((X[i,j] - mu[i]) ** 2) / len(j)
+Y[i,j] = (X[i,j] - mu[i]) * rsqrt(var[i] + 1e-5)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("EINFOLD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "einfold-cache"))
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def triton_backend(src, outputs=None, **options):
+    """(oracle program, triton backend): options such as split go to the backend."""
+    ref = compiler.compile(src, backend="reference", outputs=outputs)
+    return ref, TritonBackend(ref.factorised, ref.outputs, **options)
+
+
+def run(backend, ref, inputs):
+    results = backend.run(bind(ref.checked, inputs).for_program(backend.program))
+    return tuple(results[n] for n in ref.outputs)
+
+
+def plan(backend, ref, inputs):
+    return backend.plan(bind(ref.checked, inputs).for_program(backend.program))
+
+
+def assert_matches_oracle(src, inputs, outputs=None, **options):
+    ref, backend = triton_backend(src, outputs, **options)
+    got = run(backend, ref, inputs)
+    want = ref(**inputs)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        tol = TOL.get(g.dtype, {})
+        torch.testing.assert_close(g.cpu(), w.cpu(), equal_nan=True, **tol)
+    return ref, backend
+
+
+def unfactorised(src, inputs, outputs=None):
+    checked = check(parse(src), outputs=tuple(outputs) if outputs else None)
+    backend = TritonBackend(checked, checked.outputs)
+    binding = bind(checked, inputs)
+    got = backend.run(binding)
+    want = reference.run(checked, inputs, binding.extents)     # the oracle on the same, unfactorised IR
+    for name in checked.outputs:
+        torch.testing.assert_close(got[name].cpu(), want[name].to(binding.dtype), **TOL[binding.dtype])
+    return backend, backend.plan(bind(checked, inputs))
+
+
+def kernel_names(p):
+    return [k.name for k in p.kernels]
+
+
+# ---------------------------------------------------------------- one fused kernel each
+def test_elementwise_add_gelu_is_one_kernel():
+    src = "Y[i,j] = gelu(X[i,j] + Z[i,j]) * sigmoid(Z[i,j]) + tanh(X[i,j] / 3) + softplus(Z[i,j])"
+    inputs = {"X": randn(7, 45), "Z": randn(7, 45, seed=1)}
+    ref, backend = assert_matches_oracle(src, inputs)
+    p = plan(backend, ref, inputs)
+    assert len(p.kernels) == 1 and p.buffers == ()
+    assert "elementwise" in p.kernels[0].why
+
+
+def test_through_compile_with_the_triton_backend():
+    program = compiler.compile("Y[i] = relu(X[i]) - silu(X[i]) ** 2", backend="triton")
+    x = randn(37)
+    torch.testing.assert_close(program(X=x), torch.relu(x) - torch.nn.functional.silu(x) ** 2)
+    assert len(program.plan(X=x).kernels) == 1
+    assert "@triton.jit" in program.source and "def launch(" in program.source
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_softmax_rows(dtype):
+    inputs = {"X": randn(7, 45, dtype=dtype) * 4}
+    ref, backend = assert_matches_oracle("Y[i,j] = softmax[j](X[i,j])", inputs)
+    p = plan(backend, ref, inputs)
+    assert len(p.kernels) == 1 and p.buffers == ()
+
+
+def test_softmax_of_huge_logits_does_not_overflow():
+    x = randn(3, 21) * 1e4
+    ref, backend = triton_backend("Y[i,j] = softmax[j](X[i,j])")
+    (got,) = run(backend, ref, {"X": x})
+    torch.testing.assert_close(got.cpu(), torch.softmax(x.cpu().double(), 1).float(), rtol=1e-4, atol=1e-5)
+
+
+def test_logsumexp():
+    assert_matches_oracle("L[i] = logsumexp[j](X[i,j])", {"X": randn(5, 37) * 30})
+
+
+def test_sum_max_min_prod_share_one_kernel():
+    src = "S[i] = sum[j](X[i,j])\nM[i] = max[j](X[i,j])\nN[i] = min[j](X[i,j])\nP[i] = prod[j](X[i,j])"
+    inputs = {"X": 0.5 + torch.rand(5, 13, device=DEVICE)}
+    ref, backend = assert_matches_oracle(src, inputs)
+    assert len(plan(backend, ref, inputs).kernels) == 1
+
+
+def test_reductions_over_two_indices_and_full_reductions():
+    assert_matches_oracle("S[i] = sum[j, k](X[i,j,k] * X[i,j,k])", {"X": randn(3, 5, 7)})
+    assert_matches_oracle("T = max[i](X[i]) + sum[i](X[i])", {"X": randn(37)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_matmul_uses_tl_dot(dtype):
+    inputs = {"A": randn(20, 33, dtype=dtype), "B": randn(33, 19, dtype=dtype, seed=1)}
+    ref, backend = triton_backend("C[i,j] = A[i,k] * B[k,j]")
+    (got,) = run(backend, ref, inputs)
+    want = (inputs["A"].double() @ inputs["B"].double()).to(dtype)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **TOL[dtype], check_dtype=True)
+    assert "tl.dot(" in backend.source
+    assert len(plan(backend, ref, inputs).kernels) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_is_one_kernel(dtype):
+    inputs = {"X": (randn(5, 37) * 3 + 10).to(dtype)}
+    ref, backend = assert_matches_oracle(LAYERNORM, inputs)
+    p = plan(backend, ref, inputs)
+    assert len(p.kernels) == 1 and p.buffers == ()
+
+
+def test_layernorm_statistics_as_outputs_share_the_kernel():
+    # the checked (unfactorised) IR: mu and var are outputs that Y reads
+    checked = check(parse(LAYERNORM), outputs=("mu", "var", "Y"))
+    backend = TritonBackend(checked, checked.outputs)
+    x = randn(5, 37) * 3 + 10
+    got = backend.run(bind(checked, {"X": x}))
+    torch.testing.assert_close(got["mu"].cpu(), x.cpu().mean(1))
+    torch.testing.assert_close(got["var"].cpu(), x.cpu().var(1, unbiased=False), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got["Y"].cpu(), torch.nn.functional.layer_norm(x.cpu(), (37,)), rtol=1e-4,
+                               atol=1e-4)
+    p = backend.plan(bind(checked, {"X": x}))
+    assert len(p.kernels) == 1 and set(p.kernels[0].writes) == {"mu", "var", "Y"} and p.buffers == ()
+
+
+def test_a_statement_that_reads_itself_is_refused():
+    from compiler.ir import Access, Assign, Call, replace
+    checked = check(parse("Y[i] = X[i] + 1"))
+    st = checked.statements[0]
+    bad = replace(checked, statements=(replace(st, expr=Call("add", (st.expr, Access("Y", ("i",))))),))
+    with pytest.raises(BackendError, match="reads itself"):
+        TritonBackend(bad, bad.outputs)
+    del Assign
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attention_with_batch_and_heads_is_one_flash_kernel(dtype):
+    inputs = {"Q": randn(2, 3, 20, 16, dtype=dtype), "K": randn(2, 3, 37, 16, dtype=dtype, seed=1),
+              "V": randn(2, 3, 37, 12, dtype=dtype, seed=2), "scale": 0.25}
+    ref, backend = assert_matches_oracle(ATTENTION, inputs)
+    p = plan(backend, ref, inputs)
+    assert len(p.kernels) == 1 and p.buffers == ()
+    src = backend.source
+    assert src.count("tl.dot(") == 2                       # Q K^T and P V
+    assert "finite stand-in" in src and "running max" in src
+    q, k, v = (inputs[n].double().cpu() for n in "QKV")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25)
+    torch.testing.assert_close(run(backend, ref, inputs)[0].cpu().double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_causal_attention(dtype):
+    inputs = {"Q": randn(29, 16, dtype=dtype), "K": randn(29, 16, dtype=dtype, seed=1),
+              "V": randn(29, 8, dtype=dtype, seed=2), "scale": 0.3}
+    ref, backend = assert_matches_oracle(CAUSAL, inputs)
+    q, k, v = (inputs[n].double().cpu() for n in "QKV")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.3, is_causal=True)
+    torch.testing.assert_close(run(backend, ref, inputs)[0].cpu().double(), want, **TOL[dtype])
+
+
+def test_fully_masked_rows_follow_the_oracle():
+    # row 0 of a strict causal mask has no mass: the language defines 0/0 there
+    src = "O[i,j] = softmax[m](where(m < i, S[i,m], -inf)) * V[m,j]"
+    assert_matches_oracle(src, {"S": randn(6, 6), "V": randn(6, 3)})
+
+
+def test_strided_and_transposed_inputs():
+    a = randn(33, 20).t()                       # transposed view
+    b = randn(19, 66)[:, ::2].t()               # non-unit stride, transposed
+    assert not a.is_contiguous() and not b.is_contiguous()
+    assert_matches_oracle("C[i,j] = A[i,k] * B[k,j]", {"A": a, "B": b})
+    x = randn(9, 40)[1::2, 3:40]
+    assert_matches_oracle("Y[i,j] = softmax[j](X[i,j])", {"X": x})
+    q = randn(2, 20, 3, 16).transpose(1, 2)     # (b, s, h, d) storage read as (b, h, s, d)
+    assert_matches_oracle(ATTENTION, {"Q": q, "K": randn(2, 3, 37, 16), "V": randn(2, 3, 37, 12), "scale": 0.5})
+
+
+def test_outputs_of_other_dtypes_and_index_values():
+    src = "N[i,j] = i * len(j) + j\nB[i,j] = X[i,j] > 0\nF[i,j] = X[i,j] * i / (j + 1)"
+    ref, backend = assert_matches_oracle(src, {"X": randn(5, 7)})
+    got = run(backend, ref, {"X": randn(5, 7)})
+    assert got[0].dtype == torch.int64 and got[1].dtype == torch.bool
+
+
+def test_scalar_inputs_as_numbers_and_zero_dim_tensors():
+    src = "Y[i] = X[i] * a + b"
+    assert_matches_oracle(src, {"X": randn(11), "a": 2.5, "b": torch.tensor(-1.0, device=DEVICE)})
+
+
+# ---------------------------------------------------------------- algebra: order, payloads, user summaries
+def test_argmax_keeps_the_first_of_ties():
+    x = torch.randint(-2, 3, (6, 13), generator=torch.Generator().manual_seed(3)).float().to(DEVICE)
+    x[2] = 1.0
+    ref, backend = triton_backend("I[i] = argmax[k](X[i,k], k)")
+    (got,) = run(backend, ref, {"X": x})
+    assert torch.equal(got.cpu().long(), torch.argmax(x.cpu(), dim=1))
+    assert "tl.associative_scan" in backend.source          # non-commutative: order kept
+
+
+def affine():
+    return compiler.summary("affine", fields=("A", "B"), identity=(1.0, 0.0), lift=lambda a, b: (a, b),
+                            combine=lambda l, r: (r.A * l.A, r.A * l.B + r.B), finalize=lambda s: s.B,
+                            examples=20)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+def test_non_commutative_affine_recurrence_in_order(split):
+    program = compiler.compile("H[i] = affine[t](A[i,t], Bv[i,t])", summaries=[affine()], backend="reference")
+    backend = TritonBackend(program.factorised, program.outputs, split=split)
+    a = torch.rand(5, 23, generator=torch.Generator().manual_seed(0), device="cpu").to(DEVICE) * 1.2
+    b = randn(5, 23)
+    got = backend.run(bind(program.checked, {"A": a, "Bv": b}).for_program(program.factorised))["H"]
+    h = torch.zeros(5, dtype=torch.float64)
+    for t in range(23):
+        h = a[:, t].cpu().double() * h + b[:, t].cpu().double()
+    torch.testing.assert_close(got.cpu().double(), h, rtol=1e-4, atol=1e-4)
+
+
+def test_user_summary_through_compile():
+    from compiler.algebra.user import fn
+    lse = compiler.summary("lse", fields=("m", "l"), identity=(-math.inf, 0.0), lift=lambda x: (x, 1.0),
+                           combine=lambda a, b: (fn.max(a.m, b.m), a.l * fn.exp(a.m - fn.max(a.m, b.m))
+                                                 + b.l * fn.exp(b.m - fn.max(a.m, b.m))),
+                           finalize=lambda s: s.m + fn.log(s.l), commutative=True, examples=20)
+    x = randn(4, 19) * 5
+    out = compiler.compile("L[i] = lse[k](X[i,k])", summaries=[lse], backend="triton")(X=x)
+    torch.testing.assert_close(out.cpu(), torch.logsumexp(x.cpu(), 1))
+
+
+# ---------------------------------------------------------------- IR the passes did not factorise
+def test_checked_ir_with_composites_and_intermediates():
+    p = unfactorised(ATTENTION, {"Q": randn(2, 3, 20, 8), "K": randn(2, 3, 37, 8), "V": randn(2, 3, 37, 6),
+                                 "scale": 0.3})[1]
+    assert len(p.kernels) == 1
+    src = "S[i,m] = Q[i,k] * K[m,k]\nP[i,m] = softmax[m](S[i,m])\nO[i,j] = P[i,m] * V[m,j]"
+    p = unfactorised(src, {"Q": randn(20, 8), "K": randn(37, 8), "V": randn(37, 6)})[1]
+    assert len(p.kernels) == 1 and p.buffers == ()
+    p = unfactorised(LAYERNORM, {"X": randn(5, 37)}, outputs=["mu", "Y"])[1]
+    assert len(p.kernels) == 1
+
+
+def test_reductions_without_a_common_output_index_are_materialised():
+    ref, backend = assert_matches_oracle("Y[i] = X[i] / sum[j](X[j])", {"X": randn(37)})
+    p = plan(backend, ref, {"X": randn(37)})
+    assert kernel_names(p) == ["einfold_buf0", "einfold_Y"] and p.buffers == ("buf0",)
+    assert "materialises sum[j]" in p.kernels[0].why
+    src = "Y[i,j] = max[k](A[i,k]) * sum[k](B[j,k]) + C[i,j]"
+    inputs = {"A": randn(5, 7), "B": randn(6, 7), "C": randn(5, 6)}
+    assert_matches_oracle(src, inputs)          # factorised: one fold of (max, sum) over k per (i, j)
+    backend, p = unfactorised(src, inputs)      # two folds, no common free index: two buffers
+    assert len(p.kernels) == 3 and p.buffers == ("buf0", "buf1")
+
+
+def test_statements_reading_earlier_outputs_in_other_kernels():
+    src = "S[i] = sum[j](X[i,j])\nY[j] = max[i](X[i,j] - S[i])"
+    ref, backend = assert_matches_oracle(src, {"X": randn(9, 11)}, outputs=["S", "Y"])
+    p = plan(backend, ref, {"X": randn(9, 11)})
+    assert kernel_names(p) == ["einfold_S", "einfold_Y"] and p.buffers == ()
+
+
+# ---------------------------------------------------------------- split reductions
+def test_forced_split_plans_kernel_and_merge():
+    inputs = {"Q": randn(2, 3, 1, 16), "K": randn(2, 3, 150, 16, seed=1), "V": randn(2, 3, 150, 8, seed=2),
+              "scale": 0.25}
+    ref, backend = assert_matches_oracle(ATTENTION, inputs, split=3)
+    p = plan(backend, ref, inputs)
+    assert kernel_names(p) == ["einfold_O_partial", "einfold_O_merge"]
+    assert all(b.startswith("einfold_O_state0_") for b in p.buffers) and len(p.buffers) == 3
+    assert "in order" in p.kernels[1].why
+    assert "rescale both sides to the common leader" in backend.source
+
+
+@pytest.mark.parametrize("src, shape", [("Y[i,j] = softmax[j](X[i,j])", (5, 300)),
+                                        ("L = logsumexp[i](X[i])", (1000,)),
+                                        ("I[i] = argmax[k](X[i,k], k)", (4, 50)),
+                                        (LAYERNORM, (3, 70))])
+def test_split_3_matches_the_oracle(src, shape):
+    inputs = {"X": randn(*shape)}
+    ref, backend = assert_matches_oracle(src, inputs, split=3)
+    names = kernel_names(plan(backend, ref, inputs))
+    assert len(names) == 2 and names[0].endswith("_partial") and names[1].endswith("_merge")
+
+
+def test_split_of_dependent_folds_materialises_the_inner_one():
+    # unfactorised softmax: the sum reads the max; the max becomes a buffer of its own split kernel
+    src = "Y[i,j] = exp(X[i,j]) / sum[j](exp(X[i,j] - max[j](X[i,j]))) * exp(-max[j](X[i,j]))"
+    checked = check(parse(src))
+    backend = TritonBackend(checked, checked.outputs, split=2)
+    x = randn(4, 50)
+    got = backend.run(bind(checked, {"X": x}))["Y"]
+    torch.testing.assert_close(got.cpu(), torch.softmax(x.cpu(), 1), rtol=1e-4, atol=1e-6)
+    p = backend.plan(bind(checked, {"X": x}))
+    assert len(p.kernels) == 4 and "buf0" in p.buffers
+
+
+def test_auto_split_heuristic():
+    assert auto_split(programs=16, tiles=512, sm_count=132) == 17
+    assert auto_split(programs=16, tiles=40, sm_count=132) == 10       # every split streams >= 4 tiles
+    assert auto_split(programs=1024, tiles=512, sm_count=132) == 1      # enough programs already
+    assert auto_split(programs=16, tiles=8, sm_count=132) == 1          # too short to be worth it
+    assert auto_split(programs=1, tiles=10_000, sm_count=132) == 64     # capped
+    assert auto_split(programs=16, tiles=512, sm_count=None) == 1       # no GPU: never by default
+
+
+def test_bad_split_is_refused():
+    with pytest.raises(BackendError, match="split"):
+        triton_backend("Y[i] = X[i]", split=0)
+
+
+# ---------------------------------------------------------------- source, cache, determinism
+def test_source_is_deterministic_and_headed():
+    a = triton_backend(ATTENTION)[1].source
+    b = triton_backend(ATTENTION)[1].source
+    assert a == b
+    assert ATTENTION in a and "# passes (compiler.passes.PIPELINE): lower, fuse" in a
+    compile(a, "<generated>", "exec")                       # valid Python
+
+
+def test_module_cache_files_are_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("EINFOLD_CACHE_DIR", str(tmp_path))
+    ref, backend = triton_backend("Y[i] = X[i] * 2")
+    run(backend, ref, {"X": randn(10)})
+    files = sorted(tmp_path.glob("einfold_*.py"))
+    assert len(files) == 1 and files[0].read_text() == backend.source
+    stamp = files[0].stat().st_mtime_ns
+    ref, again = triton_backend("Y[i] = X[i] * 2")
+    run(again, ref, {"X": randn(10)})
+    assert sorted(tmp_path.glob("einfold_*.py")) == files and files[0].stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob(".*.tmp"))
+    # a different specialisation is another file
+    run(again, ref, {"X": randn(3000)})
+    assert len(list(tmp_path.glob("einfold_*.py"))) == 2
+
+
+def test_cache_write_is_atomic_under_concurrency(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setenv("EINFOLD_CACHE_DIR", str(tmp_path))
+    source = "X = 1\n" * 10000
+    with ThreadPoolExecutor(8) as pool:
+        paths = list(pool.map(lambda _: cache.write(source, "key"), range(16)))
+    assert len(set(paths)) == 1 and paths[0].read_text() == source
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_auto_backend_is_triton():
+    program = compiler.compile("Y[i] = X[i] + 1")
+    assert program.backend.name == "triton"
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------- GPU, realistic sizes
+gpu = pytest.mark.gpu
+
+
+def bench_inputs(*shapes, dtype):
+    return [torch.randn(*s, device="cuda", dtype=dtype) for s in shapes]
+
+
+@gpu
+def test_gpu_attention_bf16():
+    q, k, v = bench_inputs((2, 8, 1024, 64), (2, 8, 1024, 64), (2, 8, 1024, 64), dtype=torch.bfloat16)
+    program = compiler.compile(ATTENTION, backend="triton")
+    out = program(Q=q, K=k, V=v, scale=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert len(program.plan(Q=q, K=k, V=v, scale=0.125).kernels) == 1
+
+
+@gpu
+def test_gpu_causal_attention_fp16():
+    q, k, v = bench_inputs((1024, 64), (1024, 64), (1024, 64), dtype=torch.float16)
+    out = compiler.compile(CAUSAL, backend="triton")(Q=q, K=k, V=v, scale=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], scale=0.125,
+                                                            is_causal=True)[0]
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+def test_gpu_decode_uses_the_automatic_split():
+    q, k, v = bench_inputs((1, 8, 1, 64), (1, 8, 32768, 64), (1, 8, 32768, 64), dtype=torch.bfloat16)
+    program = compiler.compile(ATTENTION, backend="triton")
+    out = program(Q=q, K=k, V=v, scale=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    names = kernel_names(program.plan(Q=q, K=k, V=v, scale=0.125))
+    assert names == ["einfold_O_partial", "einfold_O_merge"]
+
+
+@gpu
+def test_gpu_layernorm_4096():
+    (x,) = bench_inputs((4096, 4096), dtype=torch.float32)
+    out = compiler.compile(LAYERNORM, backend="triton")(X=x)
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (4096,), eps=1e-5), rtol=1e-4, atol=1e-4)
+
+
+@gpu
+def test_gpu_matmul_and_softmax():
+    a, b = bench_inputs((1000, 700), (700, 900), dtype=torch.float16)
+    out = compiler.compile("C[i,j] = A[i,k] * B[k,j]", backend="triton")(A=a, B=b)
+    torch.testing.assert_close(out, a @ b, rtol=2e-2, atol=2e-1)
+    (x,) = bench_inputs((3000, 5000), dtype=torch.float32)
+    out = compiler.compile("Y[i,j] = softmax[j](X[i,j])", backend="triton")(X=x)
+    torch.testing.assert_close(out, torch.softmax(x, 1), rtol=1e-4, atol=1e-6)
