@@ -4,6 +4,7 @@ Every mismatch is a BindError that points at the access in the source whose
 shape disagrees."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, replace
 from numbers import Real
 from typing import Mapping
@@ -44,7 +45,10 @@ def bind(program: Program, inputs: Mapping[str, object]) -> Binding:
     for name in inputs:
         if name not in declared:
             known = ", ".join(declared) or "none"
-            raise BindError(f"unexpected input '{name}'; the program's inputs are: {known}")
+            close = ([d for d in declared if d.lower() == name.lower()]
+                     or difflib.get_close_matches(name, list(declared), n=1))
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise BindError(f"unexpected input '{name}'{hint} (the program's inputs are: {known})")
     for decl in program.inputs:
         if decl.name not in inputs:
             raise BindError(f"missing input '{decl.name}'", src, decl.span)
@@ -85,9 +89,11 @@ def bind(program: Program, inputs: Mapping[str, object]) -> Binding:
                 symbol = program.extent(ix)
                 if symbol in seen and seen[symbol][0] != size:
                     first_size, first_ix, first, first_dim = seen[symbol]
-                    same = "index" if first_ix == ix else f"indices '{first_ix}' and"
+                    which = (f"index '{ix}' has" if first_ix == ix
+                             else f"indices '{first_ix}' and '{ix}' (they index one dimension, so share "
+                                  f"one extent) have")
                     raise BindError(
-                        f"{same} '{ix}' has extent {first_size} in {first.tensor} (dimension "
+                        f"{which} extent {first_size} in {first.tensor} (dimension "
                         f"{first_dim}) but {size} in {node.tensor} (dimension {d})", src, node.span)
                 seen.setdefault(symbol, (size, ix, node, d))
     extents = {ix: seen[symbol][0] for ix, symbol in program.extents}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import sympy
 
@@ -55,16 +55,20 @@ class _Checker:
         self._collect_index_names()
         names = [s.name for s in statements]
         defined: dict[str, syn.Statement] = {}
-        checked: list[Assign] = []
-        for position, st in enumerate(statements):
+        for st in statements:       # before reading: a reread of a twice-assigned name is no forward read
             if st.name in defined:
                 raise self.error(f"'{st.name}' is assigned twice (first on line "
                                  f"{defined[st.name].name_span.line_col(self.source)[0]})", st.name_span)
+            defined[st.name] = st
+        checked: list[Assign] = []
+        for position, st in enumerate(statements):
             if st.name in self.index_names:
                 raise self.error(f"'{st.name}' is used both as an index and as a tensor", st.name_span)
+            if st.name in CONSTANTS:
+                raise self.error(f"'{st.name}' is a constant of the language and cannot be assigned",
+                                 st.name_span)
             later = set(names[position:])
             checked.append(self._statement(st, later))
-            defined[st.name] = st
         read = {a.tensor for s in checked for a in _accesses(s.expr)}
         program_outputs = tuple(s.name for s in checked if s.name not in read)
         if outputs is not None:
@@ -108,7 +112,8 @@ class _Checker:
             if ix.name in lhs[:k]:
                 raise self.error(f"index '{ix.name}' appears twice on the left", ix.span)
         expr = self._expr(st.expr, st.name, later)
-        expr = _make_einstein_sums(expr, set(lhs))
+        self._type(expr)        # type errors first, as written; then no implicit sum may fall on a predicate
+        expr = _make_einstein_sums(expr, set(lhs), self._check_summable)
         free = set(free_indices(expr))
         for ix in st.indices:
             if ix.name not in free:
@@ -128,6 +133,9 @@ class _Checker:
         if isinstance(node, syn.Number):
             text = node.text
             value = int(text) if text.isdigit() else float(text)
+            if isinstance(value, int) and value >= 2 ** 63:
+                raise self.error(f"integer literal {text} does not fit in 64 bits; "
+                                 f"write it as a float ({text}.0)", node.span)
             return Const(value, node.span)
         if isinstance(node, syn.Name):
             return self._name(node, statement, later)
@@ -221,6 +229,15 @@ class _Checker:
                          node.name_span)
 
     # ------------------------------------------------------------ checks on the IR
+    def _check_summable(self, e: Expr, indices: tuple[str, ...]) -> None:
+        """An implicit (Einstein) sum over `e`: a predicate is not a number."""
+        if self._type(e) == BOOL:
+            names = ", ".join(f"'{i}'" for i in indices)
+            which = f"index {names} is" if len(indices) == 1 else f"indices {names} are"
+            raise self.error(f"{which} neither on the left nor bound, so the Einstein convention sums "
+                             f"over this predicate, which is not a number; put {names} on the left or "
+                             f"sum a number, e.g. where(cond, 1.0, 0.0)", e.span)
+
     def _check_reductions_use_indices(self, e: Expr) -> None:
         for node in _nodes(e):
             if isinstance(node, Reduce | Composite):
@@ -249,6 +266,9 @@ class _Checker:
         else:
             result = FLOAT if arg_types[0] in (INT, FLOAT) else None
             what = f"{e.op}[...]"
+        if result is None and isinstance(e, Call) and e.op == "where" and arg_types[0] != BOOL:
+            raise self.error(f"where(...) takes a predicate (a comparison) as its condition, "
+                             f"not a {arg_types[0]} value", e.args[0].span)
         if result is None:
             logical = isinstance(e, Call) and OPS[e.op].result((BOOL,) * OPS[e.op].arity) == BOOL
             hint = ("; a predicate selects with where(cond, x, y)"
@@ -305,9 +325,11 @@ def _count_free(e: Expr, counts: Counter) -> Counter:
     return counts
 
 
-def _make_einstein_sums(expr: Expr, lhs: set[str]) -> Expr:
+def _make_einstein_sums(expr: Expr, lhs: set[str],
+                        check_summable: Callable[[Expr, tuple[str, ...]], None] = lambda e, ix: None) -> Expr:
     """Sum every index that is neither on the left nor bound over the smallest
-    subexpression that contains all its free occurrences."""
+    subexpression that contains all its free occurrences (`check_summable` may
+    reject that subexpression)."""
 
     def count(e: Expr) -> Counter:
         total = Counter()
@@ -325,6 +347,7 @@ def _make_einstein_sums(expr: Expr, lhs: set[str]) -> Expr:
         done = tuple(i for i in free_indices_in_order(e)
                      if i in implicit and i not in bound and counts[i] == implicit[i])
         if done:
+            check_summable(e, done)
             e = Reduce(BUILTINS["sum"], done, (e,), span=e.span)
             for i in done:
                 del counts[i]

@@ -9,15 +9,21 @@ from .errors import EinfoldError
 from .ir import format_program
 
 
+class _UsageError(Exception):
+    """A bad command line (not a bad program): reported like argparse's errors, exit status 2."""
+
+
 def _read_program(args) -> str:
     if args.expr is not None:
+        if args.file is not None:
+            raise _UsageError("give a program with -e EXPR or a FILE, not both")
         return args.expr
     if args.file is None:
-        raise SystemExit("einfold: give a program with -e EXPR or a FILE")
+        raise _UsageError("give a program with -e EXPR or a FILE")
     try:
         return Path(args.file).read_text()
     except OSError as e:
-        raise SystemExit(f"einfold: cannot read {args.file}: {e.strerror}") from None
+        raise _UsageError(f"cannot read {args.file}: {e.strerror}") from None
 
 
 def _add_program_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +46,7 @@ def cmd_ir(args) -> int:
     wanted = args.print_after
     names = [name for name, _ in PIPELINE]
     if wanted not in (None, "all") and wanted not in names:
-        raise SystemExit(f"einfold: unknown pass '{wanted}'; the passes are: {', '.join(names) or 'none'}")
+        raise _UsageError(f"unknown pass '{wanted}'; the passes are: {', '.join(names) or 'none'}")
     if wanted == "all":
         print("# after check")
         print(format_program(program), end="")
@@ -61,7 +67,7 @@ def _parse_sizes(items: list[str]) -> dict[str, int]:
     for item in items:
         name, _, value = item.partition("=")
         if not value.isdigit() or not name.isidentifier():
-            raise SystemExit(f"einfold: --size takes INDEX=N, got '{item}'")
+            raise _UsageError(f"--size takes INDEX=N, got '{item}'")
         sizes[name] = int(value)
     return sizes
 
@@ -69,18 +75,24 @@ def _parse_sizes(items: list[str]) -> dict[str, int]:
 def cmd_run(args) -> int:
     import torch
 
-    from . import compile
+    from . import compile, reference
+    from .bind import bind
     from .random_inputs import random_inputs, relative_error
     program = compile(_read_program(args), backend=args.backend)
     dtype = getattr(torch, args.dtype)
-    inputs = random_inputs(program.checked, _parse_sizes(args.size), dtype=dtype, seed=args.seed)
+    sizes = _parse_sizes(args.size)
+    unknown = sorted(set(sizes) - {ix for ix, _ in program.checked.extents})
+    if unknown:
+        raise _UsageError(f"--size names no index of the program: {', '.join(unknown)}")
+    inputs = random_inputs(program.checked, sizes, dtype=dtype, seed=args.seed)
     outputs = program(**inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    oracle = compile(_read_program(args), backend="reference")
-    expected = oracle(**{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
-    expected = expected if isinstance(expected, tuple) else (expected,)
+    # The oracle evaluates the checked (unfactorised) program, so that the passes are checked too.
+    binding = bind(program.checked, inputs)
+    expected = reference.run(program.checked, binding.values, binding.extents, program.outputs)
     print(f"backend {program.backend.name}, dtype {args.dtype}")
-    for name, got, want in zip(program.outputs, outputs, expected):
+    for name, got in zip(program.outputs, outputs):
+        want = expected[name]
         print(f"{name}: shape {tuple(got.shape)}, relative error vs float64 oracle "
               f"{relative_error(got, want):.3e}")
     return 0
@@ -114,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     except EinfoldError as e:
         print(e, file=sys.stderr)
         return 2
+    except _UsageError as e:
+        parser.exit(2, f"einfold: {e}\n")
 
 
 if __name__ == "__main__":

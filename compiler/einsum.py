@@ -13,6 +13,8 @@ def einsum_source(equation: str, ranks: tuple[int, ...]) -> str:
     """Translate an einsum equation for operands of the given ranks into a program
     `out[...] = t0[...] * t1[...] * ...`; numpy's implicit-output rule and `...`."""
     eq = equation.replace(" ", "")
+    if eq.count("->") > 1:
+        raise CheckError(f"einsum '{equation}' has more than one '->'")
     if "->" in eq:
         lhs, out = eq.split("->")
         explicit = True
@@ -20,21 +22,21 @@ def einsum_source(equation: str, ranks: tuple[int, ...]) -> str:
         lhs, out, explicit = eq, "", False
     terms = lhs.split(",")
     if len(terms) != len(ranks):
-        raise CheckError(f"einsum '{equation}' names {len(terms)} operands but {len(ranks)} were given")
+        raise CheckError(f"einsum '{equation}' names {_count(len(terms), 'operand')} but "
+                         f"{len(ranks)} {'was' if len(ranks) == 1 else 'were'} given")
     ellipsis_rank = 0
     for term, rank in zip(terms, ranks):
         letters = term.replace("...", "")
-        bad = [c for c in letters if not c.isalpha()]
-        if bad or term.count("...") > 1:
+        if not _well_formed(term):
             raise CheckError(f"einsum term '{term}' must be letters with at most one '...'")
         if "..." in term:
             ellipsis_rank = max(ellipsis_rank, rank - len(letters))
             if rank < len(letters):
-                raise CheckError(f"einsum term '{term}' needs at least {len(letters)} dimensions, "
+                raise CheckError(f"einsum term '{term}' needs at least {_count(len(letters), 'dimension')}, "
                                  f"the operand has {rank}")
         elif len(letters) != rank:
-            raise CheckError(f"einsum term '{term}' has {len(letters)} indices but the operand has "
-                             f"rank {rank}")
+            raise CheckError(f"einsum term '{term}' has {_count(len(letters), 'index')} but the operand "
+                             f"has rank {rank}")
     # Ellipsis dimensions align from the right, as numpy's broadcasting does.
     ell = [f"ell{k}" for k in range(ellipsis_rank)]
 
@@ -47,8 +49,11 @@ def einsum_source(equation: str, ranks: tuple[int, ...]) -> str:
 
     operands = [expand(t, r) for t, r in zip(terms, ranks)]
     if explicit:
-        if any(not c.isalpha() for c in out.replace("...", "")):
+        if not _well_formed(out):
             raise CheckError(f"einsum output '{out}' must be letters with at most one '...'")
+        repeated = [c for c, n in Counter(out.replace("...", "")).items() if n > 1]
+        if repeated:
+            raise CheckError(f"einsum output '{out}' repeats index '{repeated[0]}'")
         result = expand(out, len(out.replace("...", "")) + ellipsis_rank) if "..." in out else list(out)
     else:
         counts = Counter(c for t in terms for c in t.replace("...", ""))
@@ -59,6 +64,17 @@ def einsum_source(equation: str, ranks: tuple[int, ...]) -> str:
             raise CheckError(f"einsum output index '{i}' does not appear in any operand")
     body = " * ".join(f"t{k}[{', '.join(op)}]" if op else f"t{k}" for k, op in enumerate(operands))
     return f"out[{', '.join(result)}] = {body}"
+
+
+def _well_formed(term: str) -> bool:
+    """ASCII letters (the language's index names) with at most one '...'."""
+    letters = term.replace("...", "", 1)
+    return all(c.isascii() and c.isalpha() for c in letters)
+
+
+def _count(n: int, noun: str) -> str:
+    plural = {"index": "indices"}.get(noun, noun + "s")
+    return f"{n} {noun if n == 1 else plural}"
 
 
 @lru_cache(maxsize=256)

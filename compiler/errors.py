@@ -25,15 +25,17 @@ def render(source: str, span: Span) -> str:
     line_end = source.find("\n", span.start)
     if line_end == -1:
         line_end = len(source)
-    text = source[line_start:line_end]
+    text = source[line_start:line_end].rstrip("\r")
     width = max(1, min(span.end, line_end) - span.start)
     gutter = str(line_no)
     pad = " " * len(gutter)
+    # Keep the line's tabs in the indent so that the carets line up under the text.
+    indent = "".join(c if c == "\t" else " " for c in text[:column - 1])
     return (
         f"{pad}--> line {line_no}, column {column}\n"
         f"{pad} |\n"
         f"{gutter} | {text}\n"
-        f"{pad} | {' ' * (column - 1)}{'^' * width}"
+        f"{pad} | {indent}{'^' * width}"
     )
 
 

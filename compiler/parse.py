@@ -197,9 +197,10 @@ def parse(source: str) -> Syntax:
     except lark.exceptions.UnexpectedToken as e:
         token = e.token
         if token.type == "$END":
-            at = len(source.rstrip()) or 0
+            # lark places $END at the last token; point just past it (not at a trailing comment).
+            at = token.end_pos if token.end_pos is not None else len(source.rstrip())
             raise ParseError(f"unexpected end of input; expected {_describe(e.expected)}",
-                             source, Span(max(0, at - 1), max(1, at))) from None
+                             source, Span(at, at + 1)) from None
         shown = "end of line" if token.type == "_SEP" and token.value != ";" else repr(str(token))
         raise ParseError(f"unexpected {shown}; expected {_describe(e.expected)}", source,
                          Span(token.start_pos, max(token.end_pos, token.start_pos + 1))) from None

@@ -1,0 +1,163 @@
+"""The `einfold` command line: parse, ir, run, and how it reports bad input."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from compiler.check import check
+from compiler.cli import main
+from compiler.ir import format_program
+from compiler.parse import parse
+from compiler.passes import PIPELINE, run_pipeline
+
+ATTENTION = "O[i,j] = softmax[m](Q[i,k]*K[m,k] / sqrt(len(k))) * V[m,j]"
+ATTENTION_CANONICAL = "O[i, j] = sum[m](softmax[m](sum[k](Q[i, k] * K[m, k]) / sqrt(len(k))) * V[m, j])\n"
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def usage_error(capsys, *argv):
+    with pytest.raises(SystemExit) as excinfo:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    assert out == ""
+    return excinfo.value.code, err
+
+
+def test_parse_expression(capsys):
+    code, out, err = run_cli(capsys, "parse", "-e", ATTENTION)
+    assert (code, out, err) == (0, ATTENTION_CANONICAL, "")
+
+
+def test_parse_file(capsys, tmp_path):
+    path = tmp_path / "layernorm.ein"
+    path.write_text("# layer norm\nmu[i] = mean[k](X[i, k])\n"
+                    "Y[i, k] = (X[i, k] - mu[i]) * rsqrt(mean[n]((X[i, n] - mu[i]) ** 2) + eps)\n")
+    code, out, err = run_cli(capsys, "parse", str(path))
+    assert code == 0 and err == ""
+    assert out == ("mu[i] = mean[k](X[i, k])\n"
+                   "Y[i, k] = (X[i, k] - mu[i]) * rsqrt(mean[n]((X[i, n] - mu[i]) ** 2) + eps)\n")
+
+
+def test_ir_prints_the_final_ir(capsys):
+    code, out, err = run_cli(capsys, "ir", "-e", ATTENTION)
+    assert code == 0 and err == ""
+    assert out == format_program(run_pipeline(check(parse(ATTENTION))))
+
+
+def test_ir_print_after_all(capsys):
+    code, out, err = run_cli(capsys, "ir", "-e", ATTENTION, "--print-after", "all")
+    assert code == 0 and err == ""
+    headers = re.findall(r"^# after (\S+)$", out, flags=re.M)
+    assert headers == ["check"] + [name for name, _ in PIPELINE]
+    sections = re.split(r"^# after \S+\n", out, flags=re.M)[1:]
+    assert sections[0] == ATTENTION_CANONICAL
+    program = check(parse(ATTENTION))
+    for (name, pass_), text in zip(PIPELINE, sections[1:]):
+        program = pass_(program)
+        assert text == format_program(program), name
+
+
+@pytest.mark.skipif(not PIPELINE, reason="no pass to print after")
+def test_ir_print_after_one_pass(capsys):
+    first = PIPELINE[0][0]
+    code, out, err = run_cli(capsys, "ir", "-e", ATTENTION, "--print-after", first)
+    assert code == 0 and err == ""
+    assert out.startswith(f"# after {first}\n")
+    assert out.count("# after ") == 1
+
+
+def test_ir_unknown_pass(capsys):
+    code, err = usage_error(capsys, "ir", "-e", ATTENTION, "--print-after", "nosuchpass")
+    assert code == 2
+    assert err.startswith("einfold: unknown pass 'nosuchpass'; the passes are: ")
+
+
+def test_run(capsys):
+    code, out, err = run_cli(capsys, "run", "-e", ATTENTION, "--size", "i=5", "--size", "m=7",
+                             "--size", "k=3", "--size", "j=2", "--backend", "reference")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "backend reference, dtype float32"
+    match = re.fullmatch(r"O: shape \(5, 2\), relative error vs float64 oracle (\S+)", lines[1])
+    assert match and float(match.group(1)) < 1e-6
+    assert len(lines) == 2
+
+
+def test_run_bfloat16_reports_a_bfloat16_sized_error(capsys):
+    code, out, _ = run_cli(capsys, "run", "-e", "C[i, j] = A[i, k] * B[k, j]", "--size", "i=3",
+                           "--dtype", "bfloat16", "--backend", "reference")
+    assert code == 0
+    assert "backend reference, dtype bfloat16" in out
+    error = float(re.search(r"C: shape \(3, 16\), relative error vs float64 oracle (\S+)", out).group(1))
+    assert 0 < error < 2e-2
+
+
+def test_run_several_outputs(capsys):
+    code, out, _ = run_cli(capsys, "run", "-e", "S[i] = A[i] * 2; T[i] = S[i] + 1; U[i] = S[i] - 1",
+                           "--size", "i=3", "--backend", "reference")
+    assert code == 0
+    assert re.findall(r"^(\w+): shape \(3,\)", out, flags=re.M) == ["T", "U"]
+
+
+@pytest.mark.parametrize("argv, caret", [
+    (["parse", "-e", "C[i] = A[i] +"], "1 | C[i] = A[i] +\n  |              ^\n"),
+    (["ir", "-e", "C[i] = foo(A[i])"], "1 | C[i] = foo(A[i])\n  |        ^^^\n"),
+    (["run", "-e", "C[i, j] = A[i]", "--backend", "reference"], "1 | C[i, j] = A[i]\n  |      ^\n"),
+])
+def test_bad_program_exits_2_with_the_caret_message(capsys, argv, caret):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.endswith(caret)
+    assert "Traceback" not in err
+    assert err.startswith(("syntax error: ", "error: "))
+
+
+def test_bad_program_in_a_file(capsys, tmp_path):
+    path = tmp_path / "bad.ein"
+    path.write_text("C[i] = A[i]\nD[i] = C[i] * * 2\n")
+    code, out, err = run_cli(capsys, "parse", str(path))
+    assert code == 2
+    assert "--> line 2, column 15" in err
+    assert err.endswith("2 | D[i] = C[i] * * 2\n  |               ^\n")
+
+
+def test_missing_file(capsys, tmp_path):
+    code, err = usage_error(capsys, "parse", str(tmp_path / "absent.ein"))
+    assert code == 2
+    assert err.startswith("einfold: cannot read ") and "absent.ein" in err
+
+
+def test_no_program(capsys):
+    code, err = usage_error(capsys, "parse")
+    assert code == 2
+    assert err == "einfold: give a program with -e EXPR or a FILE\n"
+
+
+def test_bad_size(capsys):
+    code, err = usage_error(capsys, "run", "-e", "C[i] = A[i]", "--size", "i=x")
+    assert code == 2
+    assert err == "einfold: --size takes INDEX=N, got 'i=x'\n"
+
+
+def test_size_of_an_unknown_index(capsys):
+    code, err = usage_error(capsys, "run", "-e", "C[i] = A[i]", "--size", "q=3")
+    assert code == 2
+    assert err == "einfold: --size names no index of the program: q\n"
+
+
+def test_python_dash_m_compiler():
+    done = subprocess.run([sys.executable, "-m", "compiler", "parse", "-e", "C[i,j] = A[i,k]*B[k,j]"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert done.stdout == "C[i, j] = sum[k](A[i, k] * B[k, j])\n"
+    bad = subprocess.run([sys.executable, "-m", "compiler", "parse", "-e", "C[i] = A[i] $"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "unexpected character '$'" in bad.stderr and "Traceback" not in bad.stderr
