@@ -201,6 +201,28 @@ def test_causal_attention(dtype):
     q, k, v = (inputs[n].double().cpu() for n in "QKV")
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.3, is_causal=True)
     torch.testing.assert_close(run(backend, ref, inputs)[0].cpu().double(), want, **TOL[dtype])
+    # the masked branch is -inf, which the rescaled summary treats as the identity:
+    # the loop over m stops after the last tile that can hold m <= i
+    assert "hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)" in backend.source
+
+
+@pytest.mark.parametrize("src, relation", [
+    ("L[i] = logsumexp[m](where(m > i, X[i,m], -inf))", "lo_m = tl.maximum(0, (tl.min(offs_i, 0) + 1)"),
+    ("S[i] = sum[m](where(m < i, X[i,m], 0.0))", "hi_m = tl.minimum(n_m, tl.max(offs_i, 0))"),
+    ("S[i] = max[m](where(i <= m and m < i + 3, X[i,m], -inf))", "lo_m = tl.maximum(0, (tl.min(offs_i, 0))"),
+    ("S[i] = sum[m](where(m < i, X[i,m], 1.0))", None)])   # 1 is not the sum's identity: no bound
+def test_index_predicates_bound_the_loops(src, relation):
+    ref, backend = assert_matches_oracle(src, {"X": randn(40, 2100)}, split=None)
+    if relation:
+        assert relation in backend.source
+    else:
+        assert "lo_m" not in backend.source and "hi_m" not in backend.source
+
+
+def test_causal_attention_split():
+    inputs = {"Q": randn(70, 16), "K": randn(70, 16, seed=1), "V": randn(70, 8, seed=2), "scale": 0.3}
+    ref, backend = assert_matches_oracle(CAUSAL, inputs, split=3)
+    assert len(plan(backend, ref, inputs).kernels) == 2
 
 
 def test_fully_masked_rows_follow_the_oracle():

@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from ...algebra import BUILTINS
 from ...errors import BackendError
-from ...ir import (Access, Assign, Call, Composite, Expr, Extent, Index, Program, Reduce, Var, children,
+from ...ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, Var, children,
                    free_indices, walk, with_children)
 
 
@@ -156,6 +156,73 @@ def value_only_names(e: Expr) -> set[str]:
                         weight_free |= set(free_indices(a))
                 names |= set(free_indices(n)) - weight_free
     return names
+
+
+# ---------------------------------------------------------------- index predicates
+_FLIP = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
+
+
+def _conjuncts(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "and":
+        return _conjuncts(e.args[0]) + _conjuncts(e.args[1])
+    return [e]
+
+
+def constant(e: Expr) -> float | None:
+    """The value of an expression made of constants only (`-inf` is neg(inf))."""
+    if not all(isinstance(n, Const | Call) for n in walk(e)):
+        return None
+    from ...algebra.formula import evaluate
+    return float(evaluate(e, {}))
+
+
+def acts_as_identity(summary, k: int, value) -> bool:
+    """Whether an element whose k-th argument is `value` contributes nothing to a
+    fold, whatever the other arguments: its lift is the identity, or (rescaled
+    fields) its leader argument is the leader's identity and its weight is 0.
+    Checked numerically in float64 on random other arguments."""
+    import torch
+
+    from ...algebra.formula import evaluate
+    g = torch.Generator().manual_seed(0)
+    xs = {f"x{j}": torch.randn(16, generator=g, dtype=torch.float64) * 3 for j in range(summary.arity)}
+    xs[f"x{k}"] = torch.full((16,), float(value), dtype=torch.float64)
+    identity = dict(zip(summary.field_names, (float(c.value) for c in summary.identity)))
+    covered = set()
+    for rs in summary.rescaled:
+        r = torch.randn(16, generator=g, dtype=torch.float64) * 3
+        if not torch.all(evaluate(rs.leader_arg, xs) == identity[rs.leader]):
+            return False
+        if not torch.all(evaluate(rs.weight, {**xs, "r": r}) == 0):
+            return False
+        covered |= {rs.leader} | {f for f, _ in rs.values}
+    for name, lift in zip(summary.field_names, summary.lift):
+        if name not in covered and not torch.all(evaluate(lift, xs).expand(16) == identity[name]):
+            return False
+    return True
+
+
+def index_bounds(fold: Reduce) -> dict[str, list[tuple[str, str]]]:
+    """Per bound index b of `fold`: relations (op, i) with another index i such that
+    elements where `b op i` fails contribute nothing (the argument is
+    where(..., x, c) and c acts as the identity).  A loop over b may skip the tiles
+    where the relation fails everywhere (a causal mask's upper triangle)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for k, arg in enumerate(fold.args):
+        if not (isinstance(arg, Call) and arg.op == "where"):
+            continue
+        masked = constant(arg.args[2])
+        if masked is None or not acts_as_identity(fold.summary, k, masked):
+            continue
+        for c in _conjuncts(arg.args[0]):
+            if not (isinstance(c, Call) and c.op in _FLIP and all(isinstance(a, Index) for a in c.args)):
+                continue
+            left, right = c.args[0].name, c.args[1].name
+            if left in fold.indices and right not in fold.indices:
+                out.setdefault(left, []).append((c.op, right))
+            elif right in fold.indices and left not in fold.indices:
+                out.setdefault(right, []).append((_FLIP[c.op], left))
+    return out
 
 
 # ---------------------------------------------------------------- kernels

@@ -35,7 +35,7 @@ import torch
 from ...algebra import BUILTINS
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, walk
 from . import ops as emission
-from .analysis import KernelSpec, contraction_names, free, value_only_names
+from .analysis import KernelSpec, contraction_names, free, index_bounds, value_only_names
 
 WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
 DOT_BLOCK = 64        # tile of an index that takes part in tl.dot
@@ -391,9 +391,10 @@ class KernelEmitter:
         self.target(v.axes, scope).memo[key] = v
         return v
 
-    def call(self, op: str, args: list[Value], pin: Scope | None, scope: Scope) -> Value:
+    def call(self, op: str, args: list[Value], pin: Scope | None, scope: Scope, cse: dict | None = None) -> Value:
         """Apply an operator.  `pin`: emit into that scope (formulas over running
-        state); otherwise into the outermost scope the operands allow."""
+        state); otherwise into the outermost scope the operands allow.  `cse`: a
+        table shared by formulas emitted together (equal code is computed once)."""
         from ...ops import OPS
         if all(a.const is not None for a in args):
             result = OPS[op].torch(*(torch.tensor(a.const, dtype=torch.float64 if isinstance(a.const, float)
@@ -431,16 +432,21 @@ class KernelEmitter:
             if kind == "float":
                 args = [self.as_float(a) for a in args]
         codes = [self.expand(a, axes) if a.const is None else a.code for a in args]
-        return self.assign(emission.emit(op, codes, self.ctx.helpers), axes, place, kind)
+        code = emission.emit(op, codes, self.ctx.helpers)
+        if cse is not None:
+            if code not in cse:
+                cse[code] = self.assign(code, axes, place, kind)
+            return cse[code]
+        return self.assign(code, axes, place, kind)
 
-    def formula(self, e: Expr, env: dict[str, Value], scope: Scope) -> Value:
+    def formula(self, e: Expr, env: dict[str, Value], scope: Scope, cse: dict | None = None) -> Value:
         """A summary formula (lift, combine, finalize, weight, repair) over Values, pinned to `scope`."""
         if isinstance(e, Var):
             return env[e.name]
         if isinstance(e, Const):
             return Value(emission.literal(e.value), (), "float", const=float(e.value))
         if isinstance(e, Call):
-            return self.call(e.op, [self.formula(a, env, scope) for a in e.args], scope, scope)
+            return self.call(e.op, [self.formula(a, env, scope, cse) for a in e.args], scope, scope, cse)
         raise TypeError(f"cannot emit {type(e).__name__} inside a summary formula")
 
     # ------------------------------------------------------------ memory
@@ -563,8 +569,10 @@ class KernelEmitter:
             T.lines.extend(init)
             headers, depth = [], 0
             chunk = self.mode == "partial" and T is self.root
+            relations = index_bounds(fold)
             for p, ax in enumerate(loops):
                 n = self.extent_param(ax.name)
+                lo, hi = "0", n
                 if chunk and p == 0:
                     # flash-decoding: this program folds one contiguous chunk of the tiles
                     T.lines.append(f"chunk_{ax.var} = tl.cdiv(tl.cdiv({n}, {ax.block_name}), n_split) "
@@ -572,8 +580,7 @@ class KernelEmitter:
                     T.lines.append(f"lo_{ax.var} = split_id * chunk_{ax.var}")
                     T.lines.append(f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})")
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
-                else:
-                    lo, hi = "0", n
+                lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
                 headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):"], depth)
                 depth += 1
             T.lines.extend(headers)
@@ -581,6 +588,32 @@ class KernelEmitter:
         else:
             T.lines[mark + 1:mark + 1] = init      # the state exists before the straight-line body
         return state
+
+    def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
+        """Tighten a loop's range to the tiles where an index predicate can hold."""
+        for op, other in relations:
+            if other not in env0:
+                continue
+            o = env0[other]
+            if o.scalar:
+                least, most = o.offs, o.offs
+            else:
+                least, most = f"tl.min({o.offs}, 0)", f"tl.max({o.offs}, 0)"
+            if op in ("le", "lt"):
+                bound = f"{most} + 1" if op == "le" else most
+                T.lines.append(f"# elements with {ax.name} {'<=' if op == 'le' else '<'} {other} failing "
+                               f"contribute the identity: stop after the last tile where it can hold")
+                name = f"hi_{ax.var}"
+                T.lines.append(f"{name} = tl.minimum({hi}, {bound})")
+                hi = name
+            else:
+                bound = f"{least} + 1" if op == "gt" else least
+                T.lines.append(f"# elements with {ax.name} {'>=' if op == 'ge' else '>'} {other} failing "
+                               f"contribute the identity: start at the first tile where it can hold")
+                name = f"lo_{ax.var}"
+                T.lines.append(f"{name} = tl.maximum({lo}, ({bound}) // {ax.block_name} * {ax.block_name})")
+                lo = name
+        return lo, hi
 
     def whole_axis(self, name: str) -> Axis:
         if name not in self.whole:
@@ -658,8 +691,12 @@ class KernelEmitter:
         target = sort_axes([rows, cols] + [a for f in fs for a in f.axes])
         if len(fs) == 1 and c in fs[0].zero:
             f = fs[0]
-            code = f.raw if f.raw is not None and f.raw_dtype == self.ctx.dot_dtype else \
-                f"{self.expand(f, target)}.to({want})"
+            if f.raw is not None and f.raw_dtype == self.ctx.dot_dtype:
+                code = f.raw
+            elif f.raw is None and want == self.ctx.cdt:
+                code = self.expand(f, target)
+            else:
+                code = f"{self.expand(f, target)}.to({want})"
         else:
             product = " * ".join(self.expand(f, target) for f in fs)
             code = f"tl.where({self.mask_code([c], target)}, {product}, 0.0).to({want})"
@@ -822,7 +859,8 @@ class KernelEmitter:
         env.update({f"b.{f}": Value(emission.literal(s.identity[i].value), (), const=s.identity[i].value)
                     for i, f in enumerate(s.field_names) if f not in fields})
         body.lines.append(f"# merge the tile into the running state with the combine of '{s.name}'")
-        new = {f: self.formula(s.combine[index[f]], env, body) for f in fields}
+        cse: dict = {}
+        new = {f: self.formula(s.combine[index[f]], env, body, cse) for f in fields}
         for f in fields:
             body.lines.append(f"{state[f].code} = {self.full_shape(new[f], FA)}")
         return state
@@ -887,8 +925,9 @@ class KernelEmitter:
         rest = [f for f in s.field_names if f not in new]
         if rest:
             env = {f"a.{f}": state[f] for f in s.field_names} | {f"b.{f}": loaded[f] for f in s.field_names}
+            cse: dict = {}
             for f in rest:
-                new[f] = self.formula(s.combine[s.field_names.index(f)], env, body)
+                new[f] = self.formula(s.combine[s.field_names.index(f)], env, body, cse)
         for f in s.field_names:
             body.lines.append(f"{state[f].code} = {self.full_shape(new[f], state[f].axes)}")
         root.lines.append("for split in range(0, n_split):")
