@@ -118,15 +118,17 @@ def test_attention_as_three_statements_with_intermediates():
     close(o, torch.softmax(q @ k.T, dim=-1) @ v)
 
 
-def test_fully_masked_softmax_rows_are_zero():
-    # m >= i + 3 with 4 positions: row 0 sees m = 3 only, rows 1..3 see nothing at all
+def test_fully_masked_softmax_rows_are_nan():
+    # m >= i + 3 with 4 positions: row 0 sees m = 3 only, rows 1..3 see nothing at all:
+    # no mass, 0/0, NaN (as torch.softmax gives on an all -inf row)
     s, v = randn(4, 4), randn(4, 2)
     src = "O[i, j] = softmax[m](where(m >= i + 3, S[i, m], -inf)) * V[m, j]"
     got = ref(src, S=s, V=v)
-    assert torch.equal(got[1:], torch.zeros(3, 2, dtype=torch.float64))
+    assert torch.isnan(got[1:]).all()
     close(got[0], v[3])
     p = ref("P[i, m] = softmax[m](where(m >= i + 3, S[i, m], -inf))", S=s)
-    assert torch.equal(p[1:], torch.zeros(3, 4, dtype=torch.float64))
+    assert torch.isnan(p[1:]).all()
+    close(p[0], torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64))
 
 
 # ---------------------------------------------------------------- elementwise

@@ -28,7 +28,8 @@ import sympy
 from ..algebra import BUILTINS, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
 from ..algebra.moments import centred_moments
-from ..ir import Call, Const, Expr, Extent, Program, Reduce, Var, children, walk, with_children
+from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, walk,
+                  with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
 from .stabilise import factors, product
 
@@ -331,21 +332,34 @@ def _fmt(e: Expr) -> str:
 
 
 # ---------------------------------------------------------------- the pass
-def _groups(exprs: list[Expr]) -> list[_Group]:
-    """Reductions over the same indices anywhere in the program (several outputs
-    under one softmax share one fold); nested contractions group separately."""
-    by_indices: dict[tuple[str, ...], list[Reduce]] = {}
-    for expr in exprs:
-        for node in walk(expr):
-            if isinstance(node, Reduce) and node.result is None and node.summary.name in BUILTINS \
-                    and node not in by_indices.get(node.indices, []):
-                by_indices.setdefault(node.indices, []).append(node)
-    return [_Group(ix, ms) for ix, ms in by_indices.items() if len(ms) > 1]
+def _groups(statements) -> list[_Group]:
+    """Reductions that can share one pass: the same indices, evaluated in the same
+    loop context (a reduction that varies over an enclosing reduction's index is
+    computed inside that loop, so it only joins reductions of that loop), and,
+    when a member reads another statement's result, only within its statement.
+    Several outputs under one softmax over inputs thus share one fold."""
+    outputs = {st.name for st in statements}
+    by_key: dict[tuple, list[Reduce]] = {}
+
+    def visit(e: Expr, enclosing: frozenset, statement: str) -> None:
+        if isinstance(e, Reduce) and e.result is None and e.summary.name in BUILTINS:
+            reads_results = any(isinstance(n, Access) and n.tensor in outputs for n in walk(e))
+            context = frozenset(free_indices(e)) & enclosing
+            key = (e.indices, context, statement if reads_results or context else None)
+            if e not in by_key.setdefault(key, []):
+                by_key[key].append(e)
+        inner = enclosing | set(e.indices) if isinstance(e, Reduce) else enclosing
+        for c in children(e):
+            visit(c, inner, statement)
+
+    for st in statements:
+        visit(st.expr, frozenset(), st.name)
+    return [_Group(key[0], members) for key, members in by_key.items() if len(members) > 1]
 
 
 def factorise(program: Program) -> Program:
     exprs = [st.expr for st in program.statements]
-    for number, group in enumerate(_groups(exprs), start=1):
+    for number, group in enumerate(_groups(program.statements), start=1):
         result = _factorise_group(group, number)
         if result is not None:
             exprs = [_substitute(e, result[2]) for e in exprs]
