@@ -45,8 +45,14 @@ def randn(*shape, dtype=torch.float32, seed=0):
 
 
 def triton_backend(src, outputs=None, **options):
-    """(oracle program, triton backend): options such as split go to the backend."""
+    """(oracle program, triton backend).  Without options the backend is the one
+    compiler.compile(src, backend="triton") builds; options such as split are given
+    to the backend directly (Program does not pass options to backends)."""
     ref = compiler.compile(src, backend="reference", outputs=outputs)
+    if not options:
+        program = compiler.compile(src, backend="triton", outputs=outputs)
+        assert program.factorised == ref.factorised
+        return ref, program.backend
     return ref, TritonBackend(ref.factorised, ref.outputs, **options)
 
 
@@ -212,7 +218,7 @@ def test_causal_attention(dtype):
     ("S[i] = max[m](where(i <= m and m < i + 3, X[i,m], -inf))", "lo_m = tl.maximum(0, (tl.min(offs_i, 0))"),
     ("S[i] = sum[m](where(m < i, X[i,m], 1.0))", None)])   # 1 is not the sum's identity: no bound
 def test_index_predicates_bound_the_loops(src, relation):
-    ref, backend = assert_matches_oracle(src, {"X": randn(40, 2100)}, split=None)
+    ref, backend = assert_matches_oracle(src, {"X": randn(40, 2100)})
     if relation:
         assert relation in backend.source
     else:

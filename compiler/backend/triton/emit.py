@@ -461,10 +461,17 @@ class KernelEmitter:
 
     def load(self, e: Access, scope: Scope) -> Value:
         info = self.ctx.tensors[e.tensor]
-        if info.kind == "number":
+        if info.kind == "number" and self.ctx.cdt != "tl.float64":
             p = f"{ident(e.tensor)}_val"
             self.params.setdefault(p, f'float(t["{e.tensor}"])')
             return Value(p, (), "float")
+        if info.kind == "number":
+            # float arguments are float32 inside a kernel; a float64 program reads its numbers from memory
+            p = f"{ident(e.tensor)}_ptr"
+            self.params.setdefault(p, f'torch.full((), float(t["{e.tensor}"]), dtype=torch.float64, device=device)')
+            raw = self.temp(f"x_{ident(e.tensor)}")
+            self.root.lines.append(f"{raw} = tl.load({p})")
+            return Value(raw, (), "float")
         axes = [scope.env[n] for n in e.indices]
         ptr, strides = self.tensor_params(e.tensor, info.rank)
         target = sort_axes(axes)
