@@ -367,10 +367,10 @@ def test_split_of_dependent_folds_materialises_the_inner_one():
 
 
 def test_auto_split_heuristic():
-    assert auto_split(programs=16, tiles=512, sm_count=132) == 17
-    assert auto_split(programs=16, tiles=40, sm_count=132) == 10       # every split streams >= 4 tiles
+    assert auto_split(programs=8, tiles=512, sm_count=132) == 33       # decode: 8 heads, 32768 keys
+    assert auto_split(programs=16, tiles=96, sm_count=132) == 12       # every split streams >= 8 tiles
     assert auto_split(programs=1024, tiles=512, sm_count=132) == 1      # enough programs already
-    assert auto_split(programs=16, tiles=8, sm_count=132) == 1          # too short to be worth it
+    assert auto_split(programs=256, tiles=16, sm_count=132) == 1        # prefill: too short to be worth it
     assert auto_split(programs=1, tiles=10_000, sm_count=132) == 64     # capped
     assert auto_split(programs=16, tiles=512, sm_count=None) == 1       # no GPU: never by default
 

@@ -79,7 +79,8 @@ class TritonBackend:
         self.outputs = tuple(outputs)
         self.split = split
         self.structure = form(program, self.outputs, split)
-        self._built: dict[tuple, tuple[Built, object]] = {}
+        self._sources: dict[Signature, Built] = {}                  # generated once per signature
+        self._built: dict[Signature, tuple[Built, object]] = {}     # ... and its loaded launcher
         self._last: Built | None = None
 
     # ------------------------------------------------------------ specialisation
@@ -100,8 +101,11 @@ class TritonBackend:
                          None if interpret else _sm_count(binding.device), interpret)
 
     def build(self, signature: Signature) -> Built:
-        built = ModuleBuilder(self.program, self.outputs, self.structure, signature, self.split,
-                              _pass_names()).build()
+        built = self._sources.get(signature)
+        if built is None:
+            built = ModuleBuilder(self.program, self.outputs, self.structure, signature, self.split,
+                                  _pass_names()).build()
+            self._sources[signature] = built
         self._last = built
         return built
 

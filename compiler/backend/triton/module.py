@@ -8,9 +8,11 @@ buffer, the `_merge` kernel folds the N states in order with the summary's
 combine (the rescaled merge for rescaled fields), finalizes and runs the rest
 of the kernel.  `split=N` forces N; by default (`split=None`) a kernel is split
 when it launches fewer than 2 programs per SM and its longest program fold
-streams at least SPLIT_MIN_TILES tiles: N = min(ceil(2 * SMs / programs),
-tiles // 4, SPLIT_MAX), so that every split still streams four tiles or more.
-Without a GPU (the interpreter) the default never splits."""
+streams at least SPLIT_MIN_TILES tiles (a long reduction: decoding against a
+long KV cache, a few very long rows): N = min(ceil(2 * SMs / programs),
+tiles // 8, SPLIT_MAX), so that every split still streams eight tiles or more.
+Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
+(the interpreter) the default never splits."""
 from __future__ import annotations
 
 import math
@@ -24,7 +26,7 @@ from .analysis import KernelSpec, Structure
 from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
 from .ops import HELPERS
 
-SPLIT_MIN_TILES = 16
+SPLIT_MIN_TILES = 64
 SPLIT_MAX = 64
 
 
@@ -39,7 +41,7 @@ def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
     longest fold streams `tiles` tiles, on a GPU with `sm_count` SMs."""
     if not sm_count or tiles < SPLIT_MIN_TILES or programs >= 2 * sm_count:
         return 1
-    n = min(math.ceil(2 * sm_count / max(programs, 1)), tiles // 4, SPLIT_MAX)
+    n = min(math.ceil(2 * sm_count / max(programs, 1)), tiles // 8, SPLIT_MAX)
     return n if n >= 2 else 1
 
 
