@@ -7,7 +7,7 @@ so that errors found late can still point at the text.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import sympy
@@ -187,7 +187,11 @@ def free_indices(e: Expr) -> tuple[str, ...]:
     if isinstance(e, Index):
         return (e.name,)
     out: dict[str, None] = {}
-    for c in children(e):
+    args = children(e)
+    if isinstance(e, Reduce) and e.result is not None:     # a field varies over its own arguments only
+        used = e.summary.arguments_of(e.result)
+        args = tuple(a for k, a in enumerate(args) if k in used)
+    for c in args:
         out.update(dict.fromkeys(free_indices(c)))
     for i in bound_indices(e):
         out.pop(i, None)

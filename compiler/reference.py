@@ -16,7 +16,7 @@ import torch
 
 from .algebra import COMPOSITES
 from .algebra.formula import evaluate as evaluate_formula
-from .ir import Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce
+from .ir import Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, free_indices
 from .ops import BOOL, FLOAT, INT, OPS
 
 
@@ -56,6 +56,7 @@ class _Evaluator:
         self.values = dict(values)
         self.extents = extents
         self.chunking = chunking
+        self.folds: dict[Reduce, tuple] = {}
 
     def __call__(self, e: Expr) -> Labelled:
         if isinstance(e, Const):
@@ -88,6 +89,22 @@ class _Evaluator:
         raise TypeError(f"the oracle cannot evaluate {type(e).__name__}")
 
     def _reduce(self, e: Reduce) -> Labelled:
+        kept, state = self._fold(e.fold)
+        s = e.summary
+        result = state[e.result] if e.result is not None else evaluate_formula(s.finalize, state)
+        result = result.expand([self.extents[d] for d in kept]) if kept else result
+        # A projected field varies only over its own arguments' indices: it is
+        # constant along the others, so take their first position.
+        dims = free_indices(e)
+        for axis in reversed(range(len(kept))):
+            if kept[axis] not in dims:
+                result = result.select(axis, 0)
+        return Labelled(result, tuple(d for d in kept if d in dims))
+
+    def _fold(self, e: Reduce) -> tuple[tuple[str, ...], dict[str, torch.Tensor]]:
+        """The folded state of `e` (memoised: projections of one fold share it)."""
+        if e in self.folds:
+            return self.folds[e]
         s = e.summary
         args = [self(a) for a in e.args]
         dims = _union(args)
@@ -103,10 +120,8 @@ class _Evaluator:
             n *= self.extents[i]
         fields = [f.permute(perm).reshape(*[self.extents[d] for d in kept], n) for f in fields]
         folded = fold(s, fields) if self.chunking is None else fold_in_chunks(s, fields, self.chunking)
-        state = dict(zip(s.field_names, folded))
-        result = state[e.result] if e.result is not None else evaluate_formula(s.finalize, state)
-        result = result.expand([self.extents[d] for d in kept]) if kept else result
-        return Labelled(result, kept)
+        self.folds[e] = kept, dict(zip(s.field_names, folded))
+        return self.folds[e]
 
 
 def fold(summary, fields: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from ..ir import Call, Const, Expr, Var
+from ..ir import Call, Const, Expr, Var, walk
 from ..ops import FLOAT
 
 
@@ -66,11 +67,35 @@ class Summary:
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
+    def arguments_of(self, field_name: str) -> frozenset[int]:
+        """Positions of the element arguments a field depends on (through its
+        lift and, transitively, the fields its combine reads): the field varies
+        only over those arguments' indices."""
+        return _field_arguments(self)[field_name]
+
     def result_type(self, arg_types: tuple[str, ...]) -> str | None:
         """Builtins keep their argument's type (an integer sum stays integral)."""
         if any(t not in ("int", "float") for t in arg_types):
             return None
         return arg_types[0] if self.name in BUILTINS and len(arg_types) == 1 else FLOAT
+
+
+@lru_cache(maxsize=1024)
+def _field_arguments(s: Summary) -> dict[str, frozenset[int]]:
+    def vars_of(e: Expr) -> set[str]:
+        return {n.name for n in walk(e) if isinstance(n, Var)}
+
+    deps = {f: {int(v[1:]) for v in vars_of(lift) if v.startswith("x")}
+            for f, lift in zip(s.field_names, s.lift)}
+    reads = {f: {v.split(".", 1)[1] for v in vars_of(c) if "." in v} for f, c in zip(s.field_names, s.combine)}
+    changed = True
+    while changed:
+        changed = False
+        for f in s.field_names:
+            merged = deps[f].union(*(deps[g] for g in reads[f]))
+            if merged != deps[f]:
+                deps[f], changed = merged, True
+    return {f: frozenset(d) for f, d in deps.items()}
 
 
 def _binary_monoid(name: str, op: str, identity: float, commutative: bool = True) -> Summary:

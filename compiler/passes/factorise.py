@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from itertools import chain, count
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -31,7 +32,7 @@ from ..algebra.moments import centred_moments
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, walk,
                   with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
-from .stabilise import factors, product
+from .stabilise import factors, product, simplify
 
 _LEADERS = {"max": ("maximum", -math.inf), "min": ("minimum", math.inf)}
 
@@ -141,7 +142,8 @@ def _rescaled_component(leader: Reduce, dependents: list[Reduce], args: _Args,
     structure = Rescaled(lf, leader.summary.name, lead_arg, weight, repair, tuple(values))
     from ..ir import format_expr
     notes = [f"dependent reductions over {', '.join(leader.indices)}: "
-             f"{', '.join(n for n, _ in values)} use the {leader.summary.name} {lf}",
+             f"{', '.join(n for n, _ in values)} use{'s' * (len(values) == 1)} the "
+             f"{leader.summary.name} {lf}",
              f"weight w(x, r) = {format_expr(weight)}; repair h(r, r') = w(x, r') / w(x, r) = "
              f"{format_expr(repair)} (free of x: sympy)"]
     if len(values) > 1:
@@ -201,8 +203,8 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
     components: list[_Component] = []
     replacement: dict[Reduce, Expr] = {}
     leaders = [m for m in members if m.summary.name in _LEADERS and not inside[m]]
-    for k, m in enumerate(leaders):
-        names[m] = "r" if len(leaders) == 1 else f"r{k + 1}"
+    for m in leaders:
+        names[m] = _unused("r", names.values())
     handled: set[Reduce] = set()
 
     def projection(fold_name: str) -> Expr:
@@ -215,9 +217,8 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
             continue
         # the pure weight (the normaliser) first: fields read (r, l, u, ...)
         deps.sort(key=lambda d: d.args[0] != _weight_only(d, leader))
-        for k, d in enumerate(deps):
-            is_weight = d.args[0] == _weight_only(d, leader) and "l" not in names.values()
-            names[d] = "l" if is_weight else ("u" if "u" not in names.values() else f"u{k}")
+        for d in deps:
+            names[d] = _unused("l" if d.args[0] == _weight_only(d, leader) else "u", names.values())
         comp = _rescaled_component(leader, deps, args, names)
         if comp is None:
             continue
@@ -232,48 +233,57 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         deps = [m for m in members if inside[m] == [base] and m not in handled]
         if not deps:
             continue
-        x = base.args[0]
-        name = f"s{len(components) + 1}"
         table = SymbolTable()
         S = Var("S")
-        xs, Ss, y = to_sympy(x, table), table.symbol(S, real=True), sympy.Symbol("_y", real=True)
+        xs, Ss, y = to_sympy(base.args[0], table), table.symbol(S, real=True), sympy.Symbol("_y", real=True)
         count = to_sympy(_count(group.indices), table)
-        expansions = []
-        for d in deps:
-            body = to_sympy(_substitute(d.args[0], {base: S}), table)
-            centred = sympy.expand(body.subs(xs, y + Ss / count))
-            poly = sympy.Poly(centred, y) if centred.free_symbols.isdisjoint({Ss}) else None
-            if poly is None or poly.degree() > 2 or not all(
-                    c.free_symbols.isdisjoint({Ss, xs}) for c in poly.all_coeffs()):
+        bodies = {d: to_sympy(_substitute(d.args[0], {base: S}), table) for d in deps}
+
+        def varies(c: sympy.Expr) -> bool:
+            """Does a coefficient vary over the group's indices (so must be summed)?"""
+            return any(set(free_indices(table.to_expr[v])) & set(group.indices)
+                       for v in c.free_symbols if v in table.to_expr)
+
+        centred = {}
+        for d, body in bodies.items():
+            shifted = sympy.expand(body.subs(xs, y + Ss / count))
+            if Ss in shifted.free_symbols or not shifted.is_polynomial(y):
                 break
-            expansions.append((d, poly))
+            poly = sympy.Poly(shifted, y)
+            if poly.degree() > 2 or any(varies(c) for c in poly.all_coeffs()):
+                break
+            centred[d] = dict((deg, c) for (deg,), c in poly.terms())
         else:
-            comp = _welford(name, args.abstract(x, {}))
+            name = _unused("s", names.values(), first_plain=False)
+            names[base] = name
+            comp = _welford(name, args.abstract(base.args[0], {}))
             components.append(comp)
             handled.update([base, *deps])
             n, mean, m2 = (projection(f.name) for f in comp.fields)
-            replacement[base] = Call("mul", (mean, n))
-            for d, poly in expansions:
-                coeffs = dict((deg, c) for (deg,), c in poly.terms())
+            # sum x = count * mean (every element counts once)
+            replacement[base] = Call("mul", (mean, _count(group.indices)))
+            for d, coeffs in centred.items():
                 total = coeffs.get(0, 0) * table.symbol(n, real=True) \
                     + coeffs.get(2, 0) * table.symbol(m2, real=True)
                 replacement[d] = from_sympy(total, table)
-                comp.notes.append(f"{_fmt(d)} = sum of a polynomial in (x - mean): "
-                                  f"expressed through count and M2")
+                comp.notes.append(f"{_fmt(d)} is a polynomial in (x - mean): through count and M2")
+            continue
+        if not all(body.is_polynomial(Ss) for body in bodies.values()):
             continue
         # separable expansion in powers of the base sum
+        name = _unused("s", names.values(), first_plain=False)
+        names[base] = name
         components.append(_base_component(base, name, args))
         handled.add(base)
         replacement[base] = _finalize_from(base.summary, name, projection)
-        for d in deps:
-            body = to_sympy(_substitute(d.args[0], {base: S}), table)
-            poly = sympy.Poly(sympy.expand(body), Ss)
+        for d, body in bodies.items():
             total = sympy.Integer(0)
-            for (deg,), coeff in poly.terms():
-                if coeff.free_symbols.isdisjoint({xs}):
-                    term = coeff * count          # a constant summed over the group's indices
+            for (deg,), coeff in sympy.Poly(sympy.expand(body), Ss).terms():
+                if not varies(coeff):
+                    term = coeff * count          # the same value at every position: times the count
                 else:
-                    term_name = f"{name}_p{deg}"
+                    term_name = _unused(f"{name}_p{deg}", names.values())
+                    names[term_name] = term_name
                     term_sum = Reduce(BUILTINS["sum"], group.indices, (from_sympy(coeff, table),))
                     components.append(_base_component(term_sum, term_name, args))
                     term = table.symbol(projection(term_name), real=True)
@@ -289,7 +299,8 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
             continue
         if inside[m]:
             return None          # a dependency no rule resolves: leave the group as it is
-        name = names.get(m) or f"s{len(components) + 1}"
+        name = names.get(m) or _unused("s", names.values(), first_plain=False)
+        names[m] = name
         components.append(_base_component(m, name, args))
         replacement[m] = _finalize_from(m.summary, name, projection)
         handled.add(m)
@@ -318,6 +329,14 @@ def _with_laws(summary: Summary) -> Summary:
     """Laws are checked, never assumed: a derived summary that failed one would
     be a bug in this pass, reported as a LawError with its counterexample."""
     return require_laws(summary)
+
+
+def _unused(base: str, taken, first_plain: bool = True) -> str:
+    """`base` (if first_plain), else base2, base3... (base1, base2... otherwise),
+    the first not taken: field names stay unique in a product summary."""
+    taken = set(taken)
+    numbered = (f"{base}{n}" for n in count(2 if first_plain else 1))
+    return next(c for c in chain([base] if first_plain else [], numbered) if c not in taken)
 
 
 def _weight_only(d: Reduce, leader: Reduce) -> Expr:
@@ -354,7 +373,34 @@ def _groups(statements) -> list[_Group]:
 
     for st in statements:
         visit(st.expr, frozenset(), st.name)
-    return [_Group(key[0], members) for key, members in by_key.items() if len(members) > 1]
+    groups = []
+    for key, members in by_key.items():
+        groups += [_Group(key[0], part) for part in _connected(members) if len(part) > 1]
+    return groups
+
+
+def _connected(members: list[Reduce]) -> list[list[Reduce]]:
+    """Split reductions into parts worth one fold: two belong together when one
+    reads the other, or when one varies over a subset of the other's indices
+    (the normaliser l over i and the numerator u over i, j); reductions over
+    unrelated index sets would only multiply each other's work."""
+    parent = list(range(len(members)))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for a, ma in enumerate(members):
+        for b, mb in enumerate(members[:a]):
+            fa, fb = set(free_indices(ma)), set(free_indices(mb))
+            if ma in set(walk(mb)) or mb in set(walk(ma)) or fa <= fb or fb <= fa:
+                parent[find(a)] = find(b)
+    parts: dict[int, list[Reduce]] = {}
+    for k, m in enumerate(members):
+        parts.setdefault(find(k), []).append(m)
+    return list(parts.values())
 
 
 def factorise(program: Program) -> Program:
@@ -362,6 +408,7 @@ def factorise(program: Program) -> Program:
     for number, group in enumerate(_groups(program.statements), start=1):
         result = _factorise_group(group, number)
         if result is not None:
-            exprs = [_substitute(e, result[2]) for e in exprs]
+            # the projections' formulas (sum x = count * mean, ...) simplify in context
+            exprs = [e if (new := _substitute(e, result[2])) == e else simplify(new) for e in exprs]
     return replace(program, statements=tuple(
         replace(st, expr=e) for st, e in zip(program.statements, exprs)))

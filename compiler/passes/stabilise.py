@@ -80,6 +80,21 @@ def signed_sum(parts: list[tuple[int, Expr]]) -> Expr:
     return out
 
 
+def split_sums_of_exponentials(e: Expr) -> Expr:
+    """sum_I (a + b) = sum_I a + sum_I b, where a term holds an exponential that
+    varies over I: each term then gets its own max shift."""
+    if not _is_sum(e):
+        return e
+    parts = terms(e.args[0])
+    if len(parts) < 2 or not any(_has_varying_exp(t, e.indices) for _, t in parts):
+        return e
+    return signed_sum([(sign, replace(e, args=(t,))) for sign, t in parts])
+
+
+def _has_varying_exp(e: Expr, indices) -> bool:
+    return any(isinstance(n, Call) and n.op == "exp" and _varies(n, indices) for n in walk(e))
+
+
 def shift_exponentials(e: Expr) -> Expr:
     if not _is_sum(e):
         return e
@@ -115,7 +130,7 @@ def simplify(e: Expr) -> Expr:
 def stabilise(program: Program) -> Program:
     statements = []
     for st in program.statements:
-        expr = transform(st.expr, pull_out_invariants)
+        expr = transform(transform(st.expr, split_sums_of_exponentials), pull_out_invariants)
         shifted = transform(expr, shift_exponentials)
         if shifted != expr:
             shifted = simplify(shifted)
