@@ -260,6 +260,37 @@ def test_scalar_inputs_as_numbers_and_zero_dim_tensors():
     assert_matches_oracle(src, {"X": randn(11), "a": 2.5, "b": torch.tensor(-1.0, device=DEVICE)})
 
 
+# ---------------------------------------------------------------- a corpus: each program one kernel
+CORPUS = {
+    "one_liner": "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]",
+    "max_subtracted": "S[i,m] = Q[i,k]*K[m,k]; M[i] = max[m](S[i,m]); P[i,m] = exp(S[i,m] - M[i])\n"
+                      "O[i,j] = sum[m](P[i,m]*V[m,j]) / sum[m](P[i,m])",
+    "unsafe": "S[i,m] = Q[i,k]*K[m,k]; P[i,m] = exp(S[i,m]) / sum[m](exp(S[i,m])); O[i,j] = P[i,m]*V[m,j]",
+    "window": "O[i,j] = softmax[m](where(i - m < 3 and m <= i, Q[i,k]*K[m,k], -inf)) * V[m,j]",
+    "alibi": "O[i,j] = softmax[m](Q[i,k]*K[m,k] - slope * abs(i - m)) * V[m,j]",
+    "bias": "O[i,j] = softmax[m](Q[i,k]*K[m,k] + B[i,m]) * V[m,j]",
+    "softcap": "O[i,j] = softmax[m](30 * tanh(Q[i,k]*K[m,k] / 30)) * V[m,j]",
+    "two_outputs": "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]; O2[i,j] = softmax[m](Q[i,k]*K[m,k]) * W[m,j]",
+    "weighted_mean_of_f": "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * tanh(V[m,j])",
+    "cross_entropy": "L[i] = logsumexp[v](H[i,k]*W[v,k]) - T[i]",
+    "mean_variance": "mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)",
+    "third_moment": "Z[i] = sum[j](X[i,j]); Z3[i] = sum[j]((X[i,j] - Z[i] / len(j))**3)",
+    "sum_of_exp": "Z[i] = sum[j](exp(X[i,j]))",
+}
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_program_is_one_kernel(name):
+    from compiler.random_inputs import random_inputs
+    src = CORPUS[name]
+    ref = compiler.compile(src, backend="reference")
+    sizes = dict(zip("ijkmv", [19, 6, 8, 37, 23]))
+    inputs = random_inputs(ref.checked, {ix: sizes.get(ix, 5) for ix, _ in ref.checked.extents}, device=DEVICE)
+    ref, backend = assert_matches_oracle(src, inputs)
+    p = plan(backend, ref, inputs)
+    assert len(p.kernels) == 1 and p.buffers == ()
+
+
 # ---------------------------------------------------------------- algebra: order, payloads, user summaries
 def test_argmax_keeps_the_first_of_ties():
     x = torch.randint(-2, 3, (6, 13), generator=torch.Generator().manual_seed(3)).float().to(DEVICE)
