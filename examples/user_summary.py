@@ -61,7 +61,7 @@ def main() -> int:
         print("MISMATCH: subtraction as combine was accepted")
         ok = False
 
-    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    print("all checks passed: ok" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 
 
