@@ -255,6 +255,37 @@ def test_outputs_of_other_dtypes_and_index_values():
     assert got[0].dtype == torch.int64 and got[1].dtype == torch.bool
 
 
+def _op_expression(op):
+    from compiler.ops import OPS
+    info = OPS[op]
+    if info.syntax == "function":
+        args = {1: "X[i]", 2: "X[i], Z[i]", 3: "X[i] > 0, X[i], Z[i]"}[info.arity]
+        return f"{info.symbol}({args})"
+    if info.name in ("and", "or"):
+        return f"where((X[i] > 0) {info.symbol} (Z[i] < 0.5), 1.0, -1.0)"
+    if info.name == "not":
+        return "where(not (X[i] > 0), 1.0, -1.0)"
+    if info.precedence == 4:                     # comparisons
+        return f"where(X[i] {info.symbol} Z[i], X[i], Z[i])"
+    if info.syntax == "prefix":
+        return f"{info.symbol}X[i]"
+    return f"X[i] {info.symbol} Z[i]"
+
+
+@pytest.mark.parametrize("op", sorted(__import__("compiler.ops", fromlist=["OPS"]).OPS))
+def test_every_operator_of_the_language(op):
+    x = torch.linspace(-3, 3, 29, device=DEVICE)
+    z = torch.linspace(2.5, -1.5, 29, device=DEVICE)
+    src = f"Y[i] = {_op_expression(op)}"
+    assert_matches_oracle(src, {"X": x, "Z": z} if "Z[i]" in src else {"X": x})
+
+
+def test_powers_and_constant_folding():
+    src = ("Y[i] = where(1 < 2, X[i], 0.0) + where(i > 2 and not (i > 5), 1.0, 2.0) + 2 ** 3 + X[i] ** -2"
+           " + abs(X[i]) ** 0.5 + abs(X[i]) ** 1.7 + (X[i] * 4) ** 3.0 + (X[i] * 4) ** (i - 4) + X[i] ** 0")
+    assert_matches_oracle(src, {"X": randn(11)})
+
+
 def test_scalar_inputs_as_numbers_and_zero_dim_tensors():
     src = "Y[i] = X[i] * a + b"
     assert_matches_oracle(src, {"X": randn(11), "a": 2.5, "b": torch.tensor(-1.0, device=DEVICE)})

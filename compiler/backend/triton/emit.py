@@ -397,8 +397,10 @@ class KernelEmitter:
         table shared by formulas emitted together (equal code is computed once)."""
         from ...ops import OPS
         if all(a.const is not None for a in args):
-            result = OPS[op].torch(*(torch.tensor(a.const, dtype=torch.float64 if isinstance(a.const, float)
-                                                  else torch.int64) for a in args)).item()
+            def tensor(c):
+                dtype = torch.bool if isinstance(c, bool) else torch.int64 if isinstance(c, int) else torch.float64
+                return torch.tensor(c, dtype=dtype)
+            result = OPS[op].torch(*(tensor(a.const) for a in args)).item()
             if isinstance(result, bool):
                 return Value(emission.literal(result), (), "bool", const=result)
             kind = "int" if isinstance(result, int) else "float"
