@@ -98,6 +98,25 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    from . import compile
+    print(compile(_read_program(args), backend="reference").explain(), end="")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from . import bench
+    if not torch.cuda.is_available():
+        print("einfold bench: needs a CUDA GPU (the benchmarks compare kernels on one)", file=sys.stderr)
+        return 2
+    bench.main(Path(args.out), args.group or list(bench.GROUPS), quick=args.quick)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="einfold", description=__doc__.strip().split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("explain", help="print the derivation: from the expression to one pass per reduction")
+    _add_program_args(p)
+    p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("bench", help="benchmark the generated kernels against torch baselines (GPU)")
+    p.add_argument("--group", action="append", choices=["attention", "decode", "memory", "matmul"],
+                   help="case groups to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="a few small shapes per group")
+    p.add_argument("--out", default="bench-results", help="folder for bench.csv, bench.json, bench.png")
+    p.set_defaults(run=cmd_bench)
 
     args = parser.parse_args(argv)
     try:

@@ -161,3 +161,24 @@ def test_python_dash_m_compiler():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "unexpected character '$'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_explain_prints_the_derivation(capsys):
+    code, out, err = run_cli(capsys, "explain", "-e", ATTENTION)
+    assert code == 0 and err == ""
+    assert "dependent reductions over m: l, u use the max r" in out
+    assert "h(r, r_new) = exp(r - r_new)" in out
+    assert "O[i, j] = u / l" in out
+
+
+def test_explain_bad_program_exits_2(capsys):
+    code, out, err = run_cli(capsys, "explain", "-e", "O[i] = nope(X[i])")
+    assert code == 2 and "unknown function 'nope'" in err and "^^^^" in err
+
+
+def test_bench_without_a_gpu_says_so(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only message")
+    code, out, err = run_cli(capsys, "bench", "--quick")
+    assert code == 2 and "needs a CUDA GPU" in err

@@ -1,0 +1,310 @@
+"""`einfold bench`: the generated kernels against what a user would pick
+instead, side by side in one run on the GPU, as ratios.
+
+Every case checks ours against the first baseline before timing (relative
+error in float64), times each contender with the median of
+triton.testing.do_bench, and reports TFLOP/s (FLOP-bound cases) or GB/s
+(memory-bound cases, each input read once and each output written once).
+Results go to stdout as a table and to OUT/bench.{csv,json,png}.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Case:
+    group: str
+    name: str
+    work: float                      # FLOPs or bytes
+    unit: str                        # "TFLOP/s" or "GB/s"
+    make: Callable[[], dict]         # -> inputs
+    ours: Callable[[dict], torch.Tensor]
+    baselines: dict[str, Callable[[dict], torch.Tensor]]
+    tolerance: float = 2e-2
+
+
+@dataclass
+class Row:
+    group: str
+    name: str
+    contender: str
+    ms: float
+    rate: float
+    unit: str
+    ratio_ours_over_this: float | None = None
+    error: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _rate(work: float, unit: str, ms: float) -> float:
+    return work / (ms * 1e-3) / (1e12 if unit == "TFLOP/s" else 1e9)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------- cases
+ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+CAUSAL = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
+THREE_STATEMENTS = ("S[b,h,i,m] = Q[b,h,i,k] * K[b,h,m,k] * scale\n"
+                    "P[b,h,i,m] = softmax[m](S[b,h,i,m])\n"
+                    "O[b,h,i,j] = P[b,h,i,m] * V[b,h,m,j]")
+SOFTMAX = "P[i,j] = softmax[j](X[i,j])"
+LAYERNORM = ("mu[i] = sum[j](X[i,j]) / len(j)\nvar[i] = sum[j]((X[i,j] - mu[i]) ** 2) / len(j)\n"
+             "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(var[i] + eps)")
+LOGSUMEXP = "L[i] = logsumexp[j](X[i,j])"
+ADD_GELU = "O[i,j] = gelu(X[i,j] + Y[i,j])"
+MATMUL = "C[i,j] = A[i,k] * B[k,j]"
+
+
+def _sdpa(backend_name: str, causal: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(x):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(
+                x["Q"], x["K"], x["V"], is_causal=causal, scale=x["scale"])
+    return run
+
+
+def _naive_causal(x):
+    s = (x["Q"] @ x["K"].transpose(-1, -2)) * x["scale"]
+    n, m = s.shape[-2:]
+    mask = torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1)
+    return torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ x["V"]
+
+
+def attention_cases(compile_, quick: bool) -> list[Case]:
+    import compiler
+    cases = []
+    shapes = [(64, 1024), (128, 1024)] if quick else [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]
+    compiled_naive = torch.compile(_naive_causal)
+    for d, s in shapes:
+        b, h = 16384 // s, 2048 // d
+        for causal in (False, True):
+            def make(b=b, h=h, s=s, d=d):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                           for _ in range(3))
+                return {"Q": q, "K": k, "V": v, "scale": 1 / math.sqrt(d)}
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            program = compile_(CAUSAL if causal else ATTENTION)
+            baselines = {"sdpa_flash": _sdpa("FLASH_ATTENTION", causal),
+                         "sdpa_cudnn": _sdpa("CUDNN_ATTENTION", causal)}
+            if causal:
+                baselines["torch.compile naive"] = compiled_naive
+            else:
+                three = compile_(THREE_STATEMENTS)
+                baselines["einfold three statements"] = lambda x, p=three: p(**x)
+            cases.append(Case("attention", f"B{b} H{h} S{s} d{d}{' causal' if causal else ''}", flops,
+                              "TFLOP/s", make, lambda x, p=program: p(**x), baselines))
+    del compiler
+    return cases
+
+
+def decode_cases(compile_, quick: bool) -> list[Case]:
+    cases = []
+    program = compile_(ATTENTION)
+    for h in (8, 32):
+        for length in ((8192,) if quick else (8192, 65536, 262144)):
+            def make(h=h, length=length):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q = torch.randn(1, h, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                k, v = (torch.randn(1, h, length, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                        for _ in range(2))
+                return {"Q": q, "K": k, "V": v, "scale": 1 / math.sqrt(128)}
+            nbytes = 2 * (2 * h * length * 128 + 2 * h * 128)
+            baselines = {f"sdpa_{n.lower()}": _sdpa(n, False)
+                         for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")}
+            cases.append(Case("decode", f"H{h} L{length}", nbytes, "GB/s", make,
+                              lambda x, p=program: p(**x), baselines))
+    return cases
+
+
+def _torch_layernorm(x):
+    X = x["X"].float()
+    mu = X.mean(-1, keepdim=True)
+    var = ((X - mu) ** 2).mean(-1, keepdim=True)
+    return ((X - mu) * torch.rsqrt(var + x["eps"])).to(x["X"].dtype)
+
+
+def memory_cases(compile_, quick: bool) -> list[Case]:
+    torch_fns = {
+        "softmax": (SOFTMAX, lambda x: torch.softmax(x["X"].float(), -1).to(x["X"].dtype), 2),
+        "layernorm": (LAYERNORM, _torch_layernorm, 2),
+        "logsumexp": (LOGSUMEXP, lambda x: torch.logsumexp(x["X"].float(), -1).to(x["X"].dtype), 1),
+        "add+gelu": (ADD_GELU, lambda x: torch.nn.functional.gelu(x["X"] + x["Y"]), 3),
+    }
+    cases = []
+    n = 4096 if quick else 8192
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (src, fn, tensors) in torch_fns.items():
+            def make(dtype=dtype, name=name):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                x = {"X": torch.randn(n, n, device="cuda", dtype=dtype, generator=g)}
+                if name == "add+gelu":
+                    x["Y"] = torch.randn(n, n, device="cuda", dtype=dtype, generator=g)
+                if name == "layernorm":
+                    x["eps"] = 1e-5
+                return x
+            nbytes = n * n * dtype.itemsize * tensors + (n * dtype.itemsize if name == "logsumexp" else 0)
+            if name == "logsumexp":
+                nbytes = n * n * dtype.itemsize + n * dtype.itemsize
+            program = compile_(src)
+            cases.append(Case("memory", f"{name} {n}x{n} {str(dtype).split('.')[-1]}", nbytes, "GB/s",
+                              make, lambda x, p=program: p(**x),
+                              {"torch.compile": torch.compile(fn), "torch eager": fn}))
+    return cases
+
+
+def matmul_cases(compile_, quick: bool) -> list[Case]:
+    program = compile_(MATMUL)
+    cases = []
+    for n in ((4096,) if quick else (4096, 8192)):
+        def make(n=n):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            return {"A": torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g),
+                    "B": torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)}
+        cases.append(Case("matmul", f"{n}^3 bf16", 2 * n ** 3, "TFLOP/s", make,
+                          lambda x, p=program: p(**x), {"torch.matmul": lambda x: x["A"] @ x["B"]}))
+    return cases
+
+
+GROUPS = {"attention": attention_cases, "decode": decode_cases, "memory": memory_cases,
+          "matmul": matmul_cases}
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a large device-to-device copy, counting bytes read and written."""
+    import triton.testing
+    src = torch.randn(1 << 28, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def run_case(case: Case) -> list[Row]:
+    import triton.testing
+    x = case.make()
+    reference = next(iter(case.baselines.values()))(x)
+    ours_out = case.ours(x)
+    rows = []
+    timings = {}
+    for name, fn in [("einfold", case.ours), *case.baselines.items()]:
+        try:
+            out = fn(x)
+            err = _error(out, reference) if name != next(iter(case.baselines)) else 0.0
+            ms = triton.testing.do_bench(lambda fn=fn: fn(x), warmup=25, rep=100, return_mode="median")
+            timings[name] = ms
+            rows.append(Row(case.group, case.name, name, ms, _rate(case.work, case.unit, ms), case.unit,
+                            error=err))
+        except Exception as e:   # a baseline backend this device or shape does not support
+            rows.append(Row(case.group, case.name, name, float("nan"), float("nan"), case.unit,
+                            note=f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+    ours = timings.get("einfold")
+    for row in rows:
+        if ours and row.contender in timings:
+            row.ratio_ours_over_this = timings[row.contender] / ours   # >1: einfold is faster
+    if _error(ours_out, reference) > case.tolerance:
+        rows[0].note = f"MISMATCH vs {next(iter(case.baselines))}: rel err {_error(ours_out, reference):.2e}"
+    return rows
+
+
+def compile_cost() -> list[Row]:
+    """Cold compile + autotuning of attention for one shape, and the host time a
+    cached call adds over launching nothing but the kernel (measured per call)."""
+    import compiler
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(4, 16, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    start = time.perf_counter()
+    program = compiler.compile(ATTENTION + "  # cold " + str(time.time()), backend="triton")
+    program(Q=q, K=k, V=v, scale=0.088)
+    torch.cuda.synchronize()
+    cold = time.perf_counter() - start
+    rows = [Row("compile", "attention cold compile + autotune", "einfold", cold * 1e3, float("nan"), "ms")]
+    tiny = {"Q": q[:1, :1, :16], "K": k[:1, :1, :16], "V": v[:1, :1, :16], "scale": 0.088}
+    program(**tiny)
+    torch.cuda.synchronize()
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        program(**tiny)
+    torch.cuda.synchronize()
+    per_call = (time.perf_counter() - start) / n
+    launch = getattr(program.backend, "launch_overhead_probe", None)
+    direct = launch(tiny) if launch is not None else float("nan")
+    rows.append(Row("compile", "cached call host time", "einfold", per_call * 1e6, float("nan"), "us",
+                    extra={"direct_triton_launch_us": direct}))
+    return rows
+
+
+def main(out: Path, groups: list[str], quick: bool = False) -> list[Row]:
+    import compiler
+    import triton
+    out.mkdir(parents=True, exist_ok=True)
+    compile_ = lambda src: compiler.compile(src, backend="triton")  # noqa: E731
+    rows: list[Row] = []
+    bandwidth = copy_bandwidth()
+    for group in groups:
+        for case in GROUPS[group](compile_, quick):
+            rows += run_case(case)
+            print(f"  done {case.group}: {case.name}", flush=True)
+    rows += compile_cost()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+            "copy_bandwidth_GBps": bandwidth}
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    with open(out / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    _plot(rows, out / "bench.png")
+    print(format_table(rows, meta))
+    return rows
+
+
+def format_table(rows: list[Row], meta: dict) -> str:
+    lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
+             f"copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s",
+             f"{'case':34} {'contender':26} {'ms':>9} {'rate':>10} {'ours/this':>9}  note"]
+    for r in rows:
+        ratio = f"{r.ratio_ours_over_this:.2f}x" if r.ratio_ours_over_this else ""
+        rate = f"{r.rate:.1f}" if r.rate == r.rate else ""
+        lines.append(f"{r.group + ' ' + r.name:34} {r.contender:26} {r.ms:9.3f} {rate:>10} {ratio:>9}  "
+                     f"{r.unit if rate else ''} {r.note}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(dict.fromkeys((r.group, r.name) for r in rows if r.ratio_ours_over_this))
+    fig, ax = plt.subplots(figsize=(12, max(4, 0.3 * len(cases))))
+    labels, values = [], []
+    for group, name in cases:
+        for r in rows:
+            if (r.group, r.name) == (group, name) and r.contender != "einfold" and r.ratio_ours_over_this:
+                labels.append(f"{group} {name} vs {r.contender}")
+                values.append(r.ratio_ours_over_this)
+    ax.barh(range(len(values)), values, color=["tab:green" if v >= 1 else "tab:red" for v in values])
+    ax.set_yticks(range(len(values)), labels, fontsize=6)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speed of einfold relative to the baseline (>1: einfold faster)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
