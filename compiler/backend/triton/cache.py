@@ -70,10 +70,10 @@ def _interpreter(on: bool):
 def load(source: str, key: str, interpret: bool) -> ModuleType:
     """Write (once) and import the module; interpreted and compiled instances of
     one source are separate modules."""
-    path = write(source, key)
-    name = path.stem + ("_interpreted" if interpret else "")
-    if name in sys.modules:
+    name = f"einfold_{digest(source, key)}" + ("_interpreted" if interpret else "")
+    if name in sys.modules:                     # imported before by this process: no file system work
         return sys.modules[name]
+    path = write(source, key)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
