@@ -39,67 +39,90 @@ def _dims(n: int) -> str:
     return f"{n} dimension{'s' * (n != 1)}"
 
 
+class Binder:
+    """Binds inputs to one program; everything that does not depend on the
+    inputs (which dimension of which access fixes which extent) is worked out
+    once here, so that a call costs a few checks per input."""
+
+    def __init__(self, program: Program, extents_of: Program | None = None):
+        self.program = program
+        self.declared = {i.name: i for i in program.inputs}
+        symbols = dict(program.extents)
+        # (tensor, dimension, extent symbol, index name, access) for every input access
+        self.checks = [(node.tensor, d, symbols[ix], ix, node)
+                       for st in program.statements for node in walk(st.expr)
+                       if isinstance(node, Access) and node.tensor in self.declared
+                       for d, ix in enumerate(node.indices)]
+        # every index of `extents_of` (a later stage's program, whose passes may add
+        # fresh indices sharing an extent symbol) -> the symbol that sizes it
+        target = extents_of if extents_of is not None else program
+        self.sized = [(ix, symbol) for ix, symbol in target.extents]
+
+    def __call__(self, inputs: Mapping[str, object]) -> Binding:
+        if inputs.keys() != self.declared.keys():
+            self._names_error(inputs)
+        src = self.program.source
+        tensor_dtypes, devices = [], set()
+        for name, decl in self.declared.items():
+            value = inputs[name]
+            if isinstance(value, torch.Tensor):
+                if value.dtype not in SUPPORTED_DTYPES:
+                    raise BindError(f"input '{name}' has dtype {value.dtype}; einfold takes "
+                                    f"float16, bfloat16, float32 or float64 tensors", src, decl.span)
+                if value.dim() != decl.rank:
+                    raise BindError(f"input '{name}' has {_dims(value.dim())} but the program "
+                                    f"reads it with {decl.rank} ind{'ex' if decl.rank == 1 else 'ices'}",
+                                    src, decl.span)
+                if decl.rank:                   # 0-d tensors, like numbers, do not set the dtype
+                    tensor_dtypes.append(value.dtype)
+                devices.add(value.device)
+            elif isinstance(value, Real) and not isinstance(value, bool):
+                if decl.rank != 0:
+                    raise BindError(f"input '{name}' is a number but the program reads it with "
+                                    f"{decl.rank} indices; pass a tensor", src, decl.span)
+            else:
+                raise BindError(f"input '{name}' must be a torch tensor or a number, "
+                                f"not {type(value).__name__}", src, decl.span)
+        if len(devices) > 1:
+            raise BindError(f"inputs live on different devices: {', '.join(sorted(map(str, devices)))}")
+
+        # Every index's extent comes from the tensor dimensions it indexes; indices
+        # unified by the checker share one extent symbol.
+        seen: dict[object, tuple[int, str, Access, int]] = {}
+        for tensor, d, symbol, ix, node in self.checks:
+            size = inputs[tensor].shape[d]
+            first = seen.get(symbol)
+            if first is None:
+                seen[symbol] = (size, ix, node, d)
+            elif first[0] != size:
+                first_size, first_ix, first_node, first_dim = first
+                which = (f"index '{ix}' has" if first_ix == ix
+                         else f"indices '{first_ix}' and '{ix}' (they index one dimension, so share "
+                              f"one extent) have")
+                raise BindError(f"{which} extent {first_size} in {first_node.tensor} (dimension "
+                                f"{first_dim}) but {size} in {tensor} (dimension {d})", src, node.span)
+        extents = {ix: seen[symbol][0] for ix, symbol in self.sized}
+        # Float results take the promoted dtype of the tensor inputs (float32 if none).
+        dtype = tensor_dtypes[0] if tensor_dtypes else torch.float32
+        for t in tensor_dtypes[1:]:
+            dtype = torch.promote_types(dtype, t)
+        device = devices.pop() if devices else torch.device("cpu")
+        return Binding(dict(inputs), extents, dtype, device)
+
+    def _names_error(self, inputs: Mapping[str, object]) -> None:
+        declared = self.declared
+        for name in inputs:
+            if name not in declared:
+                known = ", ".join(declared) or "none"
+                close = ([d for d in declared if d.lower() == name.lower()]
+                         or difflib.get_close_matches(name, list(declared), n=1))
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise BindError(f"unexpected input '{name}'{hint} (the program's inputs are: {known})")
+        for decl in declared.values():
+            if decl.name not in inputs:
+                raise BindError(f"missing input '{decl.name}'", self.program.source, decl.span)
+
+
 def bind(program: Program, inputs: Mapping[str, object]) -> Binding:
-    src = program.source
-    declared = {i.name: i for i in program.inputs}
-    for name in inputs:
-        if name not in declared:
-            known = ", ".join(declared) or "none"
-            close = ([d for d in declared if d.lower() == name.lower()]
-                     or difflib.get_close_matches(name, list(declared), n=1))
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise BindError(f"unexpected input '{name}'{hint} (the program's inputs are: {known})")
-    for decl in program.inputs:
-        if decl.name not in inputs:
-            raise BindError(f"missing input '{decl.name}'", src, decl.span)
-
-    tensor_dtypes, devices = [], set()
-    for decl in program.inputs:
-        value = inputs[decl.name]
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in SUPPORTED_DTYPES:
-                raise BindError(f"input '{decl.name}' has dtype {value.dtype}; einfold takes "
-                                f"float16, bfloat16, float32 or float64 tensors", src, decl.span)
-            if value.dim() != decl.rank:
-                raise BindError(f"input '{decl.name}' has {_dims(value.dim())} but the program "
-                                f"reads it with {decl.rank} ind{'ex' if decl.rank == 1 else 'ices'}",
-                                src, decl.span)
-            tensor_dtypes.append(value.dtype)
-            devices.add(value.device)
-        elif isinstance(value, Real) and not isinstance(value, bool):
-            if decl.rank != 0:
-                raise BindError(f"input '{decl.name}' is a number but the program reads it with "
-                                f"{decl.rank} indices; pass a tensor", src, decl.span)
-        else:
-            raise BindError(f"input '{decl.name}' must be a torch tensor or a number, "
-                            f"not {type(value).__name__}", src, decl.span)
-    if len(devices) > 1:
-        raise BindError(f"inputs live on different devices: {', '.join(sorted(map(str, devices)))}")
-
-    # Every index's extent comes from the tensor dimensions it indexes; indices
-    # unified by the checker share one extent symbol.
-    seen: dict[object, tuple[int, str, Access, int]] = {}
-    for st in program.statements:
-        for node in walk(st.expr):
-            if not isinstance(node, Access) or node.tensor not in declared:
-                continue
-            value = inputs[node.tensor]
-            for d, ix in enumerate(node.indices):
-                size = int(value.shape[d])
-                symbol = program.extent(ix)
-                if symbol in seen and seen[symbol][0] != size:
-                    first_size, first_ix, first, first_dim = seen[symbol]
-                    which = (f"index '{ix}' has" if first_ix == ix
-                             else f"indices '{first_ix}' and '{ix}' (they index one dimension, so share "
-                                  f"one extent) have")
-                    raise BindError(
-                        f"{which} extent {first_size} in {first.tensor} (dimension "
-                        f"{first_dim}) but {size} in {node.tensor} (dimension {d})", src, node.span)
-                seen.setdefault(symbol, (size, ix, node, d))
-    extents = {ix: seen[symbol][0] for ix, symbol in program.extents}
-    # Float results take the promoted dtype of the tensor inputs (float32 if none).
-    dtype = tensor_dtypes[0] if tensor_dtypes else torch.float32
-    for t in tensor_dtypes[1:]:
-        dtype = torch.promote_types(dtype, t)
-    device = devices.pop() if devices else torch.device("cpu")
-    return Binding(dict(inputs), extents, dtype, device)
+    """Bind `inputs` to `program` (see Binder, which a Program keeps)."""
+    return Binder(program)(inputs)

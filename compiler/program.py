@@ -7,7 +7,7 @@ import torch
 
 from . import backend as backends
 from .algebra import Summary
-from .bind import bind
+from .bind import Binder
 from .check import check
 from .errors import EinfoldError
 from .ir import Program as IRProgram
@@ -35,14 +35,15 @@ class Program:
         self.factorised: IRProgram = run_pipeline(self.checked)
         self.outputs = self.checked.outputs
         self.backend = backend_class(self.factorised, self.outputs)
+        self.binder = Binder(self.checked, extents_of=self.factorised)
 
     def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        results = self.backend.run(bind(self.checked, inputs).for_program(self.factorised))
+        results = self.backend.run(self.binder(inputs))
         values = tuple(results[name] for name in self.outputs)
         return values[0] if len(values) == 1 else values
 
     def plan(self, **inputs) -> Plan:
-        return self.backend.plan(bind(self.checked, inputs).for_program(self.factorised))
+        return self.backend.plan(self.binder(inputs))
 
     @property
     def source(self) -> str:
