@@ -391,6 +391,7 @@ def test_statements_reading_earlier_outputs_in_other_kernels():
     ref, backend = assert_matches_oracle(src, {"X": randn(9, 11)}, outputs=["S", "Y"])
     p = plan(backend, ref, {"X": randn(9, 11)})
     assert kernel_names(p) == ["einfold_S", "einfold_Y"] and p.buffers == ()
+    assert "a kernel of its own: reads S from memory" in p.kernels[1].why
 
 
 # ---------------------------------------------------------------- split reductions

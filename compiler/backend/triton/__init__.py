@@ -121,7 +121,8 @@ class TritonBackend:
         entry = self._built.get(key)
         if entry is None:
             built = self.build(sig)
-            module = load(built.source, repr(self.split), interpret)
+            key = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
+            module = load(built.source, key, interpret)
             entry = (built, module.launch)
             self._built[key] = entry
         if interpret:

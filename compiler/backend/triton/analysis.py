@@ -236,7 +236,7 @@ class KernelSpec:
     buffers: tuple[str, ...] = ()          # which of `statements` are intermediate buffers
     program_folds: tuple[Reduce, ...] = ()  # top folds with free indices exactly G
     dependent: bool = False                # some program fold reads another one
-    split_note: str = ""
+    separate: str = ""                     # why it is not part of the previous kernel
 
     @property
     def lhs(self) -> tuple[str, ...]:
@@ -307,6 +307,13 @@ class Former:
                     raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
                 expr = inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,))
                 self._add(replace(s, expr=expr), buffer=False)
+                if last is not None:
+                    own = self.kernels[-1]
+                    earlier = [t.name for k in self.kernels[:-1] for t in k.statements if t.name in reads(expr)]
+                    because = (f"reads {', '.join(earlier)} from memory" if earlier else
+                               f"its grid ({', '.join(own.grid)}) or output indices differ from {last.name}'s")
+                    own.separate = f"; a kernel of its own: {because}"
+                    own.why += own.separate
         return Structure(self.kernels, self.fresh_names, self.buffer_indices)
 
     # ------------------------------------------------------------
@@ -321,7 +328,7 @@ class Former:
         k.epilogue = epilogue
         k.program_folds = tuple(f for f in folds if free(f) == set(k.grid))
         k.dependent = _dependent(k.program_folds)
-        k.why = _why(k.grid, epilogue, folds, len(statements))
+        k.why = _why(k.grid, epilogue, folds, len(statements)) + k.separate
 
     def _add(self, s: Assign, buffer: bool) -> None:
         grid, folds = _grid_of(s.expr, s.indices)

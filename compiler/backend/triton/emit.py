@@ -1001,6 +1001,14 @@ class KernelEmitter:
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
         return factors
 
+    def tiling_note(self) -> str:
+        """The grid in words: which indices are one program each and which are tiled."""
+        parts = []
+        for g in self.spec.grid:
+            ax = self.root.env[g]
+            parts.append(g if ax.scalar else f"{g}/{ax.block}")
+        return f"grid ({', '.join(parts)})" if parts else "one program"
+
     def build(self) -> KernelCode:
         spec = self.spec
         factors = self.grid_axes()
@@ -1055,4 +1063,4 @@ class KernelEmitter:
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
         source = "\n".join([f"@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
-                          self.mode == "partial", spec.why, tuple(writes), self.buffers)
+                          self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers)

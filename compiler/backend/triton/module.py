@@ -106,7 +106,7 @@ class ModuleBuilder:
                 merge = KernelEmitter(self.ctx, spec, "merge", n_split).build()
                 self.kernels += [(partial, n_split), (merge, n_split)]
                 plan_kernels.append(Kernel(partial.name, partial.writes,
-                                           f"{spec.why}; the program folds split over {n_split} programs per "
+                                           f"{partial.why}; the program folds split over {n_split} programs per "
                                            f"tile ({why}), each writing its summary state"))
                 plan_kernels.append(Kernel(merge.name, merge.writes,
                                            f"merges the {n_split} partial states in order with the combine, "
@@ -116,7 +116,7 @@ class ModuleBuilder:
                 if why:
                     self.notes.append(f"{spec.name}: {why}")
                 self.kernels.append((code, 1))
-                plan_kernels.append(Kernel(code.name, code.writes, spec.why + (f" ({why})" if why else "")))
+                plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else "")))
             buffers += list(spec.buffers)
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)))
 
