@@ -478,6 +478,11 @@ def test_cache_write_is_atomic_under_concurrency(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_launch_overhead_probe_times_the_launcher():
+    program = compiler.compile("Y[i] = X[i] * 2", backend="triton")
+    assert program.backend.launch_overhead_probe({"X": randn(5)}, calls=3) > 0
+
+
 def test_auto_backend_is_triton():
     program = compiler.compile("Y[i] = X[i] + 1")
     assert program.backend.name == "triton"

@@ -159,6 +159,32 @@ class TritonBackend:
         launch(t, extents, binding.device)
         return {name: t[name] for name in self.outputs}
 
+    def launch_overhead_probe(self, inputs: dict, calls: int = 200) -> float:
+        """Microseconds of host time per call of the generated launcher alone (the
+        kernels' launches; binding, specialisation lookup and output allocation
+        excluded), for the benchmark's host-overhead row."""
+        import time
+
+        from ...bind import bind
+        binding = bind(self.program, inputs)
+        extents = self._extents(binding)
+        _, launch = self._entry(binding, extents)
+        t = dict(binding.values)
+        for name in self.outputs:
+            st = self.program.statement(name)
+            dtype = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
+            t[name] = torch.empty([binding.extents[i] for i in st.indices], dtype=dtype, device=binding.device)
+        launch(t, extents, binding.device)
+        if binding.device.type == "cuda":
+            torch.cuda.synchronize(binding.device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            launch(t, extents, binding.device)
+        elapsed = time.perf_counter() - start
+        if binding.device.type == "cuda":
+            torch.cuda.synchronize(binding.device)
+        return elapsed / calls * 1e6
+
     def plan(self, binding: Binding) -> Plan:
         return self.build(self.signature(binding, self._extents(binding))).plan
 
