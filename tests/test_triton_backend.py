@@ -358,8 +358,21 @@ def test_user_summary_through_compile():
                                                  + b.l * fn.exp(b.m - fn.max(a.m, b.m))),
                            finalize=lambda s: s.m + fn.log(s.l), commutative=True, examples=20)
     x = randn(4, 19) * 5
-    out = compiler.compile("L[i] = lse[k](X[i,k])", summaries=[lse], backend="triton")(X=x)
-    torch.testing.assert_close(out.cpu(), torch.logsumexp(x.cpu(), 1))
+    program = compiler.compile("L[i] = lse[k](X[i,k])", summaries=[lse], backend="triton")
+    torch.testing.assert_close(program(X=x).cpu(), torch.logsumexp(x.cpu(), 1))
+    # exp(a.m - max(a.m, b.m)) is NaN for two padding elements, which a GPU tree reduction
+    # combines: the generated combine passes the identity through
+    assert "a_empty = (a_m == -float(\"inf\")) & (a_l == 0.0)" in program.source
+
+
+def test_identity_guard_only_where_the_formulas_need_it():
+    from compiler.algebra import BUILTINS
+    from compiler.backend.triton.analysis import exact_identity
+    assert exact_identity(BUILTINS["sum"], ("acc",)) and exact_identity(BUILTINS["argmax"], ("m", "p"))
+    assert exact_identity(affine(), ("A", "B"))
+    ref, backend = triton_backend(LAYERNORM)            # Chan's merge guards its division itself
+    backend.plan(bind(ref.checked, {"X": randn(3, 5)}).for_program(backend.program))
+    assert "a_empty" not in backend.source and "tl.reduce(" in backend.source
 
 
 # ---------------------------------------------------------------- IR the passes did not factorise

@@ -35,7 +35,7 @@ import torch
 from ...algebra import BUILTINS
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, walk
 from . import ops as emission
-from .analysis import KernelSpec, contraction_names, free, index_bounds, value_only_names
+from .analysis import KernelSpec, contraction_names, exact_identity, free, index_bounds, value_only_names
 
 WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
 DOT_BLOCK = 64        # tile of an index that takes part in tl.dot
@@ -187,6 +187,7 @@ class ModuleContext:
     def combine_fn(self, summary, fields: tuple[str, ...]) -> str:
         key = (summary, fields)
         if key not in self.combines:
+            guarded = not exact_identity(summary, fields)
             base = f"combine_{ident(summary.name)}"
             taken = {n for n, _ in self.combines.values()}
             name, k = base, 1
@@ -196,10 +197,19 @@ class ModuleContext:
             index = {f: summary.field_names.index(f) for f in fields}
             names = {f"a.{f}": f"a_{f}" for f in fields} | {f"b.{f}": f"b_{f}" for f in fields}
             params = ", ".join([f"a_{f}" for f in fields] + [f"b_{f}" for f in fields])
-            results = ", ".join(inline_formula(summary.combine[index[f]], names, self.helpers) for f in fields)
-            source = (f"@triton.jit\ndef {name}({params}):\n"
-                      f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})\n"
-                      f"    return {results}\n")
+            results = [inline_formula(summary.combine[index[f]], names, self.helpers) for f in fields]
+            lines = [f"@triton.jit", f"def {name}({params}):",
+                     f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})"]
+            if guarded:
+                ids = {f: emission.literal(summary.identity[index[f]].value) for f in fields}
+                lines.append("    # its formulas are not exact at the identity (a tree reduction meets two "
+                             "padding elements): the identity is passed through")
+                lines.append("    a_empty = " + " & ".join(f"(a_{f} == {ids[f]})" for f in fields))
+                lines.append("    b_empty = " + " & ".join(f"(b_{f} == {ids[f]})" for f in fields))
+                results = [f"tl.where(b_empty, a_{f}, tl.where(a_empty, b_{f}, {r}))"
+                           for f, r in zip(fields, results)]
+            lines.append(f"    return {', '.join(results)}")
+            source = "\n".join(lines) + "\n"
             self.combines[key] = (name, source)
         return self.combines[key][0]
 
@@ -870,9 +880,25 @@ class KernelEmitter:
         body.lines.append(f"# merge the tile into the running state with the combine of '{s.name}'")
         cse: dict = {}
         new = {f: self.formula(s.combine[index[f]], env, body, cse) for f in fields}
+        new = self.guard_identity(s, fields, state, tile_vals, new, body)
         for f in fields:
             body.lines.append(f"{state[f].code} = {self.full_shape(new[f], FA)}")
         return state
+
+    def guard_identity(self, s, fields, a: dict, b: dict, new: dict, body: Scope) -> dict:
+        """combine(a, b) with the identity passed through exactly, for summaries whose
+        formulas are not exact there (see analysis.exact_identity)."""
+        if exact_identity(s, tuple(fields)):
+            return new
+        ids = {f: emission.literal(s.identity[s.field_names.index(f)].value) for f in fields}
+        axes = sort_axes([x for f in fields for v in (a[f], b[f], new[f]) for x in v.axes])
+        a_empty = self.assign(" & ".join(f"({self.expand(a[f], axes)} == {ids[f]})" for f in fields), axes, body,
+                              "bool", stem="a_empty")
+        b_empty = self.assign(" & ".join(f"({self.expand(b[f], axes)} == {ids[f]})" for f in fields), axes, body,
+                              "bool", stem="b_empty")
+        return {f: self.assign(f"tl.where({a_empty.code}, {self.expand(b[f], axes)}, tl.where({b_empty.code}, "
+                               f"{self.expand(a[f], axes)}, {self.expand(new[f], axes)}))", axes, body)
+                for f in fields}
 
     def full_shape(self, v: Value, axes) -> str:
         if v.const is not None:
@@ -937,6 +963,7 @@ class KernelEmitter:
             cse: dict = {}
             for f in rest:
                 new[f] = self.formula(s.combine[s.field_names.index(f)], env, body, cse)
+            new.update(self.guard_identity(s, rest, state, loaded, {f: new[f] for f in rest}, body))
         for f in s.field_names:
             body.lines.append(f"{state[f].code} = {self.full_shape(new[f], state[f].axes)}")
         root.lines.append("for split in range(0, n_split):")
