@@ -12,8 +12,7 @@ import torch
 
 import compiler
 from compiler import reference
-from compiler.backend.triton import TritonBackend, auto_split
-from compiler.backend.triton import cache
+from compiler.backend.triton import TritonBackend, auto_split, cache
 from compiler.bind import bind
 from compiler.check import check
 from compiler.errors import BackendError
@@ -22,8 +21,8 @@ from compiler.parse import parse
 warnings.filterwarnings("ignore", message="einfold: no CUDA tensors")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=2e-2, atol=2e-2),
-       torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.float16: {"rtol": 2e-2, "atol": 2e-2},
+       torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 
 ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
 CAUSAL = "O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]"
@@ -218,7 +217,7 @@ def test_causal_attention(dtype):
     ("S[i] = max[m](where(i <= m and m < i + 3, X[i,m], -inf))", "lo_m = tl.maximum(0, (tl.min(offs_i, 0))"),
     ("S[i] = sum[m](where(m < i, X[i,m], 1.0))", None)])   # 1 is not the sum's identity: no bound
 def test_index_predicates_bound_the_loops(src, relation):
-    ref, backend = assert_matches_oracle(src, {"X": randn(40, 2100)})
+    _, backend = assert_matches_oracle(src, {"X": randn(40, 2100)})
     if relation:
         assert relation in backend.source
     else:

@@ -25,14 +25,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ...bind import Binding  # noqa: E402
-from ...errors import BackendError  # noqa: E402
-from ...ir import Program  # noqa: E402
-from ...schedule import Plan  # noqa: E402
-from .analysis import form  # noqa: E402
-from .emit import Signature  # noqa: E402
-from .cache import load  # noqa: E402
-from .module import Built, ModuleBuilder, auto_split  # noqa: E402
+from ...bind import Binding
+from ...errors import BackendError
+from ...ir import Program
+from ...schedule import Plan
+from .analysis import form
+from .cache import load
+from .emit import Signature
+from .module import Built, ModuleBuilder, auto_split
 
 _warned_interpreter = False
 

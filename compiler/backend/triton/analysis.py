@@ -23,15 +23,30 @@ kernel, read back by an access."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 
 from ...algebra import BUILTINS
 from ...errors import BackendError
-from ...ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, Var, children,
-                   free_indices, walk, with_children)
+from ...ir import (
+    Access,
+    Assign,
+    Call,
+    Composite,
+    Const,
+    Expr,
+    Extent,
+    Index,
+    Program,
+    Reduce,
+    Var,
+    children,
+    free_indices,
+    walk,
+    with_children,
+)
 
 
-@lru_cache(maxsize=None)
+@cache
 def free(e: Expr) -> frozenset:
     return frozenset(free_indices(e))
 

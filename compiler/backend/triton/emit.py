@@ -101,7 +101,7 @@ class Value:
 
 
 class Scope:
-    def __init__(self, parent: "Scope | None", level: int, env: dict, kind: str, lines=None, memo=None):
+    def __init__(self, parent: Scope | None, level: int, env: dict, kind: str, lines=None, memo=None):
         self.parent = parent
         self.level = level
         self.env = env
@@ -198,7 +198,7 @@ class ModuleContext:
             names = {f"a.{f}": f"a_{f}" for f in fields} | {f"b.{f}": f"b_{f}" for f in fields}
             params = ", ".join([f"a_{f}" for f in fields] + [f"b_{f}" for f in fields])
             results = [inline_formula(summary.combine[index[f]], names, self.helpers) for f in fields]
-            lines = [f"@triton.jit", f"def {name}({params}):",
+            lines = ["@triton.jit", f"def {name}({params}):",
                      f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})"]
             if guarded:
                 ids = {f: emission.literal(summary.identity[index[f]].value) for f in fields}
@@ -1075,8 +1075,8 @@ class KernelEmitter:
                     b = self.free_block(e) or self.loop_block(e)
                     ax = self.new_axis(e, 1, "epilogue", b)
                     epi.env[e] = ax
-                    headers += indent([f"for start_{ax.var} in range(0, {self.extent_param(e)}, "
-                                       f"{ax.block_name}):"], depth)
+                    header = f"for start_{ax.var} in range(0, {self.extent_param(e)}, {ax.block_name}):"
+                    headers += indent([header], depth)
                     epi.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
                     epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(e)}")
                 for st in spec.statements:
@@ -1088,6 +1088,6 @@ class KernelEmitter:
                 root.lines.extend(indent(epi.lines, len(spec.epilogue)))
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
-        source = "\n".join([f"@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
+        source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers)
