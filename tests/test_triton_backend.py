@@ -285,6 +285,14 @@ def test_powers_and_constant_folding():
     assert_matches_oracle(src, {"X": randn(11)})
 
 
+@pytest.mark.parametrize("src, shape", [("Y[i] = sum[j](X[i,j])", (0, 5)), ("Y[i] = sum[j](X[i,j])", (5, 0)),
+                                        ("Y[i] = max[j](X[i,j])", (3, 0)), ("Y[i,j] = X[i,j] * 2", (0, 3)),
+                                        ("Y[i,j] = softmax[j](X[i,j])", (1, 1))])
+def test_empty_and_unit_extents(src, shape):
+    # an empty reduction is the identity; an empty output launches nothing
+    assert_matches_oracle(src, {"X": randn(*shape)})
+
+
 def test_scalar_inputs_as_numbers_and_zero_dim_tensors():
     src = "Y[i] = X[i] * a + b"
     assert_matches_oracle(src, {"X": randn(11), "a": 2.5, "b": torch.tensor(-1.0, device=DEVICE)})

@@ -146,11 +146,13 @@ class ModuleBuilder:
                 lines.append(f'    t["{name}"] = torch.empty(({", ".join(shape)},), dtype={dtype}, '
                              f'device=device)')
             grid = " * ".join(code.grid) if code.grid else "1"
-            dims = f"max(1, {grid}), n_split" if code.split_axis else f"max(1, {grid}),"
+            dims = "grid, n_split" if code.split_axis else "grid,"
             args = [expr for _, expr in code.params]
             args += [f"{k}={v}" for k, v in code.constexprs.items()]
-            lines.append(f"    {code.name}[({dims})](")
-            lines.append("        " + ", ".join(args) + ")")
+            lines.append(f"    grid = {grid}")
+            lines.append("    if grid > 0:                       # an empty output launches nothing")
+            lines.append(f"        {code.name}[({dims})](")
+            lines.append("            " + ", ".join(args) + ")")
         for spec in self.structure.kernels:
             for b in spec.buffers:
                 shape = ", ".join(f'n["{i}"]' for i in spec.statements[0].indices)
