@@ -324,6 +324,7 @@ class Former:
         self.fresh_names: dict[str, str] = {}
         self.kernels: list[KernelSpec] = []
         self.buffer_count = 0
+        self.taken = {s.name for s in program.statements} | {i.name for i in program.inputs}
         self.buffer_indices: dict[str, tuple[str, ...]] = {}
 
     def run(self) -> Structure:
@@ -402,6 +403,9 @@ class Former:
             indices = tuple(i for i in s.indices if i in free(f))
             name = f"buf{self.buffer_count}"
             self.buffer_count += 1
+            while name in self.taken:
+                name = f"buf{self.buffer_count}"
+                self.buffer_count += 1
             self.buffer_indices[name] = indices
             note = f"{f.summary.name}[{', '.join(f.indices)}] over ({', '.join(indices)})"
             self._add(Assign(name, indices, body, "float"), buffer=True)

@@ -1049,8 +1049,9 @@ class KernelEmitter:
                     names = tuple(a.name for a in v.axes)
                     buf = f"{spec.name}_state{list(spec.program_folds).index(f)}_{ident(fname)}"
                     layout[fname] = (buf, names)
-                    self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), torch.float32)
-                    self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], "torch.float32"))
+                    state_dtype = torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
+                    self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), state_dtype)
+                    self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(state_dtype)))
                     ptr, strides = self.tensor_params(buf, 1 + len(names))
                     axes = [root.env[n] for n in names]
                     target = sort_axes(axes)
