@@ -15,7 +15,10 @@ from .parse import parse
 from .passes import run_pipeline
 from .schedule import Plan
 
-KNOWN_OPTIONS = ("summaries", "split")
+# summaries: user summaries usable by name; split: force a split count for every
+# reduction (a schedule option: the Triton backend splits, the oracle has no schedule)
+SCHEDULE_OPTIONS = ("split",)
+KNOWN_OPTIONS = ("summaries", *SCHEDULE_OPTIONS)
 
 
 class Program:
@@ -34,7 +37,8 @@ class Program:
                                         summaries=summaries)
         self.factorised: IRProgram = run_pipeline(self.checked)
         self.outputs = self.checked.outputs
-        self.backend = backend_class(self.factorised, self.outputs)
+        schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
+        self.backend = backend_class(self.factorised, self.outputs, **schedule)
         self.binder = Binder(self.checked, extents_of=self.factorised)
 
     def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:

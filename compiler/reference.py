@@ -181,7 +181,7 @@ def run(program: Program, inputs: Mapping[str, torch.Tensor | float], extents: M
     values = {}
     for decl in program.inputs:
         value = inputs[decl.name]
-        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+        t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
         values[decl.name] = Labelled(t.to("cpu", torch.float64), ())
     evaluator = _Evaluator(values, extents, chunking)
     results = {}

@@ -13,7 +13,8 @@ from ..schedule import Kernel, Plan
 class OracleBackend:
     name = "reference"
 
-    def __init__(self, program: Program, outputs: tuple[str, ...]):
+    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None):
+        # `split` is a schedule option; the oracle evaluates without a schedule.
         self.program = program
         self.outputs = outputs
 

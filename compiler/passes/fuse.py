@@ -1,5 +1,6 @@
-"""fuse: inline every statement that is not an output into the statements that
-read it, so that its result is never materialised.  Equal subexpressions are
+"""fuse: inline every statement into the statements that read it, so that no
+result is read back from memory: intermediates are never materialised, and an
+intermediate asked for as an output is stored but not re-read.  Equal subexpressions are
 equal values (frozen nodes hash structurally), so a repeated inlined reduction
 is still one computation for the later stages; bound indices renamed to avoid
 capture get their names back where possible, so that alpha-equivalent
@@ -74,8 +75,7 @@ def fuse(program: Program) -> Program:
     kept = []
     for s in program.statements:
         s = replace(s, expr=transform(substitute(s.expr), names.restore))
+        inlined[s.name] = (s.indices, s.expr)      # readers recompute it, outputs or not
         if s.name in program.outputs:
             kept.append(s)
-        else:
-            inlined[s.name] = (s.indices, s.expr)
     return replace(program, statements=tuple(kept), extents=tuple(sorted(names.extents.items())))
