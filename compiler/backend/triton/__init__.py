@@ -117,14 +117,13 @@ class TritonBackend:
                 f"the inputs are on {binding.device.type}: the triton backend runs CUDA tensors, or CPU tensors "
                 f"under Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first "
                 f"imported; move the inputs to the GPU, set that variable, or use backend='reference'")
-        key = sig
-        entry = self._built.get(key)
+        entry = self._built.get(sig)
         if entry is None:
             built = self.build(sig)
-            key = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
-            module = load(built.source, key, interpret)
+            options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
+            module = load(built.source, options, interpret)
             entry = (built, module.launch)
-            self._built[key] = entry
+            self._built[sig] = entry
         if interpret:
             _note_interpreter()
         return entry

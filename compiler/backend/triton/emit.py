@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...algebra import BUILTINS
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, walk
+from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, free_indices, walk
 from . import ops as emission
 from .analysis import KernelSpec, contraction_names, exact_identity, free, index_bounds, value_only_names
 
@@ -159,6 +159,10 @@ class KernelCode:
     why: str
     writes: tuple[str, ...]
     buffers: list[tuple[str, list[str], str]] = field(default_factory=list)   # (name, shape exprs, dtype)
+    # autotuning: tile constexprs that may change (block name -> ("grid" | "loop", index)) and,
+    # for each grid factor, its index name and block name (None: one program per value)
+    tunable: dict[str, tuple[str, str]] = field(default_factory=dict)
+    grid_blocks: list[tuple[str, str | None]] = field(default_factory=list)
 
 
 class ModuleContext:
@@ -240,6 +244,8 @@ class KernelEmitter:
         self.name = spec.name + {"full": "", "partial": "_partial", "merge": "_merge"}[mode]
         self.params: dict[str, str] = {}
         self.constexprs: dict[str, int] = {}
+        self.tunable: dict[str, tuple[str, str]] = {}
+        self.grid_blocks: list[tuple[str, str | None]] = []
         self.temp_ids = itertools.count()
         self.axis_ids = itertools.count()
         self.fold_ids = itertools.count()
@@ -560,6 +566,8 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
                 ax = self.new_axis(b, T.level + 1, "loop", self.loop_block(b))
+                if b in self.contraction and self.mode == "full":
+                    self.tunable[ax.block_name] = ("loop", b)
             bound.append(ax)
             if ax.kind == "loop":
                 loops.append(ax)
@@ -982,11 +990,19 @@ class KernelEmitter:
         candidates = [g for g in spec.grid if ext(g) > 1]
         tiled = [g for g in candidates if g not in batch][-2:] or candidates[-2:]
         blocks = {}
+        whole: set[str] = set()
         streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
+        projections = [n for st in spec.statements for n in walk(st.expr)
+                       if isinstance(n, Reduce) and n.result is not None]
         for g in reversed(spec.grid):
             if g not in tiled:
                 continue
             b = self.free_block(g)
+            if b and self._np(g) <= WHOLE_MAX and any(g not in free_indices(p) for p in projections):
+                # tiles of g would each recompute the fields that do not vary over g
+                # (attention's r and l over the value index j): keep g whole
+                b = max(16, self._np(g))
+                whole.add(g)
             if not b:
                 if streamed:
                     b = min(self._np(g), max(1, TILE_BUDGET // streamed))
@@ -998,6 +1014,8 @@ class KernelEmitter:
         axes = {}
         for g in spec.grid:
             axes[g] = self.new_axis(g, 0, "grid", blocks.get(g, 0))
+            if g in self.contraction and blocks.get(g) and g not in whole and self.mode == "full":
+                self.tunable[axes[g].block_name] = ("grid", g)
         self.root.env.update(axes)
         lines = self.root.lines
         factors = []
@@ -1015,6 +1033,7 @@ class KernelEmitter:
             count = n if ax.scalar else f"tl.cdiv({n}, {ax.block_name})"
             launcher = f'n["{g}"]' if ax.scalar else f'triton.cdiv(n["{g}"], {ax.block})'
             factors.append(launcher)
+            self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
             coord = f"pid_{ax.var}"
             if p == len(order) - 1:
                 lines.append(f"{coord} = pid")
@@ -1091,4 +1110,5 @@ class KernelEmitter:
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
-                          self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers)
+                          self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
+                          dict(self.tunable), list(self.grid_blocks))

@@ -25,6 +25,7 @@ from ...schedule import Kernel, Plan
 from .analysis import KernelSpec, Structure
 from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
 from .ops import HELPERS
+from .tuning import candidates, decorator
 
 SPLIT_MIN_TILES = 64
 SPLIT_MAX = 64
@@ -56,6 +57,7 @@ class ModuleBuilder:
         self.passes = passes
         self.ctx = ModuleContext(signature, structure.fresh_names)
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
+        self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
         self.notes: list[str] = []
 
     def _register(self, spec: KernelSpec) -> None:
@@ -116,9 +118,15 @@ class ModuleBuilder:
                 if why:
                     self.notes.append(f"{spec.name}: {why}")
                 self.kernels.append((code, 1))
+                if not self.sig.interpret:
+                    self._tune(code)
                 plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else "")))
             buffers += list(spec.buffers)
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)))
+
+    def _tune(self, code: KernelCode) -> None:
+        """Autotune a compiled kernel over tilings of its contractions (tuning.py)."""
+        self.tuned[code.name] = decorator(code, candidates(code, dict(self.sig.extents)))
 
     # ------------------------------------------------------------ source
     def header(self) -> list[str]:
@@ -145,13 +153,23 @@ class ModuleBuilder:
             for name, shape, dtype in code.buffers:
                 lines.append(f'    t["{name}"] = torch.empty(({", ".join(shape)},), dtype={dtype}, '
                              f'device=device)')
-            grid = " * ".join(code.grid) if code.grid else "1"
-            dims = "grid, n_split" if code.split_axis else "grid,"
             args = [expr for _, expr in code.params]
-            args += [f"{k}={v}" for k, v in code.constexprs.items()]
-            lines.append(f"    grid = {grid}")
-            lines.append("    if grid > 0:                       # an empty output launches nothing")
-            lines.append(f"        {code.name}[({dims})](")
+            tuned = code.name in self.tuned
+            args += [f"{k}={v}" for k, v in code.constexprs.items() if not (tuned and k in code.tunable)]
+            if tuned:
+                # the autotuner picks the tiles: the grid follows its choice
+                factors = [f'triton.cdiv(n["{g}"], META["{b}"])' if b in code.tunable else f
+                           for (g, b), f in zip(code.grid_blocks, code.grid)]
+                sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks) or "True"
+                lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},)")
+                lines.append(f"    if {sizes}:                       # an empty output launches nothing")
+                lines.append(f"        {code.name}[grid](")
+            else:
+                grid = " * ".join(code.grid) if code.grid else "1"
+                dims = "grid, n_split" if code.split_axis else "grid,"
+                lines.append(f"    grid = {grid}")
+                lines.append("    if grid > 0:                       # an empty output launches nothing")
+                lines.append(f"        {code.name}[({dims})](")
             lines.append("            " + ", ".join(args) + ")")
         for spec in self.structure.kernels:
             for b in spec.buffers:
@@ -165,6 +183,7 @@ class ModuleBuilder:
         parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
         parts += [HELPERS[h].rstrip() for h in sorted(self.ctx.helpers)]
         parts += [src.rstrip() for _, src in self.ctx.combines.values()]
-        parts += [code.source.rstrip() for code, _ in self.kernels]
+        parts += [(f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip()
+                  for code, _ in self.kernels]
         parts.append("\n".join(self.launcher()))
         return "\n\n\n".join(parts) + "\n"

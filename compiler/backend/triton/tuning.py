@@ -1,0 +1,62 @@
+"""Autotuning on a GPU: the candidate tilings of a kernel, by the shape of its
+contractions, not by what the program computes.
+
+A kernel's tunable tiles are the tiles of indices that take part in tl.dot:
+grid tiles (the rows and columns of the output tile) and loop tiles (the
+streamed contraction index).  Candidates, each clamped to the index's extent
+(next power of two, at least 16):
+- one grid tile and one loop tile (a streamed fold against a matrix product,
+  attention-like): FlashAttention-style tilings, 64-128 rows by 32-128 keys;
+- two grid tiles and one loop tile (a plain matrix product): 128-256 square
+  output tiles with 32-64 deep slabs;
+- other kernels (memory-bound reductions and elementwise kernels): their tiles
+  stay as chosen, and only warps and pipeline depth are tuned.
+Triton's autotuner times every candidate once per specialisation and keeps the
+fastest; candidates that do not fit the chip (shared memory) are skipped by it.
+Under the interpreter nothing is tuned: one small configuration runs.
+"""
+from __future__ import annotations
+
+from .emit import KernelCode, np2
+
+# (rows, keys, warps, stages) for one grid tile x one loop tile
+STREAMED = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4),
+            (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4)]
+# (rows, cols, depth, warps, stages) for two grid tiles x one loop tile
+MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+          (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
+# (warps, stages) when no tile is tuned
+LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
+
+
+def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str, int], int, int]]:
+    """[(tile constexprs, num_warps, num_stages)] to try for `code`; `extent` maps
+    index names to their extents."""
+    grid = [b for b, (role, _) in code.tunable.items() if role == "grid"]
+    loop = [b for b, (role, _) in code.tunable.items() if role == "loop"]
+
+    def clamp(block: str, size: int) -> int:
+        return min(size, max(16, np2(extent[code.tunable[block][1]])))
+
+    out: list[tuple[dict[str, int], int, int]] = []
+    if len(grid) == 1 and len(loop) == 1:
+        for rows, keys, warps, stages in STREAMED:
+            out.append(({grid[0]: clamp(grid[0], rows), loop[0]: clamp(loop[0], keys)}, warps, stages))
+    elif len(grid) == 2 and len(loop) == 1:
+        for rows, cols, depth, warps, stages in MATMUL:
+            out.append(({grid[0]: clamp(grid[0], rows), grid[1]: clamp(grid[1], cols),
+                         loop[0]: clamp(loop[0], depth)}, warps, stages))
+    else:
+        out = [({}, warps, stages) for warps, stages in LAUNCH]
+    unique = []
+    for c in out:
+        if c not in unique:
+            unique.append(c)
+    return unique
+
+
+def decorator(code: KernelCode, configs) -> str:
+    """The @triton.autotune line for `code` (its extent parameters as the key)."""
+    items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st})" for blocks, w, st in configs)
+    keys = [p for p, _ in code.params if p.startswith("n_")]
+    return f"@triton.autotune(configs=[{items}], key={keys!r})"
