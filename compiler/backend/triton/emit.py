@@ -367,8 +367,20 @@ class KernelEmitter:
         return "[" + ", ".join(a.block_name for a in dims(axes)) + "]"
 
     def mask_code(self, mask_axes, target) -> str | None:
-        parts = [self.expand(Value(a.mask, (a,), "bool"), target) for a in dims(mask_axes)]
+        parts = [self.expand(Value(a.mask, (a,), "bool"), target) for a in dims(mask_axes) if self.ragged(a)]
         return " & ".join(parts) if parts else None
+
+    def masked(self, mask_axes, target, code: str, other: str) -> str:
+        """`code` where the tile is inside every extent, `other` (the identity) outside."""
+        mask = self.mask_code(mask_axes, target)
+        return f"tl.where({mask}, {code}, {other})" if mask else code
+
+    def ragged(self, a: Axis) -> bool:
+        """Can a tile of `a` reach past its extent?  Not when the extent is a multiple
+        of every tile the axis may take (tuned tiles are powers of two up to 256) and
+        tiles start at multiples of the tile: such tiles need no mask at all."""
+        largest = 256 if a.block_name in self.tunable else a.block
+        return self.ctx.extent(a.name) % largest != 0
 
     def as_float(self, v: Value) -> Value:
         if v.kind == "float":
@@ -726,7 +738,7 @@ class KernelEmitter:
                 code = f"{self.expand(f, target)}.to({want})"
         else:
             product = " * ".join(self.expand(f, target) for f in fs)
-            code = f"tl.where({self.mask_code([c], target)}, {product}, 0.0).to({want})"
+            code = f"({self.masked([c], target, product, '0.0')}).to({want})"
         if dims(target)[0] is not rows:
             code = f"tl.trans({code})"
         name = self.temp("op")
@@ -751,8 +763,7 @@ class KernelEmitter:
         fn, combine = ("tl.max", "tl.maximum") if s == BUILTINS["max"] else ("tl.min", "tl.minimum")
         identity = emission.literal(s.identity[0].value)
         U = sort_axes(list(x.axes) + list(RA))
-        padded = f"tl.where({self.mask_code(RA, U)}, {self.expand(x, U)}, {identity})" if dims(RA) else \
-            self.expand(x, U)
+        padded = self.masked(RA, U, self.expand(x, U), identity)
         if dims(U) != dims(x.axes) or x.const is not None:
             padded = f"tl.broadcast_to({padded}, {self.shape(U)})"
         tile = self.reduce_axes(padded, U, RA, fn, body)
@@ -794,8 +805,7 @@ class KernelEmitter:
                               f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
             la = self.formula(rs.leader_arg, xs, body)
             U = sort_axes(list(la.axes) + list(RA))
-            padded = f"tl.where({self.mask_code(RA, U)}, {self.expand(la, U)}, {lit})" if dims(RA) else \
-                self.expand(la, U)
+            padded = self.masked(RA, U, self.expand(la, U), lit)
             if dims(U) != dims(la.axes):
                 padded = f"tl.broadcast_to({padded}, {self.shape(U)})"
             tile = self.reduce_axes(padded, U, RA, fn, body)
@@ -809,8 +819,7 @@ class KernelEmitter:
             alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
             w = self.formula(rs.weight, {**xs, "r": r_use}, body)
             PU = sort_axes(list(w.axes) + list(RA))
-            p_code = f"tl.where({self.mask_code(RA, PU)}, {self.expand(w, PU)}, 0.0)" if dims(RA) else \
-                self.expand(w, PU)
+            p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
                 p_code = f"tl.broadcast_to({p_code}, {self.shape(PU)})"
             p = self.assign(p_code, PU, body, stem="p", zero=frozenset(dims(RA)))
