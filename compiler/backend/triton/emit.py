@@ -370,6 +370,11 @@ class KernelEmitter:
         parts = [self.expand(Value(a.mask, (a,), "bool"), target) for a in dims(mask_axes) if self.ragged(a)]
         return " & ".join(parts) if parts else None
 
+    def broadcast(self, code: str, axes) -> str:
+        """A float value broadcast to the tile of `axes`; works for constants too
+        (tl.broadcast_to takes tensors only, and an unmasked lift may be a literal)."""
+        return f"({code} + tl.zeros({self.shape(axes)}, {self.ctx.cdt}))"
+
     def masked(self, mask_axes, target, code: str, other: str) -> str:
         """`code` where the tile is inside every extent, `other` (the identity) outside."""
         mask = self.mask_code(mask_axes, target)
@@ -765,7 +770,7 @@ class KernelEmitter:
         U = sort_axes(list(x.axes) + list(RA))
         padded = self.masked(RA, U, self.expand(x, U), identity)
         if dims(U) != dims(x.axes) or x.const is not None:
-            padded = f"tl.broadcast_to({padded}, {self.shape(U)})"
+            padded = self.broadcast(padded, U)
         tile = self.reduce_axes(padded, U, RA, fn, body)
         if not looped:
             return {"acc": tile}
@@ -807,7 +812,7 @@ class KernelEmitter:
             U = sort_axes(list(la.axes) + list(RA))
             padded = self.masked(RA, U, self.expand(la, U), lit)
             if dims(U) != dims(la.axes):
-                padded = f"tl.broadcast_to({padded}, {self.shape(U)})"
+                padded = self.broadcast(padded, U)
             tile = self.reduce_axes(padded, U, RA, fn, body)
             r = f"{prefix}_{ident(rs.leader)}"
             FR = tile.axes
@@ -821,7 +826,7 @@ class KernelEmitter:
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
-                p_code = f"tl.broadcast_to({p_code}, {self.shape(PU)})"
+                p_code = self.broadcast(p_code, PU)
             p = self.assign(p_code, PU, body, stem="p", zero=frozenset(dims(RA)))
             for fname, v_expr in rs.values:
                 v = self.as_float(self.formula(v_expr, xs, body))
@@ -857,7 +862,7 @@ class KernelEmitter:
             if mask:
                 code = f"tl.where({mask}, {code}, {ids[f]})"
             if dims(U):
-                code = f"tl.broadcast_to({code}, {self.shape(U)})"
+                code = self.broadcast(code, U)
             tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}_")
         current = list(dims(U))
         combine = self.ctx.combine_fn(s, tuple(fields))
