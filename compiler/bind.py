@@ -14,7 +14,8 @@ import torch
 from .errors import BindError
 from .ir import Access, Program, walk
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SUPPORTED_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class Binder:
         # Float results take the promoted dtype of the tensor inputs (float32 if none).
         dtype = tensor_dtypes[0] if tensor_dtypes else torch.float32
         for t in tensor_dtypes[1:]:
-            dtype = torch.promote_types(dtype, t)
-        device = devices.pop() if devices else torch.device("cpu")
+            if t is not dtype:
+                dtype = torch.promote_types(dtype, t)
+        device = devices.pop() if devices else _CPU
         return Binding(dict(inputs), extents, dtype, device)
 
     def _names_error(self, inputs: Mapping[str, object]) -> None:
