@@ -564,3 +564,15 @@ def test_gpu_matmul_and_softmax():
     (x,) = bench_inputs((3000, 5000), dtype=torch.float32)
     out = compiler.compile("Y[i,j] = softmax[j](X[i,j])", backend="triton")(X=x)
     torch.testing.assert_close(out, torch.softmax(x, 1), rtol=1e-4, atol=1e-6)
+
+
+def test_causal_interior_tiles_skip_the_predicate():
+    """Only boundary tiles pay for the causal mask: tiles below the diagonal run
+    without it, tiles above it are skipped, and the result is unchanged."""
+    inputs = {"Q": randn(70, 16), "K": randn(70, 16, seed=1), "V": randn(70, 8, seed=2), "scale": 0.25}
+    ref, backend = assert_matches_oracle(CAUSAL, inputs)
+    source = backend.source
+    interior = source[source.index("for start_m in range(0, mid_m"):source.index("# the boundary tiles")]
+    boundary = source[source.index("# the boundary tiles"):]
+    assert "<=" not in interior and "offs_m[None, :] <= offs_i[:, None]" in boundary
+    assert "hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)" in source

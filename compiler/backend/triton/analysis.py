@@ -266,6 +266,30 @@ def index_bounds(fold: Reduce) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+def assume_relation(fold: Reduce, index: str, op: str, other: str) -> Reduce:
+    """`fold` on the tiles where `index op other` holds for every element: that
+    conjunct of the masking predicates is true there, and a predicate left with
+    no conjunct selects its value outright (interior tiles pay for no mask)."""
+    def rewrite(arg: Expr) -> Expr:
+        if not (isinstance(arg, Call) and arg.op == "where"):
+            return arg
+        kept = [c for c in _conjuncts(arg.args[0]) if not _is_relation(c, index, op, other)]
+        if not kept:
+            return arg.args[1]
+        condition = kept[0]
+        for c in kept[1:]:
+            condition = Call("and", (condition, c))
+        return Call("where", (condition, arg.args[1], arg.args[2]))
+    return replace(fold, args=tuple(rewrite(a) for a in fold.args))
+
+
+def _is_relation(c: Expr, index: str, op: str, other: str) -> bool:
+    if not (isinstance(c, Call) and c.op in _FLIP and all(isinstance(a, Index) for a in c.args)):
+        return False
+    left, right = c.args[0].name, c.args[1].name
+    return (c.op, left, right) in ((op, index, other), (_FLIP[op], other, index))
+
+
 # ---------------------------------------------------------------- kernels
 @dataclass
 class KernelSpec:

@@ -35,7 +35,15 @@ import torch
 from ...algebra import BUILTINS
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, free_indices, walk
 from . import ops as emission
-from .analysis import KernelSpec, contraction_names, exact_identity, free, index_bounds, value_only_names
+from .analysis import (
+    KernelSpec,
+    assume_relation,
+    contraction_names,
+    exact_identity,
+    free,
+    index_bounds,
+    value_only_names,
+)
 
 WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
 DOT_BLOCK = 64        # tile of an index that takes part in tl.dot
@@ -601,19 +609,13 @@ class KernelEmitter:
         mark = len(T.lines)
         T.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}]"
                        + (f" over tiles of {', '.join(a.name for a in loops)}" if loops else " (whole)"))
-        if s == BUILTINS["sum"]:
-            state = self.sum_fold(fold, prefix, body, RA, bool(loops), init)
-        elif s in (BUILTINS["max"], BUILTINS["min"]):
-            state = self.extremum_fold(fold, prefix, body, RA, bool(loops), init)
-        elif self.rescaled_ok(s):
-            state = self.rescaled_fold(fold, prefix, body, RA, init)
-        else:
-            state = self.generic_fold(fold, s.field_names, prefix, body, RA, bool(loops), init)
+        state = self.fold_tiles(fold, prefix, body, RA, bool(loops), init)
         if loops:
+            relations = index_bounds(fold)
+            interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T)
             T.lines.extend(init)
             headers, depth = [], 0
             chunk = self.mode == "partial" and T is self.root
-            relations = index_bounds(fold)
             for p, ax in enumerate(loops):
                 n = self.extent_param(ax.name)
                 lo, hi = "0", n
@@ -625,6 +627,14 @@ class KernelEmitter:
                     T.lines.append(f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})")
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
                 lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
+                if interior is not None and p == 0:
+                    # tiles where the predicate holds everywhere first, without it
+                    mid, inner_body = interior
+                    T.lines.append(f"mid_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {mid}))")
+                    T.lines.append(f"for start_{ax.var} in range({lo}, mid_{ax.var}, {ax.block_name}):")
+                    T.lines.extend(indent(inner_body.lines, 1))
+                    T.lines.append("# the boundary tiles, where the predicate is evaluated")
+                    lo = f"mid_{ax.var}"
                 headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):"], depth)
                 depth += 1
             T.lines.extend(headers)
@@ -632,6 +642,38 @@ class KernelEmitter:
         else:
             T.lines[mark + 1:mark + 1] = init      # the state exists before the straight-line body
         return state
+
+    def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list) -> dict[str, Value]:
+        """Emit one tile's update of the fold's state into `body`."""
+        s = fold.summary
+        if s == BUILTINS["sum"]:
+            return self.sum_fold(fold, prefix, body, RA, looped, init)
+        if s in (BUILTINS["max"], BUILTINS["min"]):
+            return self.extremum_fold(fold, prefix, body, RA, looped, init)
+        if self.rescaled_ok(s):
+            return self.rescaled_fold(fold, prefix, body, RA, init)
+        return self.generic_fold(fold, s.field_names, prefix, body, RA, looped, init)
+
+    def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T):
+        """For a single loop bounded above by a predicate (m <= i: causal), the
+        tiles below the boundary satisfy it everywhere: emit their update without
+        the predicate.  Returns (first boundary tile start, interior body) or None."""
+        if len(loops) != 1 or self.mode != "full":
+            return None
+        ax = loops[0]
+        upper = [(op, o) for op, o in relations.get(ax.name, []) if op in ("le", "lt") and o in env0]
+        if not upper:
+            return None
+        op, other = upper[0]
+        o = env0[other]
+        least = o.offs if o.scalar else f"tl.min({o.offs}, 0)"
+        # a tile [start, start + B) holds the relation everywhere iff start + B <= least (+ 1 for <=)
+        bound = f"({least} + 1)" if op == "le" else f"({least})"
+        inner = Scope(T, T.level + 1, env, "body")
+        inner.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+        inner.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
+        self.fold_tiles(assume_relation(fold, ax.name, op, other), prefix, inner, RA, True, [])
+        return f"{bound} // {ax.block_name} * {ax.block_name}", inner
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
         """Tighten a loop's range to the tiles where an index predicate can hold."""
