@@ -27,6 +27,7 @@ Folds follow the summary's algebra, never the operator's name:
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -850,7 +851,13 @@ class KernelEmitter:
             fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
             body.lines.append(f"# {rs.leader}: running {rs.leader_monoid} (the leader); the fields "
                               f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
-            la = self.formula(rs.leader_arg, xs, body)
+            base2 = self.base2_arg(fold, rs)
+            if base2 is not None:
+                # exp(x - r) = exp2(x log2(e) - r log2(e)): keep the leader in base-2 units,
+                # with log2(e) folded into the scalar factor of x
+                body.lines.append("# base-2 units: log2(e) folded into the scale; the leader is r * log2(e)")
+                xs2 = {**xs, rs.leader_arg.name: self.as_float(self.value(base2, body))}
+            la = self.formula(rs.leader_arg, xs if base2 is None else xs2, body)
             U = sort_axes(list(la.axes) + list(RA))
             padded = self.masked(RA, U, self.expand(la, U), lit)
             if dims(U) != dims(la.axes):
@@ -863,8 +870,14 @@ class KernelEmitter:
             r_new = self.assign(f"{comb}({r}, {tile.code})", FR, body, stem="r_new")
             body.lines.append("# a leader still at the identity has no mass yet: use the finite stand-in 0")
             r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", FR, body, stem="r_use")
-            alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
-            w = self.formula(rs.weight, {**xs, "r": r_use}, body)
+            if base2 is None:
+                alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
+                w = self.formula(rs.weight, {**xs, "r": r_use}, body)
+            else:
+                alpha = self.assign(f"tl.exp2({r} - {r_use.code})", FR, body, stem="alpha")
+                WU = sort_axes(list(la.axes) + list(FR))
+                w = self.assign(f"tl.exp2({self.expand(la, WU)} - {self.expand(r_use, WU)})", WU, body,
+                                stem="w")
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
@@ -880,12 +893,32 @@ class KernelEmitter:
                                   f"{self.expand(contrib, FT)}")
                 state[fname] = Value(t, FT)
             updates.append(f"{r} = {r_new.code}")
-            state[rs.leader] = r_val
+            state[rs.leader] = r_val if base2 is None else Value(f"({r} * {math.log(2.0)!r})", FR)
         body.lines.extend(updates)
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
             state.update(self.generic_fold(fold, rest, prefix, body, RA, True, init, xs=xs))
         return state
+
+    @staticmethod
+    def base2_arg(fold: Reduce, rs) -> Expr | None:
+        """When the weight is exp(x - r) of the leader's own argument x (the form the
+        stabilise and factorise passes derive), x scaled by log2(e), with the constant
+        folded into x's scalar factor where x is a product with one: else None."""
+        x = rs.leader_arg
+        if not (isinstance(x, Var) and rs.leader_monoid == "max"
+                and rs.weight == Call("exp", (Call("sub", (x, Var("r"))),))
+                and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),))):
+            return None
+        arg = fold.args[int(x.name[1:])]
+        log2e = Const(1 / math.log(2.0))
+        if isinstance(arg, Call) and arg.op == "mul":
+            a, b = arg.args
+            if not free_indices(b):
+                return Call("mul", (a, Call("mul", (b, log2e))))
+            if not free_indices(a):
+                return Call("mul", (b, Call("mul", (a, log2e))))
+        return Call("mul", (arg, log2e))
 
     # any summary
     def generic_fold(self, fold, fields, prefix, body, RA, looped, init, xs=None) -> dict[str, Value]:
