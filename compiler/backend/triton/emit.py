@@ -1116,6 +1116,7 @@ class KernelEmitter:
         if spec.grid:
             lines.append("pid = tl.program_id(0)")
         order = list(reversed(spec.grid))
+        grouped = self.grouped_order(order, axes)
         for p, g in enumerate(order):
             ax = axes[g]
             n = self.extent_param(g)
@@ -1124,7 +1125,9 @@ class KernelEmitter:
             factors.append(launcher)
             self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
             coord = f"pid_{ax.var}"
-            if p == len(order) - 1:
+            if grouped and p < 2:
+                lines += grouped[p]
+            elif p == len(order) - 1:
                 lines.append(f"{coord} = pid")
             else:
                 lines.append(f"{coord} = pid % {count}")
@@ -1135,6 +1138,27 @@ class KernelEmitter:
                 lines.append(f"{ax.offs} = {coord} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
         return factors
+
+    GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
+
+    def grouped_order(self, order, axes) -> list[list[str]] | None:
+        """Programs of a kernel whose grid is exactly two tuned matrix-product tiles
+        (rows i, columns j) run in groups of GROUP tile rows, column by column, so
+        that programs running together share operand tiles in L2.  Returns the
+        coordinate lines for the two axes (in `order`), or None."""
+        if len(order) != 2 or not all(axes[g].block_name in self.tunable for g in order):
+            return None
+        cols, rows = axes[order[0]], axes[order[1]]
+        n_rows = f"tl.cdiv({self.extent_param(rows.name)}, {rows.block_name})"
+        n_cols = f"tl.cdiv({self.extent_param(cols.name)}, {cols.block_name})"
+        r, c = f"pid_{rows.var}", f"pid_{cols.var}"
+        return [[f"# grouped order: {self.GROUP} tile rows at a time, for L2 reuse",
+                 f"in_group = {self.GROUP} * {n_cols}",
+                 f"first_row = (pid // in_group) * {self.GROUP}",
+                 f"group_rows = tl.minimum({n_rows} - first_row, {self.GROUP})",
+                 f"{r} = first_row + (pid % in_group) % group_rows",
+                 f"{c} = (pid % in_group) // group_rows"],
+                []]
 
     def tiling_note(self) -> str:
         """The grid in words: which indices are one program each and which are tiled."""
