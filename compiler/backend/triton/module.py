@@ -107,6 +107,9 @@ class ModuleBuilder:
                 partial = KernelEmitter(self.ctx, spec, "partial", n_split).build()
                 merge = KernelEmitter(self.ctx, spec, "merge", n_split).build()
                 self.kernels += [(partial, n_split), (merge, n_split)]
+                if not self.sig.interpret:
+                    self._tune(partial)     # warps and stages only: the split fixes their tiles
+                    self._tune(merge)
                 plan_kernels.append(Kernel(partial.name, partial.writes,
                                            f"{partial.why}; the program folds split over {n_split} programs per "
                                            f"tile ({why}), each writing its summary state"))
@@ -161,7 +164,8 @@ class ModuleBuilder:
                 factors = [f'triton.cdiv(n["{g}"], META["{b}"])' if b in code.tunable else f
                            for (g, b), f in zip(code.grid_blocks, code.grid)]
                 sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks) or "True"
-                lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},)")
+                second = " n_split" if code.split_axis else ""
+                lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},{second})")
                 lines.append(f"    if {sizes}:                       # an empty output launches nothing")
                 lines.append(f"        {code.name}[grid](")
             else:
