@@ -48,7 +48,9 @@ from .analysis import (
 
 WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
 DOT_BLOCK = 64        # tile of an index that takes part in tl.dot
-ROW_BLOCK = 1024      # tile of a streamed index without tl.dot
+ROW_BLOCK = 1024      # tile of an elementwise grid index
+STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 8192 in one tile, so
+                      # that an epilogue re-reading it finds it in cache
 TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
 
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
@@ -308,7 +310,7 @@ class KernelEmitter:
     def loop_block(self, name: str) -> int:
         if name in self.contraction:
             return min(DOT_BLOCK, max(16, self._np(name)))
-        return min(self._np(name), ROW_BLOCK)
+        return min(self._np(name), STREAM_BLOCK)
 
     def split_block(self, name: str) -> int:
         """A program fold's tile when the fold is split: small enough for `split` tiles."""
