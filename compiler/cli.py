@@ -104,6 +104,28 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_dump(args) -> int:
+    import torch
+
+    from . import compile
+    from .random_inputs import random_inputs
+    program = compile(_read_program(args), backend="triton")
+    dtype = getattr(torch, args.dtype)
+    inputs = random_inputs(program.checked, _parse_sizes(args.size), dtype=dtype)
+    sm_count = (torch.cuda.get_device_properties(0).multi_processor_count
+                if torch.cuda.is_available() else None)
+    source = program.backend.source_for(program.binder(inputs), sm_count=sm_count)
+    if sm_count is None:
+        print("einfold dump: no GPU here, so the module is shown without an automatic split "
+              "(its SM count decides it)", file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text(source)
+        print(f"einfold dump: wrote {args.output}", file=sys.stderr)
+    else:
+        print(source, end="")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from pathlib import Path
 
@@ -142,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("explain", help="print the derivation: from the expression to one pass per reduction")
     _add_program_args(p)
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser("dump", help="print the generated Triton module (kernels and launcher)")
+    _add_program_args(p)
+    p.add_argument("--size", action="append", default=[], metavar="INDEX=N",
+                   help="extent of an index (default 16)")
+    p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
+    p.add_argument("-o", "--output", help="write the module to this file instead of stdout")
+    p.set_defaults(run=cmd_dump)
 
     p = sub.add_parser("bench", help="benchmark the generated kernels against torch baselines (GPU)")
     p.add_argument("--group", action="append", choices=["attention", "decode", "memory", "matmul"],

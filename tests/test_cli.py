@@ -181,3 +181,27 @@ def test_bench_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, out, err = run_cli(capsys, "bench", "--quick")
     assert code == 2 and "needs a CUDA GPU" in err
+
+
+DUMP_ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+
+
+def test_dump_attention_is_one_kernel_carrying_the_derived_state(capsys):
+    args = ["dump", "-e", DUMP_ATTENTION, "--size", "i=100", "--size", "m=300", "--size", "k=64",
+            "--size", "j=64", "--dtype", "bfloat16"]
+    code, first, err = run_cli(capsys, *args)
+    assert code == 0 and "Traceback" not in err
+    assert first.count("@triton.jit") == 1 and "def launch(t, n, device):" in first
+    assert "# source:\n#   " + DUMP_ATTENTION in first
+    loop = first[first.index("for start_m"):first.index("tl.store")]
+    for field in ("f0_r = ", "f0_l = f0_l * ", "f0_u = f0_u * "):
+        assert field in loop               # the (r, l, u) state is carried by the loop
+    code, second, _ = run_cli(capsys, *args)
+    assert second == first                 # deterministic
+
+
+def test_dump_to_a_file(capsys, tmp_path):
+    target = tmp_path / "attention_kernels.py"
+    code, out, err = run_cli(capsys, "dump", "-e", DUMP_ATTENTION, "-o", str(target))
+    assert code == 0 and out == "" and f"wrote {target}" in err
+    compile(target.read_text(), str(target), "exec")   # the module is valid Python

@@ -100,6 +100,13 @@ class TritonBackend:
         return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
                          None if interpret else _sm_count(binding.device), interpret)
 
+    def source_for(self, binding: Binding, *, sm_count: int | None = None) -> str:
+        """The module these inputs would run as compiled kernels on a GPU (with
+        `sm_count` SMs; None: no automatic split), without running anything."""
+        from dataclasses import replace
+        sig = self.signature(binding, self._extents(binding))
+        return self.build(replace(sig, interpret=False, sm_count=sm_count)).source
+
     def build(self, signature: Signature) -> Built:
         built = self._sources.get(signature)
         if built is None:
