@@ -155,6 +155,12 @@ class TritonBackend:
         if binding.device.type not in ("cuda", "cpu"):
             raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
                                f"not on {binding.device.type}")
+        launch, t, extents = self._prepare(binding)
+        launch(t, extents, binding.device)
+        return {name: t[name] for name in self.outputs}
+
+    def _prepare(self, binding: Binding):
+        """The loaded launcher, its tensors (inputs and fresh outputs) and extents."""
         extents = self._extents(binding)
         _, launch = self._entry(binding, extents)
         t = dict(binding.values)
@@ -162,8 +168,7 @@ class TritonBackend:
             st = self.program.statement(name)
             dtype = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
             t[name] = torch.empty([binding.extents[i] for i in st.indices], dtype=dtype, device=binding.device)
-        launch(t, extents, binding.device)
-        return {name: t[name] for name in self.outputs}
+        return launch, t, extents
 
     def launch_overhead_probe(self, inputs: dict, calls: int = 200) -> float:
         """Microseconds of host time per call of the generated launcher alone (the
@@ -173,13 +178,7 @@ class TritonBackend:
 
         from ...bind import bind
         binding = bind(self.program, inputs)
-        extents = self._extents(binding)
-        _, launch = self._entry(binding, extents)
-        t = dict(binding.values)
-        for name in self.outputs:
-            st = self.program.statement(name)
-            dtype = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
-            t[name] = torch.empty([binding.extents[i] for i in st.indices], dtype=dtype, device=binding.device)
+        launch, t, extents = self._prepare(binding)
         launch(t, extents, binding.device)
         if binding.device.type == "cuda":
             torch.cuda.synchronize(binding.device)

@@ -44,6 +44,7 @@ from ...ir import (
     walk,
     with_children,
 )
+from ...passes.fuse import rename_indices
 
 
 @cache
@@ -53,29 +54,19 @@ def free(e: Expr) -> frozenset:
 
 # ---------------------------------------------------------------- inlining
 def rename(e: Expr, mapping: dict[str, str], avoid: frozenset, fresh_names: dict[str, str]) -> Expr:
-    """Capture-avoiding renaming of free indices.  A bound index whose name is a
-    target of `mapping` is renamed to a fresh name (deterministically: the first
-    `name_<n>` not in `avoid`), recorded in `fresh_names` (fresh -> original)."""
-    if isinstance(e, Access):
-        return replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
-    if isinstance(e, Index | Extent):
-        return replace(e, name=mapping.get(e.name, e.name))
-    if isinstance(e, Reduce):
-        targets = set(mapping.values())
-        inner = dict(mapping)
-        bound = []
-        for b in e.indices:
-            inner.pop(b, None)
-            if b in targets:
-                n = 1
-                while f"{b}_{n}" in avoid or f"{b}_{n}" in targets:
-                    n += 1
-                fresh_names[f"{b}_{n}"] = fresh_names.get(b, b)
-                inner[b] = f"{b}_{n}"
-            bound.append(inner.get(b, b))
-        e = replace(e, indices=tuple(bound))
-        return with_children(e, tuple(rename(c, inner, avoid, fresh_names) for c in children(e)))
-    return with_children(e, tuple(rename(c, mapping, avoid, fresh_names) for c in children(e)))
+    """Capture-avoiding renaming of free indices (the fuse pass's), with fresh names
+    `origin_<n>` not in `avoid`, recorded in `fresh_names` (fresh -> original)."""
+    targets = set(mapping.values())
+
+    def fresh(b: str) -> str:
+        origin = fresh_names.get(b, b)
+        n = 1
+        while f"{origin}_{n}" in avoid or f"{origin}_{n}" in targets or f"{origin}_{n}" in fresh_names:
+            n += 1
+        fresh_names[f"{origin}_{n}"] = origin
+        return f"{origin}_{n}"
+
+    return rename_indices(e, mapping, fresh)
 
 
 def all_index_names(e: Expr) -> set[str]:
