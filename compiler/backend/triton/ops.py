@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from ...ops import BOOL, FLOAT, INT, OPS
+
 # Helper functions emitted into the generated module when an operator needs more
 # than one expression (each is small, readable and uses core tl ops only).
 HELPERS = {
@@ -34,10 +36,26 @@ def _pow(x, y):
 ''',
 }
 
-_UNARY_TL = {"exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",
-             "rsqrt": "tl.rsqrt", "erf": "tl.erf", "sigmoid": "tl.sigmoid"}
-_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
-          "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+# op -> (Triton template over operands {0}, {1}, {2}; helper it needs, if any)
+TEMPLATES: dict[str, tuple[str, str | None]] = {
+    **{op: (f"({{0}} {sym} {{1}})", None) for op, sym in {
+        "add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+        "eq": "==", "ne": "!=", "and": "&", "or": "|"}.items()},
+    **{op: (f"{fn}({{0}})", None) for op, fn in {
+        "exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",
+        "rsqrt": "tl.rsqrt", "erf": "tl.erf", "sigmoid": "tl.sigmoid", "abs": "tl.abs"}.items()},
+    "neg": ("(-{0})", None),
+    "not": ("(~{0})", None),
+    "where": ("tl.where({0}, {1}, {2})", None),
+    "maximum": ("tl.maximum({0}, {1})", None),
+    "minimum": ("tl.minimum({0}, {1})", None),
+    "gelu": ("(0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476)))", None),
+    "silu": ("({0} * tl.sigmoid({0}))", None),
+    "relu": ("tl.maximum({0}, 0.0)", None),
+    "softplus": ("(tl.maximum({0}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({0}))))", None),
+    "tanh": ("_tanh({0})", "tanh"),
+    "pow": ("_pow({0}, {1})", "pow"),
+}
 
 
 def literal(value) -> str:
@@ -55,39 +73,10 @@ def literal(value) -> str:
 
 def emit(op: str, args: list[str], helpers: set[str]) -> str:
     """Triton source for `op` applied to operand expressions `args`."""
-    if op in _INFIX:
-        a, b = args
-        return f"({a} {_INFIX[op]} {b})"
-    if op == "neg":
-        return f"(-{args[0]})"
-    if op == "not":
-        return f"(~{args[0]})"
-    if op in _UNARY_TL:
-        return f"{_UNARY_TL[op]}({args[0]})"
-    if op == "where":
-        return f"tl.where({args[0]}, {args[1]}, {args[2]})"
-    if op == "maximum":
-        return f"tl.maximum({args[0]}, {args[1]})"
-    if op == "minimum":
-        return f"tl.minimum({args[0]}, {args[1]})"
-    if op == "abs":
-        return f"tl.abs({args[0]})"
-    x = args[0]
-    if op == "gelu":
-        return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
-    if op == "silu":
-        return f"({x} * tl.sigmoid({x}))"
-    if op == "relu":
-        return f"tl.maximum({x}, 0.0)"
-    if op == "softplus":
-        return f"(tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x}))))"
-    if op == "tanh":
-        helpers.add("tanh")
-        return f"_tanh({x})"
-    if op == "pow":
-        helpers.add("pow")
-        return f"_pow({args[0]}, {args[1]})"
-    raise NotImplementedError(f"the triton backend has no emission rule for operator '{op}'")
+    template, helper = TEMPLATES[op]
+    if helper is not None:
+        helpers.add(helper)
+    return template.format(*args)
 
 
 def small_integer_power(exponent) -> int | None:
@@ -99,7 +88,8 @@ def small_integer_power(exponent) -> int | None:
     return None
 
 
-# Operators whose result is floating point even for integer operands (ops.OPS `_to_float`).
-FLOAT_RESULT = {"div", "pow", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "erf",
-                "gelu", "silu", "relu", "softplus"}
-BOOL_RESULT = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"}
+# Result kinds, read off the language's typing rules (ops.OPS): operators whose result
+# is floating point even for integer operands, and predicates.
+FLOAT_RESULT = {op.name for op in OPS.values() if op.result((INT,) * op.arity) == FLOAT}
+BOOL_RESULT = {op.name for op in OPS.values()
+               if op.result((INT,) * op.arity) == BOOL or op.result((BOOL,) * op.arity) == BOOL}
