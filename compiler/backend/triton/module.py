@@ -10,7 +10,7 @@ of the kernel.  `split=N` forces N; by default (`split=None`) a kernel is split
 when it launches fewer than 2 programs per SM and its longest program fold
 streams at least SPLIT_MIN_TILES tiles (a long reduction: decoding against a
 long KV cache, a few very long rows): N = min(ceil(8 * SMs / programs),
-tiles // 4, SPLIT_MAX), so that every split still streams four tiles or more.
+tiles // 8, SPLIT_MAX), so that every split still streams eight tiles or more.
 Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
 (the interpreter) the default never splits."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .ops import HELPERS
 from .tuning import candidates, decorator
 
 SPLIT_MIN_TILES = 64
-SPLIT_MAX = 128
+SPLIT_MAX = 64
 PROGRAMS_PER_SM = 8    # a streaming split needs several programs per SM to keep HBM busy
 
 
@@ -43,7 +43,7 @@ def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
     longest fold streams `tiles` tiles, on a GPU with `sm_count` SMs."""
     if not sm_count or tiles < SPLIT_MIN_TILES or programs >= 2 * sm_count:
         return 1
-    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles // 4, SPLIT_MAX)
+    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles // 8, SPLIT_MAX)
     return n if n >= 2 else 1
 
 
