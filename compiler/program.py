@@ -40,9 +40,18 @@ class Program:
         schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
         self.backend = backend_class(self.factorised, self.outputs, **schedule)
         self.binder = Binder(self.checked, extents_of=self.factorised)
+        self._runners: dict[tuple, object] = {}
 
     def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        results = self.backend.run(self.binder(inputs))
+        # Inputs of the shapes, dtypes and devices seen before bind the same way:
+        # reuse that call's runner (no re-checking, no re-specialising).
+        key = tuple((name, v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else (name, type(v))
+                    for name, v in inputs.items())
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self.backend.runner(self.binder(inputs))
+            self._runners[key] = runner
+        results = runner(inputs)
         values = tuple(results[name] for name in self.outputs)
         return values[0] if len(values) == 1 else values
 

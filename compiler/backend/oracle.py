@@ -1,6 +1,8 @@
 """The "reference" backend: runs the float64 oracle and casts the results."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import reference
@@ -30,6 +32,10 @@ class OracleBackend:
             dtype = binding.dtype if self.program.statement(name).dtype == FLOAT else value.dtype
             out[name] = value.to(device=binding.device, dtype=dtype)
         return out
+
+    def runner(self, binding: Binding):
+        """Run on inputs of this binding's shapes and dtypes (the values may differ)."""
+        return lambda values: self.run(replace(binding, values=dict(values)))
 
     def plan(self, binding: Binding) -> Plan:
         statements = self.program.statements

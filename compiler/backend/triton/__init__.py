@@ -152,23 +152,31 @@ class TritonBackend:
 
     # ------------------------------------------------------------ interface
     def run(self, binding: Binding) -> dict[str, torch.Tensor]:
+        return self.runner(binding)(binding.values)
+
+    def runner(self, binding: Binding):
+        """Run the kernels on inputs of this binding's shapes, dtypes and device (the
+        values may differ): the launcher, extents and output shapes are fixed here."""
         if binding.device.type not in ("cuda", "cpu"):
             raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
                                f"not on {binding.device.type}")
-        launch, t, extents = self._prepare(binding)
-        launch(t, extents, binding.device)
-        return {name: t[name] for name in self.outputs}
-
-    def _prepare(self, binding: Binding):
-        """The loaded launcher, its tensors (inputs and fresh outputs) and extents."""
         extents = self._extents(binding)
         _, launch = self._entry(binding, extents)
-        t = dict(binding.values)
-        for name in self.outputs:
-            st = self.program.statement(name)
-            dtype = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
-            t[name] = torch.empty([binding.extents[i] for i in st.indices], dtype=dtype, device=binding.device)
-        return launch, t, extents
+        device = binding.device
+        outputs = self._output_specs(binding)
+
+        def run(values):
+            t = dict(values)
+            for name, shape, dtype in outputs:
+                t[name] = torch.empty(shape, dtype=dtype, device=device)
+            launch(t, extents, device)
+            return {name: t[name] for name, _, _ in outputs}
+        return run
+
+    def _output_specs(self, binding: Binding) -> list[tuple[str, list[int], torch.dtype]]:
+        kinds = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}
+        return [(name, [binding.extents[i] for i in self.program.statement(name).indices],
+                 kinds[self.program.statement(name).dtype]) for name in self.outputs]
 
     def launch_overhead_probe(self, inputs: dict, calls: int = 200) -> float:
         """Microseconds of host time per call of the generated launcher alone (the
@@ -178,7 +186,11 @@ class TritonBackend:
 
         from ...bind import bind
         binding = bind(self.program, inputs)
-        launch, t, extents = self._prepare(binding)
+        extents = self._extents(binding)
+        _, launch = self._entry(binding, extents)
+        t = dict(binding.values)
+        for name, shape, dtype in self._output_specs(binding):
+            t[name] = torch.empty(shape, dtype=dtype, device=binding.device)
         launch(t, extents, binding.device)
         if binding.device.type == "cuda":
             torch.cuda.synchronize(binding.device)
