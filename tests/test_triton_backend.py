@@ -577,3 +577,22 @@ def test_causal_interior_tiles_skip_the_predicate():
     boundary = source[source.index("# the boundary tiles"):]
     assert "<=" not in interior and "offs_m[None, :] <= offs_i[:, None]" in boundary
     assert "hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)" in source
+
+
+@gpu
+def test_gpu_offsets_beyond_2_pow_31_elements():
+    """Addresses past 2**31 elements need 64-bit offsets (bf16: 4 GiB per tensor)."""
+    n = 2**31 + 7
+    x = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    x[:16] = 1.5
+    x[-16:] = -2.5
+    y = compiler.compile("Y[i] = X[i] * 2.0", backend="triton")(X=x)
+    assert float(y[0]) == 3.0 and float(y[-1]) == -5.0 and float(y[-16]) == -5.0
+    del x, y
+    rows = torch.empty(2, 2**30 + 3, device="cuda", dtype=torch.bfloat16)
+    rows[0].fill_(0.0)
+    rows[1].fill_(0.0)
+    rows[1, -1] = 3.0                    # the last element, 2**31 + 5 elements from the start
+    rows[0, 0] = 2.0
+    top = compiler.compile("M[i] = max[j](X[i,j])", backend="triton")(X=rows)
+    assert top.tolist() == [2.0, 3.0]
