@@ -1137,7 +1137,9 @@ class KernelEmitter:
             if ax.scalar:
                 lines.append(f"{ax.offs} = {coord}")
             else:
-                lines.append(f"{ax.offs} = {coord} * {ax.block_name} + tl.arange(0, {ax.block_name})")
+                # a tile start past 2**31 needs 64-bit arithmetic (program ids are 32-bit)
+                wide = ".to(tl.int64)" if self.ctx.extent(g) + ax.block >= 2**31 else ""
+                lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
         return factors
 
