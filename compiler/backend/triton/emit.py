@@ -1118,6 +1118,12 @@ class KernelEmitter:
         if spec.grid:
             lines.append("pid = tl.program_id(0)")
         order = list(reversed(spec.grid))
+        longest_first = self.longest_first(axes)
+        if longest_first is not None:
+            # programs whose loops run longest (the last rows under m <= i) start first,
+            # so that the short ones fill the tail
+            order.remove(longest_first)
+            order.append(longest_first)
         grouped = self.grouped_order(order, axes)
         for p, g in enumerate(order):
             ax = axes[g]
@@ -1130,7 +1136,7 @@ class KernelEmitter:
             if grouped and p < 2:
                 lines += grouped[p]
             elif p == len(order) - 1:
-                lines.append(f"{coord} = pid")
+                lines.append(f"{coord} = {count} - 1 - pid" if g == longest_first else f"{coord} = pid")
             else:
                 lines.append(f"{coord} = pid % {count}")
                 lines.append(f"pid = pid // {count}")
@@ -1142,6 +1148,18 @@ class KernelEmitter:
                 lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
         return factors
+
+    def longest_first(self, axes) -> str | None:
+        """A tiled grid index that bounds a program fold's loop from above (m <= i):
+        the higher its tile, the longer that program runs."""
+        if self.mode != "full":
+            return None
+        for fold in self.spec.program_folds:
+            for relations in index_bounds(fold).values():
+                for op, other in relations:
+                    if op in ("le", "lt") and other in axes and not axes[other].scalar:
+                        return other
+        return None
 
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
 
