@@ -1118,12 +1118,11 @@ class KernelEmitter:
         if spec.grid:
             lines.append("pid = tl.program_id(0)")
         order = list(reversed(spec.grid))
+        # programs whose loops run longest (the last rows under m <= i) start first, so that
+        # short ones fill the tail; the index keeps its place in the order, so programs that
+        # run together still share their key and value tiles in L2 (moving it outermost
+        # cost 8-14% at S = 1024 on the H100)
         longest_first = self.longest_first(axes)
-        if longest_first is not None:
-            # programs whose loops run longest (the last rows under m <= i) start first,
-            # so that the short ones fill the tail
-            order.remove(longest_first)
-            order.append(longest_first)
         grouped = self.grouped_order(order, axes)
         for p, g in enumerate(order):
             ax = axes[g]
@@ -1138,7 +1137,8 @@ class KernelEmitter:
             elif p == len(order) - 1:
                 lines.append(f"{coord} = {count} - 1 - pid" if g == longest_first else f"{coord} = pid")
             else:
-                lines.append(f"{coord} = pid % {count}")
+                lines.append(f"{coord} = {count} - 1 - pid % {count}" if g == longest_first
+                             else f"{coord} = pid % {count}")
                 lines.append(f"pid = pid // {count}")
             if ax.scalar:
                 lines.append(f"{ax.offs} = {coord}")
