@@ -299,22 +299,7 @@ def test_scalar_inputs_as_numbers_and_zero_dim_tensors():
 
 
 # ---------------------------------------------------------------- a corpus: each program one kernel
-CORPUS = {
-    "one_liner": "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]",
-    "max_subtracted": "S[i,m] = Q[i,k]*K[m,k]; M[i] = max[m](S[i,m]); P[i,m] = exp(S[i,m] - M[i])\n"
-                      "O[i,j] = sum[m](P[i,m]*V[m,j]) / sum[m](P[i,m])",
-    "unsafe": "S[i,m] = Q[i,k]*K[m,k]; P[i,m] = exp(S[i,m]) / sum[m](exp(S[i,m])); O[i,j] = P[i,m]*V[m,j]",
-    "window": "O[i,j] = softmax[m](where(i - m < 3 and m <= i, Q[i,k]*K[m,k], -inf)) * V[m,j]",
-    "alibi": "O[i,j] = softmax[m](Q[i,k]*K[m,k] - slope * abs(i - m)) * V[m,j]",
-    "bias": "O[i,j] = softmax[m](Q[i,k]*K[m,k] + B[i,m]) * V[m,j]",
-    "softcap": "O[i,j] = softmax[m](30 * tanh(Q[i,k]*K[m,k] / 30)) * V[m,j]",
-    "two_outputs": "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]; O2[i,j] = softmax[m](Q[i,k]*K[m,k]) * W[m,j]",
-    "weighted_mean_of_f": "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * tanh(V[m,j])",
-    "cross_entropy": "L[i] = logsumexp[v](H[i,k]*W[v,k]) - T[i]",
-    "mean_variance": "mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)",
-    "third_moment": "Z[i] = sum[j](X[i,j]); Z3[i] = sum[j]((X[i,j] - Z[i] / len(j))**3)",
-    "sum_of_exp": "Z[i] = sum[j](exp(X[i,j]))",
-}
+from test_passes import PROGRAMS as CORPUS  # noqa: E402 - the pass library's programs, one kernel each
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
