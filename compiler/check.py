@@ -18,7 +18,7 @@ from . import parse as syn
 from .algebra import BUILTINS, COMPOSITES, Summary
 from .errors import CheckError, Span
 from .ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce,
-                 bound_indices, children, free_indices, with_children)
+                 bound_indices, children, free_indices, walk, with_children)
 from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
 
 
@@ -239,7 +239,7 @@ class _Checker:
                              f"sum a number, e.g. where(cond, 1.0, 0.0)", e.span)
 
     def _check_reductions_use_indices(self, e: Expr) -> None:
-        for node in _nodes(e):
+        for node in walk(e):
             if isinstance(node, Reduce | Composite):
                 body = node.args if isinstance(node, Reduce) else (node.arg,)
                 used = {i for a in body for i in free_indices(a)}
@@ -344,7 +344,7 @@ def _make_einstein_sums(expr: Expr, lhs: set[str],
         visited = [visit(c, inner) for c in children(e)]
         e = with_children(e, tuple(c for c, _ in visited))
         counts = _count_free(e, sum((n for _, n in visited), Counter()))
-        done = tuple(i for i in free_indices_in_order(e)
+        done = tuple(i for i in indices_in_order(e)
                      if i in implicit and i not in bound and counts[i] == implicit[i])
         if done:
             check_summable(e, done)
@@ -356,7 +356,7 @@ def _make_einstein_sums(expr: Expr, lhs: set[str],
     return visit(expr, frozenset())[0] if implicit else expr
 
 
-def free_indices_in_order(e: Expr) -> tuple[str, ...]:
+def indices_in_order(e: Expr) -> tuple[str, ...]:
     """Indices occurring in `e` (bound or not), in order of first occurrence."""
     out: dict[str, None] = {}
     if isinstance(e, Access):
@@ -364,19 +364,13 @@ def free_indices_in_order(e: Expr) -> tuple[str, ...]:
     elif isinstance(e, Index):
         out[e.name] = None
     for c in children(e):
-        out.update(dict.fromkeys(free_indices_in_order(c)))
+        out.update(dict.fromkeys(indices_in_order(c)))
     return tuple(out)
 
 
 # ---------------------------------------------------------------- helpers
-def _nodes(e: Expr):
-    yield e
-    for c in children(e):
-        yield from _nodes(c)
-
-
 def _accesses(e: Expr):
-    return (n for n in _nodes(e) if isinstance(n, Access))
+    return (n for n in walk(e) if isinstance(n, Access))
 
 
 def _reduction_name(e: Expr) -> str:
