@@ -15,6 +15,7 @@ with a warning)."""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -42,7 +43,18 @@ def _note_interpreter() -> None:
     if not _warned_interpreter:
         _warned_interpreter = True
         warnings.warn("einfold: no CUDA tensors, so the triton backend runs its kernels under Triton's "
-                      "interpreter (TRITON_INTERPRET=1): correct but slow", RuntimeWarning, stacklevel=3)
+                      "interpreter (TRITON_INTERPRET=1): correct but slow", RuntimeWarning,
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The warning's stack level of the first frame outside this package: the
+    user's call, not einfold's internals."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _interpreter_ready() -> bool:
