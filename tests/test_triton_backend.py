@@ -581,3 +581,37 @@ def test_gpu_offsets_beyond_2_pow_31_elements():
     rows[0, 0] = 2.0
     top = compiler.compile("M[i] = max[j](X[i,j])", backend="triton")(X=rows)
     assert top.tolist() == [2.0, 3.0]
+
+
+@gpu
+def test_gpu_ragged_causal_batched_attention_matches_sdpa():
+    """Ragged sizes keep the masks (1000 is no multiple of the tuned tiles)."""
+    src = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
+    q, k, v = bench_inputs((2, 4, 1000, 64), (2, 4, 1000, 64), (2, 4, 1000, 64), dtype=torch.bfloat16)
+    out = compiler.compile(src, backend="triton")(Q=q, K=k, V=v, scale=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.125,
+                                                            is_causal=True)
+    assert float((out.double() - want).norm() / want.norm()) < 1e-2
+
+
+@gpu
+def test_gpu_fully_masked_rows_are_nan_and_the_rest_exact():
+    src = "O[i,j] = softmax[m](where(m < i, S[i,m], -inf)) * V[m,j]"     # row 0 sees no m
+    s, v = bench_inputs((300, 300), (300, 64), dtype=torch.float32)
+    out = compiler.compile(src, backend="triton")(S=s, V=v)
+    want = compiler.compile(src, backend="reference")(S=s.cpu().double(), V=v.cpu().double())
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
+    torch.testing.assert_close(out[1:].cpu().double(), want[1:], rtol=1e-4, atol=1e-4)
+
+
+@gpu
+def test_gpu_strided_inputs_and_forced_split():
+    q, k, v = bench_inputs((3, 1, 64), (3, 5000, 64), (3, 64, 5000), dtype=torch.float16)
+    v_t = v.transpose(1, 2)                                        # non-contiguous value tensor
+    src = "O[h,i,j] = softmax[m](Q[h,i,k] * K[h,m,k] * scale) * V[h,m,j]"
+    program = compiler.compile(src, backend="triton", split=7)
+    out = program(Q=q, K=k, V=v_t, scale=0.125)
+    assert [kk.name for kk in program.plan(Q=q, K=k, V=v_t, scale=0.125).kernels] == ["einfold_O_partial",
+                                                                                     "einfold_O_merge"]
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v_t.double(), scale=0.125)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
