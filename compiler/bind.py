@@ -5,7 +5,7 @@ shape disagrees."""
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from numbers import Real
 from typing import Mapping
 
@@ -24,16 +24,6 @@ class Binding:
     extents: dict[str, int]          # index name -> size
     dtype: torch.dtype               # dtype of float results
     device: torch.device
-
-    def for_program(self, program: Program) -> "Binding":
-        """The same binding with extents for every index of `program`, whose passes
-        may have introduced fresh indices that share an extent symbol."""
-        symbols = dict(program.extents)
-        sizes = dict(self.extents)
-        known = {symbols[ix]: n for ix, n in self.extents.items() if ix in symbols}
-        for ix, symbol in program.extents:
-            sizes.setdefault(ix, known[symbol])
-        return replace(self, extents=sizes)
 
 
 def _dims(n: int) -> str:

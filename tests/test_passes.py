@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import compiler
 from compiler import reference
-from compiler.bind import bind
+from compiler.bind import Binder, bind
 from compiler.ir import Reduce, walk
 from compiler.random_inputs import random_inputs
 
@@ -57,7 +57,7 @@ def outer_reductions(program):
 def chunked_matches_oracle(program, inputs, seeds=range(4), rtol=1e-9):
     binding = bind(program.checked, inputs)
     want = reference.run(program.checked, inputs, binding.extents, program.outputs)
-    extents = binding.for_program(program.factorised).extents
+    extents = Binder(program.checked, extents_of=program.factorised)(inputs).extents
     for seed in seeds:
         got = reference.run(program.factorised, inputs, extents, program.outputs,
                             chunking=random.Random(seed))
@@ -116,7 +116,7 @@ def test_large_logits_do_not_overflow():
         program = compiler.compile(PROGRAMS[name], backend="reference")
         inputs = random_inputs(program.checked, {}, dtype=torch.float64, seed=3)
         inputs = {k: v * 1e4 if k in ("X", "Q") else v for k, v in inputs.items()}
-        binding = bind(program.checked, inputs).for_program(program.factorised)
+        binding = Binder(program.checked, extents_of=program.factorised)(inputs)
         got = reference.run(program.factorised, inputs, binding.extents, chunking=random.Random(0))
         for value in got.values():
             if name == "sum_of_exp":     # the true value overflows float64: inf, never NaN
@@ -125,7 +125,7 @@ def test_large_logits_do_not_overflow():
                 assert torch.isfinite(value).all(), name
     x = torch.randn(5, 9, dtype=torch.float64) * 1e4
     lse = compiler.compile(PROGRAMS["logsumexp"], backend="reference")
-    binding = bind(lse.checked, {"X": x}).for_program(lse.factorised)
+    binding = Binder(lse.checked, extents_of=lse.factorised)({"X": x})
     got = reference.run(lse.factorised, {"X": x}, binding.extents)["L"]
     torch.testing.assert_close(got, torch.logsumexp(x, 1), rtol=1e-12, atol=0)
 
@@ -135,7 +135,7 @@ def test_fully_masked_rows_are_nan_and_other_rows_exact():
     program = compiler.compile(src, backend="reference")
     inputs = random_inputs(program.checked, {"i": 5, "m": 6}, dtype=torch.float64, seed=4)
     chunked_matches_oracle(program, inputs)
-    binding = bind(program.checked, inputs).for_program(program.factorised)
+    binding = Binder(program.checked, extents_of=program.factorised)(inputs)
     out = reference.run(program.factorised, inputs, binding.extents, chunking=random.Random(1))["O"]
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
     lse = compiler.compile("L[i] = logsumexp[m](where(m < i, X[i,m], -inf))", backend="reference")

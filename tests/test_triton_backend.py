@@ -13,7 +13,7 @@ import torch
 import compiler
 from compiler import reference
 from compiler.backend.triton import TritonBackend, auto_split, cache
-from compiler.bind import bind
+from compiler.bind import Binder, bind
 from compiler.check import check
 from compiler.errors import BackendError
 from compiler.parse import parse
@@ -56,12 +56,12 @@ def triton_backend(src, outputs=None, **options):
 
 
 def run(backend, ref, inputs):
-    results = backend.run(bind(ref.checked, inputs).for_program(backend.program))
+    results = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))
     return tuple(results[n] for n in ref.outputs)
 
 
 def plan(backend, ref, inputs):
-    return backend.plan(bind(ref.checked, inputs).for_program(backend.program))
+    return backend.plan(Binder(ref.checked, extents_of=backend.program)(inputs))
 
 
 def assert_matches_oracle(src, inputs, outputs=None, **options):
@@ -336,7 +336,7 @@ def test_non_commutative_affine_recurrence_in_order(split):
     backend = TritonBackend(program.factorised, program.outputs, split=split)
     a = torch.rand(5, 23, generator=torch.Generator().manual_seed(0), device="cpu").to(DEVICE) * 1.2
     b = randn(5, 23)
-    got = backend.run(bind(program.checked, {"A": a, "Bv": b}).for_program(program.factorised))["H"]
+    got = backend.run(Binder(program.checked, extents_of=program.factorised)({"A": a, "Bv": b}))["H"]
     h = torch.zeros(5, dtype=torch.float64)
     for t in range(23):
         h = a[:, t].cpu().double() * h + b[:, t].cpu().double()
@@ -363,7 +363,7 @@ def test_identity_guard_only_where_the_formulas_need_it():
     assert exact_identity(BUILTINS["sum"], ("acc",)) and exact_identity(BUILTINS["argmax"], ("m", "p"))
     assert exact_identity(affine(), ("A", "B"))
     ref, backend = triton_backend(LAYERNORM)            # Chan's merge guards its division itself
-    backend.plan(bind(ref.checked, {"X": randn(3, 5)}).for_program(backend.program))
+    backend.plan(Binder(ref.checked, extents_of=backend.program)({"X": randn(3, 5)}))
     assert "a_empty" not in backend.source and "tl.reduce(" in backend.source
 
 

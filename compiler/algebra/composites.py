@@ -18,7 +18,6 @@ class CompositeRule:
     keeps_index: bool
     # float64 meaning: (tensor, dims to reduce) -> tensor (dims kept with size 1 when keeps_index)
     torch: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
-    doc: str
 
 
 def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -39,9 +38,8 @@ def _logsumexp(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 COMPOSITES: dict[str, CompositeRule] = {
     r.name: r for r in [
-        CompositeRule("softmax", True, _softmax,
-                      "exp(x - max x) / sum exp(x - max x) along the index; NaN on a row that is all -inf"),
-        CompositeRule("mean", False, _mean, "sum(x) / len(index)"),
-        CompositeRule("logsumexp", False, _logsumexp, "log(sum(exp(x))), computed max-shifted"),
+        CompositeRule("softmax", True, _softmax),       # NaN on a row that is all -inf
+        CompositeRule("mean", False, _mean),
+        CompositeRule("logsumexp", False, _logsumexp),
     ]
 }
