@@ -1,16 +1,30 @@
-"""The `einfold` command line."""
+"""The `einfold` command line.
+
+`parse`, `ir` and `explain` import neither torch nor Triton's runtime, so they
+start quickly; `run`, `dump` and `bench` import torch when they need tensors.
+Every mistake of the user (a bad option, a bad program, unreadable input)
+exits with status 2 and a message on stderr, never a traceback."""
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
+from . import __version__
 from .errors import EinfoldError
 from .ir import format_program
 
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+BACKEND_CHOICES = ("auto", "triton", "reference")
+BENCH_GROUPS = ("attention", "decode", "memory", "matmul")
+MAX_EXTENT = 2 ** 31 - 1            # one index's extent on the command line
+MAX_SEED = 2 ** 63 - 1
+ATTENTION = "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]"
+
 
 class _UsageError(Exception):
-    """A bad command line (not a bad program): reported like argparse's errors, exit status 2."""
+    """A bad command line or unreadable input: reported in one line, exit status 2."""
 
 
 def _read_program(args) -> str:
@@ -21,16 +35,57 @@ def _read_program(args) -> str:
     if args.file is None:
         raise _UsageError("give a program with -e EXPR or a FILE")
     try:
-        return Path(args.file).read_text()
+        data = Path(args.file).read_bytes()
+    except IsADirectoryError:
+        raise _UsageError(f"cannot read {args.file}: it is a folder") from None
     except OSError as e:
         raise _UsageError(f"cannot read {args.file}: {e.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _UsageError(f"cannot read {args.file}: not UTF-8 text (byte {e.start})") from None
 
 
-def _add_program_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", nargs="?", help="file holding the program")
-    p.add_argument("-e", "--expr", help="the program text itself")
+def _parse_sizes(items: list[str]) -> dict[str, int]:
+    sizes = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value.isdigit() or not name.isidentifier():
+            raise _UsageError(f"--size takes INDEX=N, got '{item}'")
+        if int(value) > MAX_EXTENT:
+            raise _UsageError(f"--size {name}={value}: an extent is at most {MAX_EXTENT}")
+        sizes[name] = int(value)
+    return sizes
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: '{text}'") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is between 0 and {MAX_SEED}, not {text}")
+    return value
+
+
+def _random_inputs(program, args):
+    """Random inputs for --size/--dtype/--seed, or a usage error naming what is wrong."""
+    import torch
+
+    from .random_inputs import random_inputs
+    sizes = _parse_sizes(args.size)
+    unknown = sorted(set(sizes) - {ix for ix, _ in program.checked.extents})
+    if unknown:
+        raise _UsageError(f"--size names no index of the program: {', '.join(unknown)}")
+    try:
+        return random_inputs(program.checked, sizes, dtype=getattr(torch, args.dtype),
+                             seed=getattr(args, "seed", 0))
+    except (RuntimeError, MemoryError) as e:       # allocation of inputs too large for this machine
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _UsageError(f"cannot make random inputs of these sizes: {first}") from None
+
+
+# ---------------------------------------------------------------- commands
 def cmd_parse(args) -> int:
     from .check import check
     from .parse import parse
@@ -41,12 +96,9 @@ def cmd_parse(args) -> int:
 def cmd_ir(args) -> int:
     from .check import check
     from .parse import parse
-    from .passes import PIPELINE, run_pipeline
+    from .passes import run_pipeline
     program = check(parse(_read_program(args)))
     wanted = args.print_after
-    names = [name for name, _ in PIPELINE]
-    if wanted not in (None, "all") and wanted not in names:
-        raise _UsageError(f"unknown pass '{wanted}'; the passes are: {', '.join(names) or 'none'}")
     if wanted == "all":
         print("# after check")
         print(format_program(program), end="")
@@ -62,29 +114,12 @@ def cmd_ir(args) -> int:
     return 0
 
 
-def _parse_sizes(items: list[str]) -> dict[str, int]:
-    sizes = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        if not value.isdigit() or not name.isidentifier():
-            raise _UsageError(f"--size takes INDEX=N, got '{item}'")
-        sizes[name] = int(value)
-    return sizes
-
-
 def cmd_run(args) -> int:
-    import torch
-
     from . import compile, reference
     from .bind import bind
-    from .random_inputs import random_inputs, relative_error
+    from .random_inputs import relative_error
     program = compile(_read_program(args), backend=args.backend)
-    dtype = getattr(torch, args.dtype)
-    sizes = _parse_sizes(args.size)
-    unknown = sorted(set(sizes) - {ix for ix, _ in program.checked.extents})
-    if unknown:
-        raise _UsageError(f"--size names no index of the program: {', '.join(unknown)}")
-    inputs = random_inputs(program.checked, sizes, dtype=dtype, seed=args.seed)
+    inputs = _random_inputs(program, args)
     outputs = program(**inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     # The oracle evaluates the checked (unfactorised) program, so that the passes are checked too.
@@ -100,7 +135,7 @@ def cmd_run(args) -> int:
 
 def cmd_explain(args) -> int:
     from . import compile
-    print(compile(_read_program(args), backend="reference").explain(), end="")
+    print(compile(_read_program(args), backend=args.backend).explain(), end="")
     return 0
 
 
@@ -108,86 +143,141 @@ def cmd_dump(args) -> int:
     import torch
 
     from . import compile
-    from .random_inputs import random_inputs
     program = compile(_read_program(args), backend="triton")
-    dtype = getattr(torch, args.dtype)
-    inputs = random_inputs(program.checked, _parse_sizes(args.size), dtype=dtype)
+    inputs = _random_inputs(program, args)
     sm_count = (torch.cuda.get_device_properties(0).multi_processor_count
                 if torch.cuda.is_available() else None)
     source = program.backend.source_for(program.binder(inputs), sm_count=sm_count)
-    if sm_count is None:
-        print("einfold dump: no GPU here, so the module is shown without an automatic split "
-              "(its SM count decides it)", file=sys.stderr)
     if args.output:
-        Path(args.output).write_text(source)
+        try:
+            Path(args.output).write_text(source)
+        except IsADirectoryError:
+            raise _UsageError(f"cannot write {args.output}: it is a folder") from None
+        except OSError as e:
+            raise _UsageError(f"cannot write {args.output}: {e.strerror}") from None
         print(f"einfold dump: wrote {args.output}", file=sys.stderr)
     else:
         print(source, end="")
+    if sm_count is None:
+        print("einfold dump: no GPU here, so the module is shown without an automatic split "
+              "(its SM count decides it)", file=sys.stderr)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from pathlib import Path
-
     import torch
 
     from . import bench
     if not torch.cuda.is_available():
-        print("einfold bench: needs a CUDA GPU (the benchmarks compare kernels on one)", file=sys.stderr)
-        return 2
+        raise _UsageError("bench needs a CUDA GPU (the benchmarks compare kernels on one)")
     bench.main(Path(args.out), args.group or list(bench.GROUPS), quick=args.quick)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="einfold", description=__doc__.strip().split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------- the parser
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, no usage dump: the mistake and where the help is."""
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
-    p = sub.add_parser("parse", help="print the canonical form of a program")
-    _add_program_args(p)
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _command(sub, name: str, help: str, *examples: str, program: bool = True) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                       epilog=_examples(*examples), formatter_class=argparse.RawDescriptionHelpFormatter)
+    if program:
+        p.add_argument("file", nargs="?", help="a file holding the program (UTF-8 text)")
+        p.add_argument("-e", "--expr", metavar="EXPR", help="the program text itself, instead of a FILE")
+    return p
+
+
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", action="append", default=[], metavar="INDEX=N",
+                   help="extent of an index; repeat for several (default 16 for every index)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="dtype of the random float inputs (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .passes import PIPELINE
+    parser = _Parser(
+        prog="einfold", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="einfold: tensor expressions in index notation, compiled into fused Triton kernels.",
+        epilog=_examples(f'einfold explain -e "{ATTENTION}"',
+                         f'einfold run -e "{ATTENTION}" --size i=128 --size m=256',
+                         "einfold COMMAND --help     (options and examples of one command)"))
+    parser.add_argument("--version", action="version", version=f"einfold {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = _command(sub, "parse", "print the canonical form of a program (every reduction explicit)",
+                 'einfold parse -e "C[i,j] = A[i,k] * B[k,j]"', "einfold parse layernorm.ein")
     p.set_defaults(run=cmd_parse)
 
-    p = sub.add_parser("ir", help="print the IR, after the passes or after a given one")
-    _add_program_args(p)
-    p.add_argument("--print-after", metavar="PASS|all", help="print after this pass (or every pass)")
+    p = _command(sub, "ir", "print the IR after the passes, or after a given pass",
+                 f'einfold ir -e "{ATTENTION}"',
+                 f'einfold ir --print-after all -e "{ATTENTION}"')
+    p.add_argument("--print-after", metavar="PASS", choices=["all", *(name for name, _ in PIPELINE)],
+                   help="print the IR after this pass, or after every stage with 'all' "
+                        f"(passes: {', '.join(name for name, _ in PIPELINE)})")
     p.set_defaults(run=cmd_ir)
 
-    p = sub.add_parser("run", help="run on random inputs and report the error against the oracle")
-    _add_program_args(p)
-    p.add_argument("--size", action="append", default=[], metavar="INDEX=N",
-                   help="extent of an index (default 16)")
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
-    p.add_argument("--seed", type=int, default=0)
+    p = _command(sub, "run", "run on random inputs and report the error against the float64 oracle",
+                 f'einfold run -e "{ATTENTION}" --size i=128 --size m=256 --dtype bfloat16',
+                 'einfold run -e "Y[i] = logsumexp[j](X[i,j])" --backend reference')
+    _add_inputs(p)
+    p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
+                   help="where to run: 'triton' kernels (on CPU under Triton's interpreter), the "
+                        "float64 'reference' oracle, or 'auto' (= triton) (default: %(default)s)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default: %(default)s)")
     p.set_defaults(run=cmd_run)
 
-    p = sub.add_parser("explain", help="print the derivation: from the expression to one pass per reduction")
-    _add_program_args(p)
+    p = _command(sub, "explain", "print the derivation, pass by pass, and the plan of the backend that "
+                 "would run", f'einfold explain -e "{ATTENTION}"',
+                 'einfold explain -e "Y[i] = logsumexp[j](X[i,j])" --backend reference')
+    p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
+                   help="whose plan to show (default: %(default)s, i.e. triton)")
     p.set_defaults(run=cmd_explain)
 
-    p = sub.add_parser("dump", help="print the generated Triton module (kernels and launcher)")
-    _add_program_args(p)
-    p.add_argument("--size", action="append", default=[], metavar="INDEX=N",
-                   help="extent of an index (default 16)")
-    p.add_argument("--dtype", default="float32", choices=["float16", "bfloat16", "float32", "float64"])
-    p.add_argument("-o", "--output", help="write the module to this file instead of stdout")
+    p = _command(sub, "dump", "print the generated Triton module (kernels and launcher) for given sizes",
+                 f'einfold dump -e "{ATTENTION}" --size i=4096 --size m=4096 --dtype bfloat16',
+                 f'einfold dump -e "{ATTENTION}" -o attention_kernels.py')
+    _add_inputs(p)
+    p.add_argument("-o", "--output", metavar="PATH", help="write the module to this file instead of stdout")
     p.set_defaults(run=cmd_dump)
 
-    p = sub.add_parser("bench", help="benchmark the generated kernels against torch baselines (GPU)")
-    p.add_argument("--group", action="append", choices=["attention", "decode", "memory", "matmul"],
-                   help="case groups to run (default: all)")
+    p = _command(sub, "bench", "benchmark the generated kernels against torch baselines (needs a CUDA GPU)",
+                 "einfold bench --group attention --quick", "einfold bench --out results/", program=False)
+    p.add_argument("--group", action="append", choices=BENCH_GROUPS,
+                   help="a group of cases to run; repeat for several (default: all)")
     p.add_argument("--quick", action="store_true", help="a few small shapes per group")
-    p.add_argument("--out", default="bench-results", help="folder for bench.csv, bench.json, bench.png")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="folder for bench.csv, bench.json and bench.png (default: %(default)s)")
     p.set_defaults(run=cmd_bench)
+    return parser
 
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+    text = str(message).removeprefix("einfold: ")
+    return f"einfold: warning: {text}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return args.run(args)
     except EinfoldError as e:
-        print(e, file=sys.stderr)
+        print(f"einfold: {e}", file=sys.stderr)
         return 2
     except _UsageError as e:
-        parser.exit(2, f"einfold: {e}\n")
+        print(f"einfold: {e}", file=sys.stderr)
+        return 2
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ from __future__ import annotations
 from collections import Counter
 from functools import lru_cache
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from .errors import CheckError
 
@@ -86,6 +89,7 @@ def _compiled(equation: str, ranks: tuple[int, ...], backend: str):
 def einsum(equation: str, *operands: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """`compiler.einsum("bik,bkj->bij", x, y)`: compile (once per equation and ranks)
     and run."""
+    import torch
     ranks = tuple(t.dim() if isinstance(t, torch.Tensor) else 0 for t in operands)
     program = _compiled(equation, ranks, backend)
     return program(**{f"t{k}": t for k, t in enumerate(operands)})

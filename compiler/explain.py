@@ -79,5 +79,9 @@ def explain(program) -> str:
         for st in program.factorised.statements:
             out.append(f"  {st.name}[{', '.join(st.indices)}] = {format_expr(_with_field_names(st.expr))}")
         out.append("")
-    out.append(f"outputs: {', '.join(program.outputs)}; backend: {program.backend.name}")
+    from .backend import outline
+    plan = outline(program.backend_name, program.factorised, program.outputs, **program.schedule_options)
+    out.append(f"outputs: {', '.join(program.outputs)}")
+    out.append("plan (for any sizes; the sizes of a call choose tiles and splits: Program.plan(**inputs)):")
+    out += _indent(str(plan))
     return "\n".join(out) + "\n"

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import sympy
-import torch
 
 # Printing precedence, loosest first.  Mirrors the grammar's rule ladder.
 PREC_OR, PREC_AND, PREC_NOT, PREC_CMP, PREC_ADD, PREC_MUL, PREC_UNARY, PREC_POW, PREC_ATOM = range(1, 10)
@@ -61,11 +60,23 @@ class Op:
     sympy: Callable    # symbolic meaning, for the algebra
 
 
+def _torch(name: str) -> Callable:
+    """torch.<name>, looked up when first called: the table (and the command
+    line's parse/ir/explain) must not import torch."""
+    def call(*args):
+        import torch
+        return getattr(torch, name)(*args)
+    call.__name__ = f"torch.{name}"
+    return call
+
+
 def _gelu_torch(x):
+    import torch
     return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
 def _softplus_torch(x):
+    import torch
     return torch.logaddexp(x, torch.zeros_like(x))
 
 
@@ -76,39 +87,39 @@ def _where_sympy(c, a, b):
 _SQRT2 = sympy.sqrt(2)
 
 OPS: dict[str, Op] = {op.name: op for op in [
-    Op("add", 2, "infix", "+", PREC_ADD, _join, torch.add, lambda a, b: a + b),
-    Op("sub", 2, "infix", "-", PREC_ADD, _join, torch.sub, lambda a, b: a - b),
-    Op("mul", 2, "infix", "*", PREC_MUL, _join, torch.mul, lambda a, b: a * b),
-    Op("div", 2, "infix", "/", PREC_MUL, _to_float, torch.div, lambda a, b: a / b),
-    Op("pow", 2, "infix", "**", PREC_POW, _to_float, torch.pow, lambda a, b: a ** b),
-    Op("neg", 1, "prefix", "-", PREC_UNARY, _join, torch.neg, lambda a: -a),
-    Op("lt", 2, "infix", "<", PREC_CMP, _to_bool, torch.lt, sympy.StrictLessThan),
-    Op("le", 2, "infix", "<=", PREC_CMP, _to_bool, torch.le, sympy.LessThan),
-    Op("gt", 2, "infix", ">", PREC_CMP, _to_bool, torch.gt, sympy.StrictGreaterThan),
-    Op("ge", 2, "infix", ">=", PREC_CMP, _to_bool, torch.ge, sympy.GreaterThan),
-    Op("eq", 2, "infix", "==", PREC_CMP, _to_bool, torch.eq, sympy.Eq),
-    Op("ne", 2, "infix", "!=", PREC_CMP, _to_bool, torch.ne, sympy.Ne),
-    Op("and", 2, "infix", "and", PREC_AND, _logical, torch.logical_and, sympy.And),
-    Op("or", 2, "infix", "or", PREC_OR, _logical, torch.logical_or, sympy.Or),
-    Op("not", 1, "prefix", "not", PREC_NOT, _logical, torch.logical_not, sympy.Not),
-    Op("where", 3, "function", "where", PREC_ATOM, _select, torch.where, _where_sympy),
-    Op("maximum", 2, "function", "max", PREC_ATOM, _join, torch.maximum, sympy.Max),
-    Op("minimum", 2, "function", "min", PREC_ATOM, _join, torch.minimum, sympy.Min),
-    Op("exp", 1, "function", "exp", PREC_ATOM, _to_float, torch.exp, sympy.exp),
-    Op("exp2", 1, "function", "exp2", PREC_ATOM, _to_float, torch.exp2, lambda x: 2 ** x),
-    Op("log", 1, "function", "log", PREC_ATOM, _to_float, torch.log, sympy.log),
-    Op("log2", 1, "function", "log2", PREC_ATOM, _to_float, torch.log2, lambda x: sympy.log(x, 2)),
-    Op("sqrt", 1, "function", "sqrt", PREC_ATOM, _to_float, torch.sqrt, sympy.sqrt),
-    Op("rsqrt", 1, "function", "rsqrt", PREC_ATOM, _to_float, torch.rsqrt, lambda x: 1 / sympy.sqrt(x)),
-    Op("abs", 1, "function", "abs", PREC_ATOM, _join, torch.abs, sympy.Abs),
-    Op("tanh", 1, "function", "tanh", PREC_ATOM, _to_float, torch.tanh, sympy.tanh),
-    Op("sigmoid", 1, "function", "sigmoid", PREC_ATOM, _to_float, torch.sigmoid, lambda x: 1 / (1 + sympy.exp(-x))),
-    Op("erf", 1, "function", "erf", PREC_ATOM, _to_float, torch.erf, sympy.erf),
+    Op("add", 2, "infix", "+", PREC_ADD, _join, _torch("add"), lambda a, b: a + b),
+    Op("sub", 2, "infix", "-", PREC_ADD, _join, _torch("sub"), lambda a, b: a - b),
+    Op("mul", 2, "infix", "*", PREC_MUL, _join, _torch("mul"), lambda a, b: a * b),
+    Op("div", 2, "infix", "/", PREC_MUL, _to_float, _torch("div"), lambda a, b: a / b),
+    Op("pow", 2, "infix", "**", PREC_POW, _to_float, _torch("pow"), lambda a, b: a ** b),
+    Op("neg", 1, "prefix", "-", PREC_UNARY, _join, _torch("neg"), lambda a: -a),
+    Op("lt", 2, "infix", "<", PREC_CMP, _to_bool, _torch("lt"), sympy.StrictLessThan),
+    Op("le", 2, "infix", "<=", PREC_CMP, _to_bool, _torch("le"), sympy.LessThan),
+    Op("gt", 2, "infix", ">", PREC_CMP, _to_bool, _torch("gt"), sympy.StrictGreaterThan),
+    Op("ge", 2, "infix", ">=", PREC_CMP, _to_bool, _torch("ge"), sympy.GreaterThan),
+    Op("eq", 2, "infix", "==", PREC_CMP, _to_bool, _torch("eq"), sympy.Eq),
+    Op("ne", 2, "infix", "!=", PREC_CMP, _to_bool, _torch("ne"), sympy.Ne),
+    Op("and", 2, "infix", "and", PREC_AND, _logical, _torch("logical_and"), sympy.And),
+    Op("or", 2, "infix", "or", PREC_OR, _logical, _torch("logical_or"), sympy.Or),
+    Op("not", 1, "prefix", "not", PREC_NOT, _logical, _torch("logical_not"), sympy.Not),
+    Op("where", 3, "function", "where", PREC_ATOM, _select, _torch("where"), _where_sympy),
+    Op("maximum", 2, "function", "max", PREC_ATOM, _join, _torch("maximum"), sympy.Max),
+    Op("minimum", 2, "function", "min", PREC_ATOM, _join, _torch("minimum"), sympy.Min),
+    Op("exp", 1, "function", "exp", PREC_ATOM, _to_float, _torch("exp"), sympy.exp),
+    Op("exp2", 1, "function", "exp2", PREC_ATOM, _to_float, _torch("exp2"), lambda x: 2 ** x),
+    Op("log", 1, "function", "log", PREC_ATOM, _to_float, _torch("log"), sympy.log),
+    Op("log2", 1, "function", "log2", PREC_ATOM, _to_float, _torch("log2"), lambda x: sympy.log(x, 2)),
+    Op("sqrt", 1, "function", "sqrt", PREC_ATOM, _to_float, _torch("sqrt"), sympy.sqrt),
+    Op("rsqrt", 1, "function", "rsqrt", PREC_ATOM, _to_float, _torch("rsqrt"), lambda x: 1 / sympy.sqrt(x)),
+    Op("abs", 1, "function", "abs", PREC_ATOM, _join, _torch("abs"), sympy.Abs),
+    Op("tanh", 1, "function", "tanh", PREC_ATOM, _to_float, _torch("tanh"), sympy.tanh),
+    Op("sigmoid", 1, "function", "sigmoid", PREC_ATOM, _to_float, _torch("sigmoid"), lambda x: 1 / (1 + sympy.exp(-x))),
+    Op("erf", 1, "function", "erf", PREC_ATOM, _to_float, _torch("erf"), sympy.erf),
     Op("gelu", 1, "function", "gelu", PREC_ATOM, _to_float, _gelu_torch,
        lambda x: x / 2 * (1 + sympy.erf(x / _SQRT2))),
-    Op("silu", 1, "function", "silu", PREC_ATOM, _to_float, lambda x: x * torch.sigmoid(x),
+    Op("silu", 1, "function", "silu", PREC_ATOM, _to_float, lambda x: x * _torch("sigmoid")(x),
        lambda x: x / (1 + sympy.exp(-x))),
-    Op("relu", 1, "function", "relu", PREC_ATOM, _to_float, torch.relu,
+    Op("relu", 1, "function", "relu", PREC_ATOM, _to_float, _torch("relu"),
        lambda x: sympy.Max(x, 0)),
     Op("softplus", 1, "function", "softplus", PREC_ATOM, _to_float, _softplus_torch,
        lambda x: sympy.log(1 + sympy.exp(x))),

@@ -1,15 +1,16 @@
 """The public entry point: compile(source) -> Program, a callable on tensors."""
 from __future__ import annotations
 
-from typing import Iterable
+from functools import cached_property
+from typing import TYPE_CHECKING, Iterable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from . import backend as backends
 from .algebra import Summary
-from .bind import Binder
 from .check import check
-from .errors import EinfoldError
+from .errors import BackendError, EinfoldError
 from .ir import Program as IRProgram
 from .parse import parse
 from .passes import run_pipeline
@@ -31,20 +32,33 @@ class Program:
             raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                                f"known: {', '.join(KNOWN_OPTIONS)}")
         summaries = {s.name: _checked_user_summary(s) for s in options.get("summaries", ())}
-        backend_class = backends.choose(backend)
+        self.backend_name = backends.check_name(backend)
+        split = options.get("split")
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+            raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
         self.text = source
         self.checked: IRProgram = check(parse(source), outputs=tuple(outputs) if outputs else None,
                                         summaries=summaries)
         self.factorised: IRProgram = run_pipeline(self.checked)
         self.outputs = self.checked.outputs
-        schedule = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
-        self.backend = backend_class(self.factorised, self.outputs, **schedule)
-        self.binder = Binder(self.checked, extents_of=self.factorised)
+        self.schedule_options = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
         self._runners: dict[tuple, object] = {}
+
+    @cached_property
+    def backend(self):
+        """The backend object (made on first use: it imports torch and Triton)."""
+        return backends.choose(self.backend_name)(self.factorised, self.outputs, **self.schedule_options)
+
+    @cached_property
+    def binder(self):
+        """Checks inputs at call time (made on first use: it needs torch)."""
+        from .bind import Binder
+        return Binder(self.checked, extents_of=self.factorised)
 
     def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # Inputs of the shapes, dtypes and devices seen before bind the same way:
         # reuse that call's runner (no re-checking, no re-specialising).
+        import torch
         key = tuple((name, v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else (name, type(v))
                     for name, v in inputs.items())
         runner = self._runners.get(key)
@@ -67,7 +81,7 @@ class Program:
         return explain(self)
 
     def __repr__(self) -> str:
-        return f"<einfold.Program {self.outputs} backend={self.backend.name}>"
+        return f"<einfold.Program {self.outputs} backend={self.backend_name}>"
 
 
 def _checked_user_summary(s: Summary) -> Summary:

@@ -39,6 +39,8 @@ def _first_access(program: Program, name: str) -> tuple[str, ...]:
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max(max |want|, tiny), in float64; NaN/inf mismatches count as inf."""
     got, want = got.detach().to("cpu", torch.float64), want.detach().to("cpu", torch.float64)
+    if got.numel() == 0:
+        return 0.0
     same_special = (got == want) | (torch.isnan(got) & torch.isnan(want))
     if bool((~torch.isfinite(want) | ~torch.isfinite(got))[~same_special].any()):
         return float("inf")

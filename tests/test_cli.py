@@ -22,11 +22,14 @@ def run_cli(capsys, *argv):
 
 
 def usage_error(capsys, *argv):
-    with pytest.raises(SystemExit) as excinfo:
-        main(list(argv))
+    """A mistake on the command line: status 2, nothing on stdout, one line on stderr."""
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:          # argparse's own errors
+        code = stop.code
     out, err = capsys.readouterr()
-    assert out == ""
-    return excinfo.value.code, err
+    assert out == "" and err.count("\n") == 1, err
+    return code, err
 
 
 def test_parse_expression(capsys):
@@ -75,7 +78,7 @@ def test_ir_print_after_one_pass(capsys):
 def test_ir_unknown_pass(capsys):
     code, err = usage_error(capsys, "ir", "-e", ATTENTION, "--print-after", "nosuchpass")
     assert code == 2
-    assert err.startswith("einfold: unknown pass 'nosuchpass'; the passes are: ")
+    assert err.startswith("einfold ir: argument --print-after: invalid choice: 'nosuchpass' (choose from 'all', ")
 
 
 def test_run(capsys):
@@ -116,7 +119,7 @@ def test_bad_program_exits_2_with_the_caret_message(capsys, argv, caret):
     assert out == ""
     assert err.endswith(caret)
     assert "Traceback" not in err
-    assert err.startswith(("syntax error: ", "error: "))
+    assert err.startswith(("einfold: syntax error: ", "einfold: error: "))
 
 
 def test_bad_program_in_a_file(capsys, tmp_path):
@@ -205,3 +208,89 @@ def test_dump_to_a_file(capsys, tmp_path):
     code, out, err = run_cli(capsys, "dump", "-e", DUMP_ATTENTION, "-o", str(target))
     assert code == 0 and out == "" and f"wrote {target}" in err
     compile(target.read_text(), str(target), "exec")   # the module is valid Python
+
+
+# ---------------------------------------------------------------- first contact
+def test_version(capsys):
+    import compiler
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"einfold {compiler.__version__}\n"
+
+
+def test_every_option_has_help_and_every_command_an_example():
+    from compiler.cli import build_parser
+    parser = build_parser()
+    assert "examples:" in parser.format_help()
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) == {"parse", "ir", "run", "explain", "dump", "bench"}
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert "examples:\n  einfold " + name in text, name
+        for action in sub._actions:
+            assert action.help, f"einfold {name} {action.option_strings or action.dest} has no help"
+            if action.choices is not None:
+                assert "{" in text or "choose" in text or all(c in text for c in action.choices)
+
+
+def test_explain_shows_the_plan_of_the_backend_that_would_run(capsys):
+    code, out, _ = run_cli(capsys, "explain", "-e", ATTENTION)
+    assert code == 0
+    assert "  backend triton: 1 kernel(s)\n    einfold_O: writes O  # one program per" in out
+    code, out, _ = run_cli(capsys, "explain", "-e", ATTENTION, "--backend", "reference")
+    assert "  backend reference: 1 kernel(s)\n    oracle_O: writes O" in out
+
+
+@pytest.mark.parametrize("command", [["parse"], ["ir", "--print-after", "all"], ["explain"]])
+def test_parse_ir_and_explain_do_not_import_torch(command):
+    # They start in well under a second and a half because neither torch nor
+    # Triton's runtime is imported (torch alone takes several seconds cold).
+    code = ("import sys\nfrom compiler.cli import main\n"
+            f"assert main({command!r} + ['-e', {ATTENTION!r}]) == 0\n"
+            "heavy = sorted(m for m in ('torch', 'triton') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_interpreter_warning_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "compiler", "run", "-e", "Y[i] = softmax[j](X[i,j])",
+                           "--size", "i=3", "--size", "j=5", "--backend", "triton"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("einfold: warning: no CUDA tensors, so the triton backend runs")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "-e", "C[i] = A[i]", "--size", "i=99999999999999999999"], "an extent is at most"),
+    (["run", "-e", "C[i] = A[i]", "--seed", "99999999999999999999999"], "a seed is between 0 and"),
+    (["run", "-e", "C[i] = A[i]", "--backend", "nosuch"], "invalid choice: 'nosuch'"),
+    (["run", "-e", "C[i] = A[i]", "--dtype", "int8"], "invalid choice: 'int8'"),
+    (["run", "-e", "C[i] = A[i,j]", "--size", "i=3000000", "--size", "j=3000000", "--backend", "reference"],
+     "cannot make random inputs of these sizes"),
+    (["dump", "-e", "C[i] = A[i]", "-o", "."], "cannot write .: it is a folder"),
+    (["dump", "-e", "C[i] = A[i]", "-o", "no/such/folder/k.py"], "cannot write no/such/folder/k.py"),
+    (["parse", "."], "cannot read .: it is a folder"),
+    ([], "the following arguments are required: COMMAND"),
+])
+def test_command_line_mistakes_are_one_line_with_status_2(capsys, argv, message):
+    code, err = usage_error(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_file_that_is_not_utf8_or_holds_nul(capsys, tmp_path):
+    path = tmp_path / "bad.ein"
+    path.write_bytes(b"C[i] = \xff A[i]\n")
+    code, err = usage_error(capsys, "parse", str(path))
+    assert code == 2 and "not UTF-8 text (byte 7)" in err
+    path.write_bytes(b"C[i] = \x00 A[i]\n")
+    code, out, err = run_cli(capsys, "parse", str(path))
+    assert code == 2 and err.startswith("einfold: syntax error: unexpected character '\\x00'")
+
+
+def test_an_empty_extent_runs(capsys):
+    code, out, err = run_cli(capsys, "run", "-e", "C[i] = A[i] * 2", "--size", "i=0", "--backend", "reference")
+    assert code == 0 and "C: shape (0,), relative error vs float64 oracle 0.000e+00" in out

@@ -162,7 +162,7 @@ def test_welford_chan_merge():
     assert report[LEFT_IDENTITY].holds and report[RIGHT_IDENTITY].holds and report[COMMUTATIVE].holds
     assert report.ok
     if report[ASSOCIATIVE].status == TESTED:
-        assert report[ASSOCIATIVE].method == "hypothesis, 60 examples"
+        assert report[ASSOCIATIVE].method == "sampled, 60 examples"
 
 
 def test_welford_with_a_naive_mean_merge_fails():
@@ -171,7 +171,7 @@ def test_welford_with_a_naive_mean_merge_fails():
 
 
 def test_numeric_testing_tolerates_reassociation_rounding():
-    # The hypothesis path alone, on a law that holds: float64 sums reassociated
+    # The sampling path alone, on a law that holds: float64 sums reassociated
     # (cancellation included) must not be reported as counterexamples.
     laws = _Laws(BUILTINS["sum"])
     assert laws.search(ASSOCIATIVE, 200) is None

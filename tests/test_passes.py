@@ -186,7 +186,7 @@ def test_explain_attention_golden():
     """The derivation trace is a research tool: any change to it is reviewed here."""
     from pathlib import Path
     golden = Path(__file__).parent / "golden" / "explain_attention.txt"
-    program = compiler.compile(PROGRAMS["scaled"], backend="reference")
+    program = compiler.compile(PROGRAMS["scaled"])
     text = program.explain()
     for needle in ("dependent reductions over m", "exp(r - r_new)", "pullback: l, u share the weight",
                    "fields (r, l, u), identity (-inf, 0.0, 0.0)", "O[b, h, i, j] = u / l"):

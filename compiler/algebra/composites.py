@@ -7,9 +7,10 @@ reduced index (softmax does, mean and logsumexp do not).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class CompositeRule:
 def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     # A row whose every element is -inf has no mass: its softmax is 0/0 = NaN,
     # as torch.softmax gives and as the factorised form u / l gives.
+    import torch
     m = torch.amax(x, dim=dims, keepdim=True)
     w = torch.exp(x - m)
     return w / w.sum(dim=dims, keepdim=True)
@@ -33,6 +35,7 @@ def _mean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def _logsumexp(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    import torch
     return torch.logsumexp(x.double(), dim=dims)
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from typing import TYPE_CHECKING
+
 import sympy
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from ..ir import Call, Const, Expr, Var
 from ..ops import OPS
@@ -17,6 +21,7 @@ def evaluate(e: Expr, env: Mapping[str, torch.Tensor]) -> torch.Tensor:
     if isinstance(e, Var):
         return env[e.name]
     if isinstance(e, Const):
+        import torch
         return torch.tensor(float(e.value), dtype=torch.float64)
     if isinstance(e, Call):
         return OPS[e.op].torch(*(evaluate(a, env) for a in e.args))

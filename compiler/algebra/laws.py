@@ -11,13 +11,13 @@ claimed; probed, but not required, where not) each law gets one status:
   by u, u + d1, u + d1 + d2, ... (d_k > 0), which lets sympy resolve every
   Max/Min/comparison, and each case is simplified on its own.  General: no
   per-summary code.
-- "tested": sympy could not decide; hypothesis searched float64 states and
+- "tested": sympy could not decide; a seeded sampler drew float64 states and
   found no counterexample.  The states are the ones a fold can actually reach:
   the identity, or the fold of 1-3 lifted random elements (moderate floats,
   |x| <= 1e3, and small exact integers so that ties occur).  Both sides agree
   when they are within a relative tolerance of 1e-9 of the largest magnitude
   involved, equal infinities, or NaN on both sides.
-- "failed": hypothesis found (and shrank) a counterexample, kept in the report
+- "failed": the sampler found (and shrank) a counterexample, kept in the report
   with the field values of a, b (, c) and both sides.
 
 `check_laws(summary)` returns a LawReport; `require_laws(summary)` returns the
@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import sympy
-import torch
 
 from ..errors import LawError
 from ..ops import INT
@@ -74,7 +73,7 @@ class Counterexample:
 class LawResult:
     law: str
     status: str                    # PROVED, TESTED or FAILED
-    method: str                    # "sympy", "sympy, by cases on max order", "hypothesis, 100 examples"
+    method: str                    # "sympy", "sympy, by cases on max order", "sampled, 100 examples"
     claimed: bool = True           # False: commutativity probed for information only
     counterexample: Counterexample | None = None
 
@@ -167,7 +166,7 @@ def check_laws(summary: Summary, *, examples: int = DEFAULT_EXAMPLES) -> LawRepo
             continue
         counterexample = laws.search(law, examples)
         status = FAILED if counterexample is not None else TESTED
-        results.append(LawResult(law, status, f"hypothesis, {examples} examples",
+        results.append(LawResult(law, status, f"sampled, {examples} examples",
                                  counterexample=counterexample))
     claimed = summary.commutative
     results[-1] = replace(results[-1], claimed=claimed)
@@ -278,10 +277,12 @@ class _Laws:
 
     # ------------------------------------------------------------ numeric
     def _lift(self, element: Sequence[float]) -> tuple[float, ...]:
+        import torch
         env = {f"x{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in enumerate(element)}
         return tuple(float(evaluate(f, env)) for f in self.s.lift)
 
     def _combine(self, a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
+        import torch
         env = {**{f"a.{n}": torch.tensor(float(v), dtype=torch.float64) for n, v in zip(self.names, a)},
                **{f"b.{n}": torch.tensor(float(v), dtype=torch.float64) for n, v in zip(self.names, b)}}
         return tuple(float(evaluate(c, env)) for c in self.s.combine)
@@ -310,8 +311,7 @@ class _Laws:
             seen.append(out)
             return out
 
-        with torch.no_grad():
-            lhs, rhs = side.lhs(op, states), side.rhs(op, states)
+        lhs, rhs = side.lhs(op, states), side.rhs(op, states)
         scale = max((abs(v) for st in [*states.values(), *seen] for v in st if math.isfinite(v)),
                     default=0.0)
         if all(_close(l, r, scale) for l, r in zip(lhs, rhs)):
@@ -320,23 +320,45 @@ class _Laws:
                               side.lhs_text, lhs, side.rhs_text, rhs)
 
     def search(self, law: str, examples: int) -> Counterexample | None:
-        """Hypothesis looks for (and shrinks) a counterexample among reachable states."""
-        from hypothesis import HealthCheck, Phase, find, settings
-        from hypothesis import strategies as st
-        from hypothesis.errors import NoSuchExample
+        """Look for a counterexample among `examples` seeded draws of reachable
+        states, then shrink it.  Deterministic, and nothing is written anywhere."""
+        rng = random.Random(f"{self.s.name}/{law}")
+        n_states = len(_LAWS[law].states)
+        for _ in range(examples):
+            draws = tuple(tuple(tuple(_element(rng) for _ in range(self.s.arity))
+                                for _ in range(rng.randint(0, 3)))
+                          for _ in range(n_states))
+            if self._violation(law, draws) is not None:
+                return self._violation(law, self._shrink(law, draws))
+        return None
 
-        element = st.one_of(st.integers(-3, 3).map(float),
-                            st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False))
-        item = st.tuples(*[element] * self.s.arity)
-        draws = st.tuples(*[st.lists(item, max_size=3)] * len(_LAWS[law].states))
-        config = settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                          phases=(Phase.generate, Phase.shrink),
-                          suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
-        try:
-            found = find(draws, lambda d: self._violation(law, d) is not None, settings=config)
-        except NoSuchExample:
-            return None
-        return self._violation(law, found)
+    def _shrink(self, law: str, draws: tuple) -> tuple:
+        """Greedily simplify a failing draw while it still fails: fewer elements,
+        then values moved to 0, to an integer, or one step towards 0."""
+        def simpler(d):
+            for s, elements in enumerate(d):
+                for k in range(len(elements)):
+                    yield d[:s] + (elements[:k] + elements[k + 1:],) + d[s + 1:]
+            for s, elements in enumerate(d):
+                for k, item in enumerate(elements):
+                    for j, v in enumerate(item):
+                        for w in (0.0, float(math.trunc(v)), v - math.copysign(1.0, v)):
+                            if abs(w) < abs(v):
+                                new_item = item[:j] + (w,) + item[j + 1:]
+                                yield d[:s] + (elements[:k] + (new_item,) + elements[k + 1:],) + d[s + 1:]
+
+        for _ in range(1000):
+            smaller = next((c for c in simpler(draws) if self._violation(law, c) is not None), None)
+            if smaller is None:
+                break
+            draws = smaller
+        return draws
+
+
+def _element(rng: random.Random) -> float:
+    """A lifted element's coordinate: small exact integers half the time (so that
+    ties occur), otherwise a moderate float, |x| <= 1e3."""
+    return float(rng.randint(-3, 3)) if rng.random() < 0.5 else rng.uniform(-1e3, 1e3)
 
 
 # ---------------------------------------------------------------- sympy helpers
@@ -359,7 +381,7 @@ def _zero(diff: sympy.Expr) -> bool:
 
 def _clearly_nonzero(diff: sympy.Expr) -> bool:
     """`diff` is a nonzero number at some real point: it is not identically 0, so
-    simplify need not try (the counterexample then comes from hypothesis)."""
+    simplify need not try (the counterexample then comes from the sampler)."""
     rng = random.Random(0)
     for _ in range(2):
         point = {}

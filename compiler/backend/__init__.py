@@ -1,21 +1,38 @@
 """Backends turn a (factorised) IR program into something that runs.
 
 A backend is a class with `name`, constructed from a Program and options, with
-`run(binding) -> {output: tensor}`, `plan(binding) -> Plan` and `source`."""
+`run(binding) -> {output: tensor}`, `plan(binding) -> Plan` and `source`.
+Backend classes are imported on first use: choosing one by name loads torch
+(and Triton) only then."""
 from __future__ import annotations
 
-from ..errors import BackendError
-from .oracle import OracleBackend
-from .triton import TritonBackend
+from importlib import import_module
 
-BACKENDS = {OracleBackend.name: OracleBackend, TritonBackend.name: TritonBackend}
+from ..errors import BackendError
+
+# name -> (module, class); "auto" runs compiled kernels on CUDA tensors, and on CPU
+# tensors the same kernels under Triton's interpreter (the backend warns once).
+# Each module holds the backend class and `outline(program, outputs, **options)`,
+# its plan for any sizes.
+BACKENDS = {"reference": ("compiler.backend.oracle", "OracleBackend"),
+            "triton": ("compiler.backend.triton", "TritonBackend")}
+CHOICES = ("auto", *BACKENDS)
+
+
+def check_name(name: str) -> str:
+    """The backend `name` would run ("auto" -> "triton"); an einfold error if unknown."""
+    if name == "auto":
+        return "triton"
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; choose one of: {', '.join(CHOICES)}")
+    return name
 
 
 def choose(name: str):
-    if name == "auto":
-        # Compiled kernels on CUDA tensors; on CPU tensors the same kernels run under
-        # Triton's interpreter (the backend warns once when it does).
-        return TritonBackend
-    if name not in BACKENDS:
-        raise BackendError(f"unknown backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+    module, cls = BACKENDS[check_name(name)]
+    return getattr(import_module(module), cls)
+
+
+def outline(name: str, program, outputs: tuple[str, ...], **options):
+    """The plan backend `name` would follow for any sizes (no torch needed)."""
+    return import_module(BACKENDS[check_name(name)][0]).outline(program, outputs, **options)

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
-
-from .. import reference
-from ..bind import Binding
 from ..ir import Program, format_program
 from ..ops import FLOAT
 from ..schedule import Kernel, Plan
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..bind import Binding
 
 
 class OracleBackend:
@@ -26,6 +28,7 @@ class OracleBackend:
                 "statement; it generates no kernel source\n" + format_program(self.program))
 
     def run(self, binding: Binding) -> dict[str, torch.Tensor]:
+        from .. import reference
         results = reference.run(self.program, binding.values, binding.extents, self.outputs)
         out = {}
         for name, value in results.items():
@@ -37,9 +40,14 @@ class OracleBackend:
         """Run on inputs of this binding's shapes and dtypes (the values may differ)."""
         return lambda values: self.run(replace(binding, values=dict(values)))
 
-    def plan(self, binding: Binding) -> Plan:
-        statements = self.program.statements
-        kernels = tuple(Kernel(f"oracle_{s.name}", (s.name,), "torch float64 evaluation of one statement")
-                        for s in statements)
-        buffers = tuple(s.name for s in statements if s.name not in self.outputs)
-        return Plan(self.name, kernels, buffers)
+    def plan(self, binding: Binding | None = None) -> Plan:
+        return outline(self.program, self.outputs)
+
+
+def outline(program: Program, outputs: tuple[str, ...], **options) -> Plan:
+    """The oracle's plan for any sizes: one torch float64 evaluation per statement
+    (schedule options such as `split` do not apply)."""
+    kernels = tuple(Kernel(f"oracle_{s.name}", (s.name,), "torch float64 evaluation of one statement")
+                    for s in program.statements)
+    buffers = tuple(s.name for s in program.statements if s.name not in outputs)
+    return Plan("reference", kernels, buffers)

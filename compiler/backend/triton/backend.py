@@ -1,0 +1,220 @@
+"""The Triton backend object: specialisation per input signature, the module
+cache, runners and plans.  See the package docstring for the other modules."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+# Triton's interpreter only runs library functions (tl.sum, tl.cdiv, ...) that were
+# created while TRITON_INTERPRET=1 was set, i.e. it must be set before triton.language
+# is first imported.  Without CUDA it is the only way to run kernels: set it now.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ...bind import Binding
+from ...errors import BackendError
+from ...ir import Program
+from ...schedule import Plan
+from .analysis import form
+from .cache import load
+from .emit import Signature
+from .module import Built, ModuleBuilder, auto_split
+
+_warned_interpreter = False
+
+
+def _note_interpreter() -> None:
+    global _warned_interpreter
+    if not _warned_interpreter:
+        _warned_interpreter = True
+        warnings.warn("einfold: no CUDA tensors, so the triton backend runs its kernels under Triton's "
+                      "interpreter (TRITON_INTERPRET=1): correct but slow", RuntimeWarning,
+                      stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The warning's stack level of the first frame outside this package: the
+    user's call, not einfold's internals."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _interpreter_ready() -> bool:
+    """Whether triton.language was imported in interpreter mode."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.standard.cdiv, InterpretedFunction)
+
+
+def _pass_names() -> tuple[str, ...]:
+    from ...passes import PIPELINE
+    return tuple(name for name, _ in PIPELINE)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None):
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
+            raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
+        self.program = program
+        self.outputs = tuple(outputs)
+        self.split = split
+        self.structure = form(program, self.outputs, split)
+        self._sources: dict[Signature, Built] = {}                  # generated once per signature
+        self._built: dict[Signature, tuple[Built, object]] = {}     # ... and its loaded launcher
+        self._last: Built | None = None
+
+    # ------------------------------------------------------------ specialisation
+    @staticmethod
+    def interpreted(binding: Binding) -> bool:
+        return binding.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+    def signature(self, binding: Binding, extents: dict[str, int]) -> Signature:
+        inputs = []
+        for decl in self.program.inputs:
+            value = binding.values[decl.name]
+            if isinstance(value, torch.Tensor):
+                inputs.append((decl.name, "tensor", value.dim(), value.dtype))
+            else:
+                inputs.append((decl.name, "number", 0, None))
+        interpret = self.interpreted(binding)
+        return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
+                         None if interpret else _sm_count(binding.device), interpret)
+
+    def source_for(self, binding: Binding, *, sm_count: int | None = None) -> str:
+        """The module these inputs would run as compiled kernels on a GPU (with
+        `sm_count` SMs; None: no automatic split), without running anything."""
+        from dataclasses import replace
+        sig = self.signature(binding, self._extents(binding))
+        return self.build(replace(sig, interpret=False, sm_count=sm_count)).source
+
+    def build(self, signature: Signature) -> Built:
+        built = self._sources.get(signature)
+        if built is None:
+            built = ModuleBuilder(self.program, self.outputs, self.structure, signature, self.split,
+                                  _pass_names()).build()
+            self._sources[signature] = built
+        self._last = built
+        return built
+
+    def _entry(self, binding: Binding, extents: dict[str, int]):
+        sig = self.signature(binding, extents)
+        interpret = sig.interpret
+        if interpret and not _interpreter_ready():
+            raise BackendError(
+                f"the inputs are on {binding.device.type}: the triton backend runs CUDA tensors, or CPU tensors "
+                f"under Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first "
+                f"imported; move the inputs to the GPU, set that variable, or use backend='reference'")
+        entry = self._built.get(sig)
+        if entry is None:
+            built = self.build(sig)
+            options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
+            module = load(built.source, options, interpret)
+            entry = (built, module.launch)
+            self._built[sig] = entry
+        if interpret:
+            _note_interpreter()
+        return entry
+
+    def _extents(self, binding: Binding) -> dict[str, int]:
+        """Every index name's extent: the passes and the analysis introduce names
+        (renamed bound indices) that share an extent symbol with a bound one."""
+        by_symbol = {}
+        for name, symbol in self.program.extents:
+            if name in binding.extents:
+                by_symbol[symbol] = binding.extents[name]
+        n = dict(binding.extents)
+        for name, symbol in self.program.extents:
+            if name not in n and symbol in by_symbol:
+                n[name] = by_symbol[symbol]
+        for fresh, original in self.structure.fresh_names.items():
+            n[fresh] = n[original]
+        return n
+
+    # ------------------------------------------------------------ interface
+    def run(self, binding: Binding) -> dict[str, torch.Tensor]:
+        return self.runner(binding)(binding.values)
+
+    def runner(self, binding: Binding):
+        """Run the kernels on inputs of this binding's shapes, dtypes and device (the
+        values may differ): the launcher, extents and output shapes are fixed here."""
+        if binding.device.type not in ("cuda", "cpu"):
+            raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
+                               f"not on {binding.device.type}")
+        extents = self._extents(binding)
+        _, launch = self._entry(binding, extents)
+        device = binding.device
+        outputs = self._output_specs(binding)
+
+        def run(values):
+            t = dict(values)
+            for name, shape, dtype in outputs:
+                t[name] = torch.empty(shape, dtype=dtype, device=device)
+            launch(t, extents, device)
+            return {name: t[name] for name, _, _ in outputs}
+        return run
+
+    def _output_specs(self, binding: Binding) -> list[tuple[str, list[int], torch.dtype]]:
+        kinds = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}
+        return [(name, [binding.extents[i] for i in self.program.statement(name).indices],
+                 kinds[self.program.statement(name).dtype]) for name in self.outputs]
+
+    def launch_overhead_probe(self, inputs: dict, calls: int = 200) -> float:
+        """Microseconds of host time per call of the generated launcher alone (the
+        kernels' launches; binding, specialisation lookup and output allocation
+        excluded), for the benchmark's host-overhead row."""
+        import time
+
+        from ...bind import bind
+        binding = bind(self.program, inputs)
+        extents = self._extents(binding)
+        _, launch = self._entry(binding, extents)
+        t = dict(binding.values)
+        for name, shape, dtype in self._output_specs(binding):
+            t[name] = torch.empty(shape, dtype=dtype, device=binding.device)
+        launch(t, extents, binding.device)
+        if binding.device.type == "cuda":
+            torch.cuda.synchronize(binding.device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            launch(t, extents, binding.device)
+        elapsed = time.perf_counter() - start
+        if binding.device.type == "cuda":
+            torch.cuda.synchronize(binding.device)
+        return elapsed / calls * 1e6
+
+    def plan(self, binding: Binding) -> Plan:
+        return self.build(self.signature(binding, self._extents(binding))).plan
+
+    @property
+    def source(self) -> str:
+        """The generated module of the last call, or (before any call) the module for
+        float32 tensors with every extent 128."""
+        if self._last is None:
+            inputs = tuple((i.name, "tensor" if i.rank else "number", i.rank,
+                            torch.float32 if i.rank else None) for i in self.program.inputs)
+            sig = Signature(tuple((name, 128) for name, _ in self.program.extents), inputs, torch.float32, None)
+            self.build(sig)
+        return self._last.source
+
+
+__all__ = ["TritonBackend", "auto_split"]
