@@ -11,7 +11,7 @@ from .einsum import einsum
 from .errors import BackendError, BindError, CheckError, EinfoldError, LawError, ParseError
 from .program import Program, compile
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = ["compile", "Program", "einsum", "summary", "Summary", "Field", "EinfoldError", "ParseError",
            "CheckError", "BindError", "LawError", "BackendError", "__version__"]
