@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir import Program
+from .canonicalise import canonicalise
 from .factorise import factorise
 from .fuse import fuse
 from .lower import lower
@@ -15,6 +16,7 @@ Pass = Callable[[Program], Program]
 PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("lower", lower),
     ("fuse", fuse),
+    ("canonicalise", canonicalise),
     ("stabilise", stabilise),
     ("factorise", factorise),
 )

@@ -104,27 +104,42 @@ def derive_repair(weight: Expr) -> Expr | None:
     return from_sympy(ratio, table)
 
 
-def _rescaled_component(leader: Reduce, dependents: list[Reduce], args: _Args,
-                        names: dict[Reduce, str]) -> _Component | None:
-    op, identity = _LEADERS[leader.summary.name]
+def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
+                         names: dict[Reduce, str]) -> list[_Component] | None:
+    """One rescaled component per distinct weight of the dependents (each with
+    its own repair and its own copy of the leader), or None if a weight has no
+    x-free repair."""
     r = Var("r")
-    lead_arg = args.abstract(leader.args[0], {})
-    weight, values = None, []
+    by_weight: dict[Expr, list[tuple[str, Expr]]] = {}
     for d in dependents:
         body = args.abstract(d.args[0], {leader: r})
         num, den = factors(body)
         has_r = lambda f: any(n == r for n in walk(f))  # noqa: E731
         w = product([f for f in num if has_r(f)], [f for f in den if has_r(f)])
         v = product([f for f in num if not has_r(f)], [f for f in den if not has_r(f)])
-        if weight is None:
-            weight = w
-        if w != weight:
+        by_weight.setdefault(w, []).append((names[d], v))
+    components = []
+    taken = set(names.values())
+    for k, (weight, values) in enumerate(by_weight.items()):
+        lf = names[leader] if k == 0 else _unused("r", taken)
+        taken.add(lf)
+        component = _rescaled_component(leader, lf, weight, values, args)
+        if component is None:
             return None
-        values.append((names[d], v))
+        components.append(component)
+    if len(components) > 1:
+        components[0].notes.append(f"{len(components)} weights on the {leader.summary.name} over "
+                                   f"{', '.join(leader.indices)}: each has its own repair and leader copy")
+    return components
+
+
+def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tuple[str, Expr]],
+                        args: _Args) -> _Component | None:
+    op, identity = _LEADERS[leader.summary.name]
+    lead_arg = args.abstract(leader.args[0], {})
     repair = derive_repair(weight)
     if repair is None:
         return None
-    lf = names[leader]
     a_r, b_r = Var(f"a.{lf}"), Var(f"b.{lf}")
     new_leader = Call(op, (a_r, b_r))
     reference = _stand_in(new_leader, identity)
@@ -219,10 +234,10 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         deps.sort(key=lambda d: d.args[0] != _weight_only(d, leader))
         for d in deps:
             names[d] = _unused("l" if d.args[0] == _weight_only(d, leader) else "u", names.values())
-        comp = _rescaled_component(leader, deps, args, names)
-        if comp is None:
+        comps = _rescaled_components(leader, deps, args, names)
+        if comps is None:
             continue
-        components.append(comp)
+        components.extend(comps)
         handled.update([leader, *deps])
         for m in (leader, *deps):
             replacement[m] = projection(names[m])
@@ -361,7 +376,7 @@ def _groups(statements) -> list[_Group]:
     by_key: dict[tuple, list[Reduce]] = {}
 
     def visit(e: Expr, enclosing: frozenset, statement: str) -> None:
-        if isinstance(e, Reduce) and e.result is None and e.summary.name in BUILTINS:
+        if isinstance(e, Reduce) and e.result is None:
             reads_results = any(isinstance(n, Access) and n.tensor in outputs for n in walk(e))
             context = frozenset(free_indices(e)) & enclosing
             key = (e.indices, context, statement if reads_results or context else None)

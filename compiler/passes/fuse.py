@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir import (Access, Composite, Expr, Extent, Index, Program, Reduce, children, free_indices, transform,
-                  with_children)
+from ..ir import (Access, Composite, Expr, Extent, Index, Program, Reduce, bound_indices, children, free_indices,
+                  transform, with_children)
 
 
 def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
@@ -20,6 +20,10 @@ def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
         return replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
     if isinstance(e, Index | Extent):
         return replace(e, name=mapping.get(e.name, e.name))
+    if isinstance(e, Composite) and not bound_indices(e):
+        # softmax[m] keeps its index: the m inside is the m of its result
+        e = replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
+        return with_children(e, tuple(rename_indices(c, mapping, fresh) for c in children(e)))
     if isinstance(e, Reduce | Composite):
         inner = {k: v for k, v in mapping.items() if k not in e.indices}
         targets = set(inner.values())

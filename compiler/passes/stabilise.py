@@ -1,6 +1,9 @@
 """stabilise: make every sum of exponentials max-rescaled.
 
-Two rewrites of sum[I](body), then one symbolic simplification:
+Rewrites of sum[I](body), then one symbolic simplification:
+0. expand: a body weighted by an exponential that varies over I has its logs
+   of positive products expanded and is multiplied out, and a sum of terms
+   each holding such an exponential is split into one sum per term;
 1. pull out: factors of the body that do not vary over I leave the sum
    (sum_m c * f(m) = c * sum_m f(m)); this exposes the m-invariant
    normaliser of a softmax that the Einstein sum put inside;
@@ -8,7 +11,10 @@ Two rewrites of sum[I](body), then one symbolic simplification:
    M = max[I](x):  sum_I exp(x) * f  =  exp(M) * sum_I exp(x - M) * f,
    so no exponential inside the sum exceeds 1 (no overflow at logits of 1e4);
 3. simplify with sympy, reductions kept as opaque symbols (sums of exponentials
-   known positive): exp(M) cancels in ratios, log(exp(M) * l) = M + log(l).
+   known positive): exp(M) cancels in ratios, log(exp(M) * l) = M + log(l);
+4. rescale: what remains as a sum of exponential terms in a denominator or a
+   logarithm (a sink logit beside the softmax sum) is rescaled by its largest
+   exponent.
 """
 from __future__ import annotations
 
@@ -107,11 +113,38 @@ def shift_exponentials(e: Expr) -> Expr:
     varying = signed_sum([t for t in parts if _varies(t[1], e.indices)])
     invariant = [t for t in parts if not _varies(t[1], e.indices)]
     leader = Reduce(BUILTINS["max"], e.indices, (varying,))
-    if invariant == [(-1, leader)]:
-        return e                              # already exp(x - max x): nothing can overflow
+    if invariant == [(-1, leader)] or _bounded(parts, e.indices):
+        return e                              # already c * (x - max x): nothing can overflow
     shifted = Call("exp", (Call("sub", (varying, leader)),))
     inner = replace(e, args=(product([shifted, *rest], den),))
     return Call("mul", (Call("exp", (signed_sum([*invariant, (1, leader)]),)), inner))
+
+
+def expand_weighted_sums(e: Expr) -> Expr:
+    """In a sum whose body holds an exponential varying over its indices: logs of
+    positive products and quotients become sums of logs (log(exp(x) / S) =
+    x - log(S), so log-softmax keeps no bare exp), and the body is multiplied
+    out over its top-level sums, so that `split_sums_of_exponentials` gives
+    every term its own sum: sum_m p (x - log S) = sum_m p x - log(S) sum_m p."""
+    if not _is_sum(e) or not _has_varying_exp(e.args[0], e.indices):
+        return e
+    table = SymbolTable()
+    body = to_sympy(e.args[0], table, _positive_sums(e.args[0]))
+    expanded = sympy.expand(sympy.expand_log(body, force=False), deep=False, mul=True, multinomial=False,
+                            power_exp=False, power_base=False, log=False)
+    return replace(e, args=(from_sympy(expanded, table),)) if expanded != body else e
+
+
+def _bounded(parts: list[tuple[int, Expr]], indices) -> bool:
+    """Is the exponent c * (g - max[I](g)) for a constant c > 0 and some g, so at most 0?"""
+    exponent = signed_sum(parts)
+    for node in walk(exponent):
+        if isinstance(node, Reduce) and node.summary == BUILTINS["max"] and node.indices == tuple(indices):
+            table = SymbolTable()
+            ratio = sympy.simplify(to_sympy(exponent, table) / to_sympy(Call("sub", (node.args[0], node)), table))
+            if ratio.is_number and ratio.is_positive:
+                return True
+    return False
 
 
 def _positive_sums(e: Expr) -> frozenset:
@@ -127,12 +160,54 @@ def simplify(e: Expr) -> Expr:
     return from_sympy(s, table)
 
 
+def _exponent(term: Expr) -> tuple[Expr, Expr] | None:
+    """term = exp(a) * rest: (a, rest), the exp factors of the numerator combined;
+    None if the term has no exp factor."""
+    num, den = factors(term)
+    exps = [f for f in num if isinstance(f, Call) and f.op == "exp"]
+    if not exps:
+        return None
+    a = signed_sum([t for x in exps for t in terms(x.args[0])])
+    return a, product([f for f in num if not any(f is x for x in exps)], den)
+
+
+def _rescaled(parts: list[tuple[int, Expr]], exponents: list[tuple[Expr, Expr]], top: Expr) -> Expr:
+    return signed_sum([(sign, Call("mul", (Call("exp", (Call("sub", (a, top)),)), rest)))
+                       for (sign, _), (a, rest) in zip(parts, exponents)])
+
+
+def rescale_exponential_sums(e: Expr) -> Expr:
+    """A sum of exponential terms outside any reduction (an attention sink or a
+    learned logit joining a softmax denominator: l * exp(r) + exp(s)) is
+    rescaled by the largest exponent R = max(r, s): log(D) = R + log(D * exp(-R))
+    and N / D = (N * exp(-R)) / (D * exp(-R)), so no exponential overflows."""
+    if isinstance(e, Call) and e.op in ("div", "log"):
+        denominator = e.args[-1]
+        parts = terms(denominator)
+        exponents = [_exponent(t) for _, t in parts]
+        if len(parts) < 2 or None in exponents:
+            return e
+        top = exponents[0][0]
+        for a, _ in exponents[1:]:
+            top = Call("maximum", (top, a))
+        scaled = _rescaled(parts, exponents, top)
+        if e.op == "log":
+            return Call("add", (top, Call("log", (scaled,))))
+        numerator = terms(e.args[0])
+        num_exponents = [_exponent(t) for _, t in numerator]
+        if None in num_exponents:
+            return e
+        return Call("div", (_rescaled(numerator, num_exponents, top), scaled))
+    return e
+
+
 def stabilise(program: Program) -> Program:
     statements = []
     for st in program.statements:
-        expr = transform(transform(st.expr, split_sums_of_exponentials), pull_out_invariants)
+        expr = transform(st.expr, lambda n: split_sums_of_exponentials(expand_weighted_sums(n)))
+        expr = transform(expr, pull_out_invariants)
         shifted = transform(expr, shift_exponentials)
         if shifted != expr:
-            shifted = simplify(shifted)
+            shifted = transform(simplify(shifted), rescale_exponential_sums)
         statements.append(replace(st, expr=shifted))
     return replace(program, statements=tuple(statements))

@@ -1,0 +1,87 @@
+"""canonicalise: one spelling for programs that mean the same thing.
+
+1. Bound indices get canonical names (alpha-equivalence).  A reduction's index
+   is named after its extent class (`len_m` -> `m`), numbered (`m_2`, ...) only
+   where the reduction reads an outer index of that name.  A size `len(n)`
+   names the class the same way.  Reductions over one axis then carry
+   one index name however they were written (`sum[n](P[i,n])` beside
+   `sum[m](P[i,m])`), so equal reductions are equal values and the reductions
+   of one axis fall into one group for `factorise`.
+2. Base-2 exponentials and logarithms are written in the natural base
+   (exp2(x) = exp(x * ln 2), log2(x) = log(x) / ln 2), so one stabiliser covers
+   the exponential family; a backend may rewrite back to base 2.
+
+Free (left-hand) indices keep the names the program gives them."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..ir import Call, Const, Expr, Extent, Program, Reduce, children, free_indices, transform, walk, with_children
+from .fuse import rename_indices
+
+LN2 = Const(math.log(2.0))
+
+# One row per base-2 function: its natural-base form.
+NATURAL_BASE = {
+    "exp2": lambda x: Call("exp", (Call("mul", (x, LN2)),)),
+    "log2": lambda x: Call("div", (Call("log", (x,)), LN2)),
+}
+
+
+def natural_base(e: Expr) -> Expr:
+    if isinstance(e, Call) and e.op in NATURAL_BASE:
+        return NATURAL_BASE[e.op](e.args[0])
+    return e
+
+
+class _Binders:
+    """Canonical names for bound indices, with the extent table kept complete."""
+
+    def __init__(self, extents: dict):
+        self.extents = extents
+
+    def canonical(self, index: str, taken: set[str]) -> str:
+        base = str(self.extents[index]).removeprefix("len_")
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        self.extents.setdefault(name, self.extents[index])
+        return name
+
+    def fresh(self, index: str) -> str:
+        """A name for a binder that a renaming would capture (made canonical later)."""
+        n = 1
+        while f"{index}__{n}" in self.extents:
+            n += 1
+        self.extents[f"{index}__{n}"] = self.extents[index]
+        return f"{index}__{n}"
+
+    def rename(self, e: Expr) -> Expr:
+        if isinstance(e, Extent):           # a size, not a position: any index of the class names it
+            return replace(e, name=self.canonical(e.name, set()))
+        if isinstance(e, Reduce):
+            # Any name but the reduction's own free indices is safe: an enclosing
+            # binder's index that the body does not read may be shadowed.
+            taken = set(free_indices(e))
+            mapping = {}
+            for bound in e.indices:
+                mapping[bound] = self.canonical(bound, taken)
+                taken.add(mapping[bound])
+            renamed = replace(e, indices=tuple(mapping[b] for b in e.indices))
+            body = tuple(rename_indices(c, {b: c_ for b, c_ in mapping.items() if b != c_}, self.fresh)
+                         for c in children(e))
+            return with_children(renamed, tuple(self.rename(c) for c in body))
+        return with_children(e, tuple(self.rename(c) for c in children(e)))
+
+
+def canonicalise(program: Program) -> Program:
+    binders = _Binders(dict(program.extents))
+    statements = tuple(
+        replace(s, expr=binders.rename(transform(s.expr, natural_base)))
+        for s in program.statements)
+    named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
+        n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}
+    extents = tuple(sorted((k, v) for k, v in binders.extents.items() if k in named or k in dict(program.extents)))
+    return replace(program, statements=statements, extents=extents)

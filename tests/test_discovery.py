@@ -1,0 +1,187 @@
+"""Discovery that does not depend on spelling: equal programs get one derivation.
+
+- alpha-equivalence: renaming bound indices never changes the factorised
+  program or the kernel plan (property test over the pass library's corpus);
+- equivalent spellings (log of a softmax, entropy, cross-entropy, a fresh index
+  for the same axis, quotient forms) factorise to the same program;
+- the exponential family has one stabiliser: base-2 spellings and terms that
+  join a softmax denominator outside the reduction (a sink) stay finite at
+  logits where a bare exp overflows, in float64 on the factorised program;
+- several weights on one leader, and user summaries beside built-in ones,
+  fold in one pass."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import compiler
+from compiler.backend import outline
+from compiler.check import check
+from compiler.ir import Reduce, bound_indices, children, format_program, walk, with_children
+from compiler.parse import parse
+from compiler.passes import run_pipeline
+from compiler.passes.fuse import rename_indices
+from test_passes import PROGRAMS, folds
+
+
+def _last(source: str) -> str:
+    return source.replace("\n", ";").split(";")[-1].split("[")[0].strip()
+
+
+def factorised(source: str):
+    return compiler.compile(source, backend="reference", outputs=[_last(source)])
+
+
+# ---------------------------------------------------------------- alpha-equivalence
+def _rename_bound(program, rng: random.Random):
+    """An alpha-equivalent program: every reduction's bound indices renamed to
+    random fresh names (same extents)."""
+    extents = dict(program.extents)
+
+    def fresh(name: str) -> str:
+        new = name
+        while new in extents:
+            new = rng.choice(["z", "q", "m", "n", "k"]) + str(rng.randrange(100))
+        extents[new] = extents[name]
+        return new
+
+    def visit(e):
+        if bound_indices(e):                  # a reduction, or a composite that binds (logsumexp)
+            mapping = {b: fresh(b) for b in e.indices}
+            e = with_children(replace(e, indices=tuple(mapping[b] for b in e.indices)),
+                              tuple(rename_indices(a, mapping, fresh) for a in children(e)))
+        return with_children(e, tuple(visit(c) for c in children(e)))
+
+    statements = tuple(replace(s, expr=visit(s.expr)) for s in program.statements)
+    return replace(program, statements=statements, extents=tuple(sorted(extents.items())))
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(name=st.sampled_from(sorted(PROGRAMS)), seed=st.integers(0, 2**16))
+def test_renaming_bound_indices_changes_neither_the_factorisation_nor_the_plan(name, seed):
+    checked = check(parse(PROGRAMS[name]))
+    renamed = _rename_bound(checked, random.Random(seed))
+    binders = any(bound_indices(n) for s in checked.statements for n in walk(s.expr))
+    assert (format_program(renamed) != format_program(checked)) == binders
+    a, b = run_pipeline(checked), run_pipeline(renamed)
+    assert format_program(a) == format_program(b)
+    assert str(outline("triton", a, a.outputs)) == str(outline("triton", b, b.outputs))
+
+
+# ---------------------------------------------------------------- equivalent spellings
+EQUIVALENT = {
+    "entropy": ("P[i,m] = softmax[m](X[i,m]); H[i] = -sum[m](P[i,m] * log(P[i,m]))",
+                "H[i] = logsumexp[m](X[i,m]) - sum[m](softmax[m](X[i,m]) * X[i,m])"),
+    "log_softmax": ("L[i,m] = log(softmax[m](X[i,m]))",
+                    "L[i,m] = X[i,m] - logsumexp[m](X[i,m])"),
+    "fresh_index_for_one_axis": (
+        "P[i,m] = softmax[m](X[i,m]); A[i] = sum[m](P[i,m]*V[m]); B[i] = A[i]*A[i] + sum[n](P[i,n]*V[n]*V[n])",
+        "P[i,m] = softmax[m](X[i,m]); A[i] = sum[m](P[i,m]*V[m]); B[i] = A[i]*A[i] + sum[m](P[i,m]*V[m]*V[m])"),
+    "quotient_of_sums": ("O[i,j] = sum[m](exp(S[i,m]) * V[m,j]) / sum[m](exp(S[i,m]))",
+                         "O[i,j] = softmax[m](S[i,m]) * V[m,j]"),
+    "soft_target_cross_entropy": (
+        "C[i] = -sum[v](T[i,v] * log(softmax[v](Z[i,v])))",
+        "C[i] = sum[v](T[i,v]) * logsumexp[v](Z[i,v]) - sum[v](T[i,v]*Z[i,v])"),
+    "kl_of_softmax_rows": (
+        "K[i] = sum[m](softmax[m](X[i,m]) * (log(softmax[m](X[i,m])) - log(softmax[m](Y[i,m]))))",
+        "K[i] = sum[m](softmax[m](X[i,m]) * (X[i,m] - Y[i,m])) - logsumexp[m](X[i,m]) + logsumexp[m](Y[i,m])"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENT))
+def test_equivalent_spellings_factorise_alike(name):
+    first, second = (factorised(s) for s in EQUIVALENT[name])
+    assert format_program(first.factorised) == format_program(second.factorised)
+    # one pass over the reduced axis: every reduction is a projection of one fold
+    assert len(folds(first)) == 1
+    assert not [n for s in first.factorised.statements for n in walk(s.expr)
+                if isinstance(n, Reduce) and n.result is None]
+
+
+def _inputs(program, scale: float, seed: int = 0):
+    from compiler.random_inputs import random_inputs
+    inputs = random_inputs(program.checked, {}, dtype=torch.float64, seed=seed)
+    return {k: v * scale if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENT))
+def test_equivalent_spellings_stay_finite_at_large_logits(name):
+    """Logits of 1e3 overflow a bare exp even in float64 (exp(710) = inf)."""
+    for source in EQUIVALENT[name]:
+        program = factorised(source)
+        inputs = _inputs(program, 1e3)
+        got = program(**inputs)
+        assert torch.isfinite(got).all(), source
+
+
+# ---------------------------------------------------------------- one stabiliser
+SINK = "O[i,j] = sum[m](exp(S[i,m]) * V[m,j]) / (sum[m](exp(S[i,m])) + exp(sink))"
+
+
+def test_a_sink_joins_the_denominator_rescaled():
+    program = factorised(SINK)
+    text = format_program(program.factorised)
+    assert "max(fold1_r_l_u[m](S[i, m], V[m, j]).r, sink)" in text
+    for sink in (-math.inf, 0.0, 800.0, 5000.0):
+        inputs = {**_inputs(program, 1e3), "sink": sink}
+        got = program(**inputs)
+        s, v = inputs["S"], inputs["V"]
+        top = torch.maximum(s.amax(1, keepdim=True), torch.tensor(sink, dtype=torch.float64))
+        w = torch.exp(s - top)
+        want = (w @ v) / (w.sum(1, keepdim=True) + torch.exp(sink - top))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)
+
+
+def test_a_logsumexp_beside_a_constant_logit_is_rescaled():
+    program = factorised("L[i] = log(sum[m](exp(X[i,m])) + exp(c))")
+    inputs = {**_inputs(program, 1e3), "c": 2000.0}
+    got = program(**inputs)
+    want = torch.logsumexp(torch.cat([inputs["X"], torch.full_like(inputs["X"][:, :1], 2000.0)], 1), 1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+def test_base_two_spellings_are_stabilised():
+    program = factorised("Y[i] = log2(sum[j](exp2(X[i,j])))")
+    assert len(folds(program)) == 1
+    inputs = _inputs(program, 1e4)
+    want = torch.logsumexp(inputs["X"] * math.log(2), 1) / math.log(2)
+    torch.testing.assert_close(program(**inputs), want, rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------- what folds together
+def test_two_weights_on_one_leader_fold_in_one_pass():
+    program = factorised("Y[i] = sum[m](exp(X[i,m] - max[m](X[i,m]))) "
+                         "+ sum[m](exp(2*(X[i,m] - max[m](X[i,m]))) * V[m])")
+    (fold,) = folds(program)
+    assert fold.summary.field_names == ("r", "l", "r2", "u")
+    assert [format_program_expr(r.repair) for r in fold.summary.rescaled] == [
+        "exp(r - r_new)", "exp(2 * r - 2 * r_new)"]
+    inputs = _inputs(program, 1e3)
+    x, v = inputs["X"], inputs["V"]
+    d = x - x.amax(1, keepdim=True)
+    torch.testing.assert_close(program(**inputs), torch.exp(d).sum(1) + (torch.exp(2 * d) * v).sum(1))
+
+
+def format_program_expr(e) -> str:
+    from compiler.ir import format_expr
+    return format_expr(e)
+
+
+def test_a_user_summary_folds_beside_builtin_reductions():
+    affine = compiler.summary("affine", fields=("A", "B"), identity=(1.0, 0.0), lift=lambda a, b: (a, b),
+                              combine=lambda l, r: (r.A * l.A, r.A * l.B + r.B), finalize=lambda s: s.B)
+    source = "H[i] = affine[t](A[i,t], Bv[i,t]) + max[t](Bv[i,t]) + sum[t](A[i,t])"
+    program = compiler.compile(source, summaries=[affine], backend="reference")
+    (fold,) = folds(program)
+    assert not fold.summary.commutative               # merged in order, with the built-ins alongside
+    a, b = torch.rand(3, 13, dtype=torch.float64), torch.randn(3, 13, dtype=torch.float64)
+    h = torch.zeros(3, dtype=torch.float64)
+    for t in range(13):
+        h = a[:, t] * h + b[:, t]
+    torch.testing.assert_close(program(A=a, Bv=b), h + b.amax(1) + a.sum(1))
