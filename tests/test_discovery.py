@@ -185,3 +185,51 @@ def test_a_user_summary_folds_beside_builtin_reductions():
     for t in range(13):
         h = a[:, t] * h + b[:, t]
     torch.testing.assert_close(program(A=a, Bv=b), h + b.amax(1) + a.sum(1))
+
+
+# ---------------------------------------------------------------- docs/discovery.md
+DISCOVERY_TABLE_ROWS = [
+ ("attention (one line)", "O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]"),
+ ("attention (quotient of sums)", "S[i,m] = Q[i,k]*K[m,k]; O[i,j] = sum[m](exp(S[i,m]) * V[m,j]) / sum[m](exp(S[i,m]))"),
+ ("attention with a sink logit", "O[i,j] = sum[m](exp(S[i,m]) * V[m,j]) / (sum[m](exp(S[i,m])) + exp(sink))"),
+ ("logsumexp", "L[i] = logsumexp[j](X[i,j])"),
+ ("logsumexp in base 2", "L[i] = log2(sum[j](exp2(X[i,j])))"),
+ ("log-softmax as log(softmax)", "L[i,m] = log(softmax[m](X[i,m]))"),
+ ("log-softmax as x - lse", "L[i,m] = X[i,m] - logsumexp[m](X[i,m])"),
+ ("entropy as -sum p log p", "P[i,m] = softmax[m](X[i,m]); H[i] = -sum[m](P[i,m] * log(P[i,m]))"),
+ ("entropy as lse - E[x]", "H[i] = logsumexp[m](X[i,m]) - sum[m](softmax[m](X[i,m]) * X[i,m])"),
+ ("KL of two softmax rows", "K[i] = sum[m](softmax[m](X[i,m]) * (log(softmax[m](X[i,m])) - log(softmax[m](Y[i,m]))))"),
+ ("soft-target cross-entropy", "C[i] = -sum[v](T[i,v] * log(softmax[v](Z[i,v])))"),
+ ("mean and second moment, fresh index", "P[i,m] = softmax[m](X[i,m]); A[i] = sum[m](P[i,m]*V[m]); B[i] = A[i]*A[i] + sum[n](P[i,n]*V[n]*V[n])"),
+ ("softmax over two axes", "P[i,m,n] = softmax[m,n](X[i,m,n]); E[i] = sum[m,n](P[i,m,n]*V[m,n])"),
+ ("layernorm", "mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2); Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + eps)"),
+ ("third central moment", "Z[i] = sum[j](X[i,j]); Z3[i] = sum[j]((X[i,j] - Z[i] / len(j))**3)"),
+]
+
+
+def discovery_table() -> str:
+    """The table of docs/discovery.md: programs against the summaries found."""
+    lines = ["| program | spelling | folds | summary fields | how |", "|---|---|---|---|---|"]
+    rules = {"dependent": "repair", "pullback": "pullback", "centred": "Chan/Welford",
+             "separable": "separable (unguarded)"}
+    for name, source in DISCOVERY_TABLE_ROWS:
+        program = factorised(source)
+        found = folds(program)
+        inner = {m for f in found for a in f.args for m in walk(a)}
+        unfused = [n for s in program.factorised.statements for n in walk(s.expr)
+                   if isinstance(n, Reduce) and n.result is None and n not in inner]
+        fields = "; ".join("(" + ", ".join(f.summary.field_names) + ")" for f in found)
+        how = {rule for f in found for note in f.summary.notes for key, rule in rules.items()
+               if note.startswith(key)}
+        how |= {"two weights" for f in found for note in f.summary.notes if "weights on the" in note}
+        count = f"{len(found)}" + (f" + {len(unfused)} unfused" if unfused else "")
+        lines.append(f"| {name} | `{source}` | {count} | {fields} | {', '.join(sorted(how)) or 'product of built-ins'} |")
+    return "\n".join(lines)
+
+
+def test_the_discovery_table_is_current():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "docs" / "discovery.md").read_text()
+    start = text.index("-->\n", text.index("<!-- discovery-table")) + 4
+    end = text.index("\n<!-- /discovery-table -->")
+    assert text[start:end] == discovery_table()

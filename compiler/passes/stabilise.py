@@ -172,8 +172,8 @@ def _exponent(term: Expr) -> tuple[Expr, Expr] | None:
 
 
 def _rescaled(parts: list[tuple[int, Expr]], exponents: list[tuple[Expr, Expr]], top: Expr) -> Expr:
-    return signed_sum([(sign, Call("mul", (Call("exp", (Call("sub", (a, top)),)), rest)))
-                       for (sign, _), (a, rest) in zip(parts, exponents)])
+    scaled = [(sign, Call("exp", (Call("sub", (a, top)),)), rest) for (sign, _), (a, rest) in zip(parts, exponents)]
+    return signed_sum([(sign, w if rest == Const(1) else Call("mul", (w, rest))) for sign, w, rest in scaled])
 
 
 def rescale_exponential_sums(e: Expr) -> Expr:
