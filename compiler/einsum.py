@@ -87,8 +87,27 @@ def _compiled(equation: str, ranks: tuple[int, ...], backend: str):
 
 
 def einsum(equation: str, *operands: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """`compiler.einsum("bik,bkj->bij", x, y)`: compile (once per equation and ranks)
-    and run."""
+    """numpy-style einsum: `compiler.einsum("bik,bkj->bij", x, y)`.
+
+    The equation becomes the program `out[...] = t0[...] * t1[...] * ...`,
+    compiled once per equation, operand ranks and backend.
+
+    Args:
+        equation: ASCII letters, one term per operand separated by `,`, at most
+            one `->` and one `...` (the leading dimensions, aligned from the
+            right). Without `->` the output is `...` followed by the letters
+            that occur once, in alphabetical order.
+        *operands: the tensors (or numbers, for empty terms), one per term.
+        backend: as for `compile`.
+
+    Returns:
+        The result tensor.
+
+    Raises:
+        CheckError: a malformed equation, or one that does not fit the
+            operands' ranks.
+        BindError: operands whose extents disagree.
+    """
     import torch
     ranks = tuple(t.dim() if isinstance(t, torch.Tensor) else 0 for t in operands)
     program = _compiled(equation, ranks, backend)

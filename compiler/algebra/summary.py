@@ -20,6 +20,8 @@ from ..ops import FLOAT
 
 @dataclass(frozen=True, slots=True)
 class Field:
+    """One field of a summary's state: a name and a dtype ("float" or "int")."""
+
     name: str
     dtype: str = FLOAT
 
@@ -47,6 +49,30 @@ class Rescaled:
 
 @dataclass(frozen=True, slots=True)
 class Summary:
+    """An associative mergeable summary (a monoid) as a value.
+
+    The formulas are IR expressions over variables, so the same value drives
+    the float64 oracle, the chunked executor, the law checker (sympy) and code
+    generation. Built-in summaries are `compiler.algebra.BUILTINS`; users make
+    theirs with `compiler.summary`; `factorise` derives the rest.
+
+    Attributes:
+        name: the name a program uses (`sum`, `fold1_r_l_u`, ...).
+        fields: the carrier: one `Field` per component of a state.
+        arity: how many element arguments one element lifts from (`x0, x1, ...`).
+        identity: one constant per field: the state of an empty fold.
+        lift: one formula per field over `x0, x1, ...`: element -> state.
+        combine: one formula per field over `a.<field>` (the earlier state) and
+            `b.<field>` (the later one).
+        finalize: one formula over the field names: state -> result.
+        commutative: whether `combine(a, b) == combine(b, a)`; if not, merges
+            keep index order.
+        rescaled: for derived summaries, the leader / weight / repair structure
+            a backend may stream with a running leader.
+        notes: how the summary was derived (printed by `explain`); not compared.
+        laws: the law report once checked; not compared.
+    """
+
     name: str
     fields: tuple[Field, ...]
     arity: int                     # number of element arguments

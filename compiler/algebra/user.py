@@ -167,17 +167,44 @@ def summary(name: str, *, fields: Iterable[str | tuple[str, str]], identity: Ite
             examples: int = DEFAULT_EXAMPLES) -> Summary:
     """Build a Summary by tracing Python callables, then check its laws.
 
-    fields:      ("h",) or (("m", "float"), ("n", "int"), ...)
-    identity:    one number per field (math.inf allowed)
-    lift:        (x0, x1, ...) -> one value per field (a bare value for one field)
-    combine:     (a, b) -> one value per field; a is the earlier (left) state,
-                 b the later one; fields are attributes: a.h, b.h
-    finalize:    state -> the result (None: the only field)
-    commutative: claim it only if merge order does not matter; it is checked
-    arity:       number of element arguments (default: lift's positional parameters)
+    The callables run once on symbolic values: Python's operators and the
+    functions of `compiler.algebra.user.fn` (`fn.exp`, `fn.max`, `fn.where`,
+    ...) build the IR formulas. Pass the result to `compile(...,
+    summaries=[...])` and use it by name: `H[i] = affine[t](A[i,t], B[i,t])`.
 
-    Raises CheckError for a bad definition and LawError (with a counterexample)
-    for a summary that breaks associativity, identity or a claimed commutativity."""
+    Args:
+        name: the name the program uses; not a builtin's.
+        fields: the carrier, `("h",)` or `(("m", "float"), ("n", "int"), ...)`.
+        identity: one number per field (`math.inf` allowed): the state of an
+            empty fold.
+        lift: `(x0, x1, ...) ->` one value per field (a bare value for one
+            field): the state of one element.
+        combine: `(a, b) ->` one value per field, `a` the earlier (left) state
+            and `b` the later one; fields are attributes: `a.h`, `b.h`.
+        finalize: state `->` the result (`None`: the only field).
+        commutative: claim it only if the merge order does not matter; it is
+            checked.
+        arity: the number of element arguments (default: `lift`'s positional
+            parameters).
+        examples: how many sampled examples test a law that sympy cannot prove.
+
+    Returns:
+        The `Summary`, with its law report attached (`laws`).
+
+    Raises:
+        CheckError: a bad definition (a bad name, field count, or formula).
+        LawError: the summary breaks associativity, identity or a claimed
+            commutativity; the message holds a counterexample.
+
+    Example:
+        ```python
+        affine = compiler.summary(
+            "affine", fields=("A", "B"), identity=(1.0, 0.0),
+            lift=lambda a, b: (a, b),
+            combine=lambda l, r: (r.A * l.A, r.A * l.B + r.B),   # r after l
+            finalize=lambda s: s.B)
+        ```
+    """
     _check_name(name)
     field_list = _fields(name, fields)
     names = tuple(f.name for f in field_list)
