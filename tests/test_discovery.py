@@ -233,3 +233,39 @@ def test_the_discovery_table_is_current():
     start = text.index("-->\n", text.index("<!-- discovery-table")) + 4
     end = text.index("\n<!-- /discovery-table -->")
     assert text[start:end] == discovery_table()
+
+
+# ---------------------------------------------------------------- rules by property, not by name
+def _user_max():
+    from compiler.algebra.user import fn
+    return compiler.summary("mymax", fields=("m",), identity=(-math.inf,), lift=lambda x: x,
+                            combine=lambda a, b: fn.where(b.m > a.m, b.m, a.m), finalize=lambda s: s.m,
+                            commutative=True)
+
+
+def test_leaders_and_dependents_are_recognised_by_their_algebra():
+    from compiler.algebra import BUILTINS
+    from compiler.algebra.properties import additive, extremum
+    plus = compiler.summary("plus", fields=("t",), identity=(0.0,), lift=lambda x: x,
+                            combine=lambda a, b: b.t + a.t, finalize=lambda s: s.t, commutative=True)
+    assert [extremum(BUILTINS[n]) for n in ("max", "min", "sum", "prod", "argmax")] == ["max", "min", None, None,
+                                                                                       None]
+    assert extremum(_user_max()) == "max"
+    assert [additive(s) for s in (BUILTINS["sum"], plus, BUILTINS["max"], BUILTINS["prod"])] == [True, True, False,
+                                                                                             False]
+
+
+def test_a_user_defined_max_leads_a_rescaled_fold():
+    program = compiler.compile("Y[i] = sum[m](exp(S[i,m] - mymax[m](S[i,m])) * V[m])", summaries=[_user_max()],
+                               backend="reference")
+    (fold,) = folds(program)
+    assert fold.summary.field_names == ("r", "u") and "rule repair on mymax[m](S[i, m]): applied" in fold.summary.notes
+    s, v = torch.randn(3, 7, dtype=torch.float64) * 1e3, torch.randn(7, dtype=torch.float64)
+    torch.testing.assert_close(program(S=s, V=v), (torch.exp(s - s.amax(1, keepdim=True)) * v).sum(1))
+
+
+def test_explain_says_which_rule_applied_and_why_the_others_did_not():
+    text = compiler.compile("Z[i] = sum[j](X[i,j]); Z3[i] = sum[j]((X[i,j] - Z[i] / len(j))**3)").explain()
+    assert "rule repair on sum[j](X[i, j]): not applied: its merge does not select one of two states" in text
+    assert "rule centred moments on sum[j](X[i, j]): not applied: " in text and "has degree 3" in text
+    assert "rule separable on sum[j](X[i, j]): applied" in text

@@ -1,21 +1,27 @@
 """factorise: turn the reductions over one index into a single pass in one
 derived summary.
 
-Reductions over the same indices in a statement form a group.  Inside a group:
-- a reduction that uses no other member is a base member (its own monoid);
-- a sum whose body uses a max (min) member L is a dependent reduction.  With
-  r standing for L, write its body as w(x, r) * v(x).  If the ratio
-  h(r, r') = w(x, r') / w(x, r) is free of the element x (sympy), the sum can
-  be kept relative to the running leader and repaired when it moves:
+Reductions over the same indices, in the same loop context, form a group.
+Inside a group, the rules of RULES are tried in order, each on every member
+that reads no other member (its anchor) together with the members that read
+only the anchor.  Their preconditions are algebraic properties of the
+summaries (compiler.algebra.properties), not names:
+- repair: the anchor is an extremum (its merge selects one of two states, its
+  identity is infinite) and its readers add their states.  With r standing for
+  the anchor, a reader's body is w(x, r) * v(x); if h(r, r') = w(x, r') /
+  w(x, r) is free of the element x (sympy), the reader is kept relative to the
+  running leader and repaired when it moves:
       t = t_a * h(r_a, r) + t_b * h(r_b, r),   r = max(r_a, r_b).
-  Dependents with one leader and one weight share it (the pullback: the
-  weights are computed once for every value v_k);
-- a sum whose body uses a sum member S = sum x is separable: if the body is a
-  polynomial of degree <= 2 in (x - S / count), the centred moments merge
-  stably with Chan's formula (Welford); otherwise the body is expanded in
-  powers of S into independent sums (one pass, not numerically guarded).
-All members of the group then form one product summary; each original
-reduction becomes a projection (a field, or a formula of fields) of its fold.
+  Readers with one weight share it (the pullback: the weights are computed once
+  for every value v_k); each further weight gets its own component;
+- centred moments: the anchor adds its states and every reader is a
+  polynomial of degree <= 2 in (x - S / count): Chan's stable merge (Welford);
+- separable: the readers are polynomials in the anchor S: expanded in powers
+  of S into independent sums (one pass, not numerically guarded).
+Every other member folds alongside.  All of them form one product summary;
+each original reduction becomes a projection (a field, or a formula of
+fields) of its fold.  Which rule applied to which anchor, and why the others
+did not, is kept in the summary's notes (explain prints them).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import sympy
 from ..algebra import BUILTINS, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
 from ..algebra.moments import centred_moments
+from ..algebra.properties import additive, extremum
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, walk,
                   with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
@@ -128,14 +135,14 @@ def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
             return None
         components.append(component)
     if len(components) > 1:
-        components[0].notes.append(f"{len(components)} weights on the {leader.summary.name} over "
+        components[0].notes.append(f"{len(components)} weights on the {extremum(leader.summary)} over "
                                    f"{', '.join(leader.indices)}: each has its own repair and leader copy")
     return components
 
 
 def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tuple[str, Expr]],
                         args: _Args) -> _Component | None:
-    op, identity = _LEADERS[leader.summary.name]
+    op, identity = _LEADERS[extremum(leader.summary)]
     lead_arg = args.abstract(leader.args[0], {})
     repair = derive_repair(weight)
     if repair is None:
@@ -154,11 +161,11 @@ def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tupl
     combine = [new_leader] + [
         Call("add", (Call("mul", (Var(f"a.{n}"), h(a_r))), Call("mul", (Var(f"b.{n}"), h(b_r)))))
         for n, _ in values]
-    structure = Rescaled(lf, leader.summary.name, lead_arg, weight, repair, tuple(values))
+    structure = Rescaled(lf, extremum(leader.summary), lead_arg, weight, repair, tuple(values))
     from ..ir import format_expr
     notes = [f"dependent reductions over {', '.join(leader.indices)}: "
              f"{', '.join(n for n, _ in values)} use{'s' * (len(values) == 1)} the "
-             f"{leader.summary.name} {lf}",
+             f"{extremum(leader.summary)} {lf}",
              f"weight w(x, r) = {format_expr(weight)}; repair h(r, r') = w(x, r') / w(x, r) = "
              f"{format_expr(repair)} (free of x: sympy)"]
     if len(values) > 1:
@@ -210,115 +217,174 @@ def _count(indices) -> Expr:
     return out
 
 
+@dataclass
+class _State:
+    """What the rules of one group build: components of the product summary and,
+    per original reduction, its value as a formula of the fold's fields."""
+
+    group: _Group
+    inside: dict[Reduce, list[Reduce]]
+    args: _Args = field(default_factory=_Args)
+    names: dict = field(default_factory=dict)
+    components: list[_Component] = field(default_factory=list)
+    replacement: dict[Reduce, Expr] = field(default_factory=dict)
+    handled: set = field(default_factory=set)
+    report: list[str] = field(default_factory=list)
+
+    def reading(self, anchor: Reduce) -> list[Reduce]:
+        """Unhandled members whose only member-read is `anchor`."""
+        return [m for m in self.group.members if self.inside[m] == [anchor] and m not in self.handled]
+
+    @staticmethod
+    def projection(field_name: str) -> Expr:
+        return Var(f"@{field_name}")   # patched into Reduce projections once the fold exists
+
+
+# ---------------------------------------------------------------- the rules
+def _repair_rule(st: _State, leader: Reduce) -> str | None:
+    """Dependent sums on an extremum leader: w(x, r) v(x) with an x-free repair
+    h(r, r') = w(x, r') / w(x, r); one weight shared by several values is the
+    pullback.  Returns None when it applied, else why not."""
+    if extremum(leader.summary) is None:
+        return "its merge does not select one of two states (not an extremum with an infinite identity)"
+    deps = [d for d in st.reading(leader) if additive(d.summary)]
+    if not deps:
+        return "no additive reduction reads it"
+    deps.sort(key=lambda d: d.args[0] != _weight_only(d, leader))     # the normaliser first: (r, l, u)
+    names = dict(st.names)
+    for d in deps:
+        names[d] = _unused("l" if d.args[0] == _weight_only(d, leader) else "u", names.values())
+    comps = _rescaled_components(leader, deps, st.args, names)
+    if comps is None:
+        return "a weight has no repair factor free of the element (sympy)"
+    st.names.update(names)
+    st.components.extend(comps)
+    st.handled.update([leader, *deps])
+    for m in (leader, *deps):
+        st.replacement[m] = st.projection(names[m])
+    return None
+
+
+def _moments_rule(st: _State, base: Reduce) -> str | None:
+    """Sums that read a sum S and are polynomials of degree <= 2 in x - S / n:
+    the centred moments (count, mean, M2) with Chan's stable merge."""
+    if not additive(base.summary):
+        return "it does not add its states"
+    deps = st.reading(base)
+    if not deps or not all(additive(d.summary) for d in deps):
+        return "no additive reduction reads it"
+    table, Ss, bodies, varies = _in_powers_of(st, base, deps)
+    xs, y = to_sympy(base.args[0], table), sympy.Symbol("_y", real=True)
+    count = to_sympy(_count(st.group.indices), table)
+    centred = {}
+    for d, body in bodies.items():
+        shifted = sympy.expand(body.subs(xs, y + Ss / count))
+        if Ss in shifted.free_symbols or not shifted.is_polynomial(y):
+            return f"{_fmt(d)} is not a polynomial in (x - mean)"
+        poly = sympy.Poly(shifted, y)
+        if poly.degree() > 2 or any(varies(c) for c in poly.all_coeffs()):
+            return f"{_fmt(d)} has degree {poly.degree()} in (x - mean) (Chan's merge covers degree <= 2)"
+        centred[d] = dict((deg, c) for (deg,), c in poly.terms())
+    name = _unused("s", st.names.values(), first_plain=False)
+    st.names[base] = name
+    comp = _welford(name, st.args.abstract(base.args[0], {}))
+    st.components.append(comp)
+    st.handled.update([base, *deps])
+    n, mean, m2 = (st.projection(f.name) for f in comp.fields)
+    st.replacement[base] = Call("mul", (mean, _count(st.group.indices)))    # sum x = count * mean
+    for d, coeffs in centred.items():
+        total = coeffs.get(0, 0) * table.symbol(n, real=True) + coeffs.get(2, 0) * table.symbol(m2, real=True)
+        st.replacement[d] = from_sympy(total, table)
+        comp.notes.append(f"{_fmt(d)} is a polynomial in (x - mean): through count and M2")
+    return None
+
+
+def _separable_rule(st: _State, base: Reduce) -> str | None:
+    """Sums that read a sum S polynomially: expanded in powers of S into
+    independent sums (one pass; no stable merge is known for the form)."""
+    if not additive(base.summary):
+        return "it does not add its states"
+    deps = st.reading(base)
+    if not deps or not all(additive(d.summary) for d in deps):
+        return "no additive reduction reads it"
+    table, Ss, bodies, varies = _in_powers_of(st, base, deps)
+    if not all(body.is_polynomial(Ss) for body in bodies.values()):
+        return "a reader is not a polynomial in it"
+    count = to_sympy(_count(st.group.indices), table)
+    name = _unused("s", st.names.values(), first_plain=False)
+    st.names[base] = name
+    st.components.append(_base_component(base, name, st.args))
+    st.handled.add(base)
+    st.replacement[base] = _finalize_from(base.summary, name, st.projection)
+    for d, body in bodies.items():
+        total = sympy.Integer(0)
+        for (deg,), coeff in sympy.Poly(sympy.expand(body), Ss).terms():
+            if not varies(coeff):
+                term = coeff * count          # the same value at every position: times the count
+            else:
+                term_name = _unused(f"{name}_p{deg}", st.names.values())
+                st.names[term_name] = term_name
+                term_sum = Reduce(BUILTINS["sum"], st.group.indices, (from_sympy(coeff, table),))
+                st.components.append(_base_component(term_sum, term_name, st.args))
+                term = table.symbol(st.projection(term_name), real=True)
+            total += term * table.symbol(st.projection(name), real=True) ** deg
+        st.components[-1].notes.append(f"separable: {_fmt(d)} expanded in powers of {name} into "
+                                       f"independent sums; no stable merge is known for this form")
+        st.replacement[d] = from_sympy(total, table)
+        st.handled.add(d)
+    return None
+
+
+def _in_powers_of(st: _State, base: Reduce, deps: list[Reduce]):
+    """The readers' bodies in sympy with the base sum as the symbol S, and a test
+    of whether a coefficient varies over the group's indices (must be summed)."""
+    table = SymbolTable()
+    Ss = table.symbol(Var("S"), real=True)
+    bodies = {d: to_sympy(_substitute(d.args[0], {base: Var("S")}), table) for d in deps}
+
+    def varies(c: sympy.Expr) -> bool:
+        return any(set(free_indices(table.to_expr[v])) & set(st.group.indices)
+                   for v in c.free_symbols if v in table.to_expr)
+    return table, Ss, bodies, varies
+
+
+# name, what it derives, the rule; tried in this order on every member that reads
+# no other member (its anchor), for the members that read only the anchor
+RULES = (
+    ("repair", "dependent sums on a running extremum, rescaled by a derived repair factor", _repair_rule),
+    ("centred moments", "Chan/Welford moments of the sums that read a sum", _moments_rule),
+    ("separable", "polynomials in a sum, expanded into independent sums", _separable_rule),
+)
+
+
 def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, ...], dict] | None:
     members = group.members
-    inside = {m: [o for o in members if o is not m and o in set(walk(m)) - {m}] for m in members}
-    args = _Args()
-    names: dict[Reduce, str] = {}
-    components: list[_Component] = []
-    replacement: dict[Reduce, Expr] = {}
-    leaders = [m for m in members if m.summary.name in _LEADERS and not inside[m]]
-    for m in leaders:
-        names[m] = _unused("r", names.values())
-    handled: set[Reduce] = set()
-
-    def projection(fold_name: str) -> Expr:
-        return Var(f"@{fold_name}")   # patched into Reduce projections below
-
-    # dependent sums on a leader: the repair-factor derivation (and the pullback)
-    for leader in leaders:
-        deps = [m for m in members if inside[m] == [leader] and m.summary.name == "sum"]
-        if not deps:
-            continue
-        # the pure weight (the normaliser) first: fields read (r, l, u, ...)
-        deps.sort(key=lambda d: d.args[0] != _weight_only(d, leader))
-        for d in deps:
-            names[d] = _unused("l" if d.args[0] == _weight_only(d, leader) else "u", names.values())
-        comps = _rescaled_components(leader, deps, args, names)
-        if comps is None:
-            continue
-        components.extend(comps)
-        handled.update([leader, *deps])
-        for m in (leader, *deps):
-            replacement[m] = projection(names[m])
-
-    # dependent sums on a sum: centred moments, or the separable expansion
-    sums = [m for m in members if m.summary.name == "sum" and not inside[m]]
-    for base in sums:
-        deps = [m for m in members if inside[m] == [base] and m not in handled]
-        if not deps:
-            continue
-        table = SymbolTable()
-        S = Var("S")
-        xs, Ss, y = to_sympy(base.args[0], table), table.symbol(S, real=True), sympy.Symbol("_y", real=True)
-        count = to_sympy(_count(group.indices), table)
-        bodies = {d: to_sympy(_substitute(d.args[0], {base: S}), table) for d in deps}
-
-        def varies(c: sympy.Expr) -> bool:
-            """Does a coefficient vary over the group's indices (so must be summed)?"""
-            return any(set(free_indices(table.to_expr[v])) & set(group.indices)
-                       for v in c.free_symbols if v in table.to_expr)
-
-        centred = {}
-        for d, body in bodies.items():
-            shifted = sympy.expand(body.subs(xs, y + Ss / count))
-            if Ss in shifted.free_symbols or not shifted.is_polynomial(y):
-                break
-            poly = sympy.Poly(shifted, y)
-            if poly.degree() > 2 or any(varies(c) for c in poly.all_coeffs()):
-                break
-            centred[d] = dict((deg, c) for (deg,), c in poly.terms())
-        else:
-            name = _unused("s", names.values(), first_plain=False)
-            names[base] = name
-            comp = _welford(name, args.abstract(base.args[0], {}))
-            components.append(comp)
-            handled.update([base, *deps])
-            n, mean, m2 = (projection(f.name) for f in comp.fields)
-            # sum x = count * mean (every element counts once)
-            replacement[base] = Call("mul", (mean, _count(group.indices)))
-            for d, coeffs in centred.items():
-                total = coeffs.get(0, 0) * table.symbol(n, real=True) \
-                    + coeffs.get(2, 0) * table.symbol(m2, real=True)
-                replacement[d] = from_sympy(total, table)
-                comp.notes.append(f"{_fmt(d)} is a polynomial in (x - mean): through count and M2")
-            continue
-        if not all(body.is_polynomial(Ss) for body in bodies.values()):
-            continue
-        # separable expansion in powers of the base sum
-        name = _unused("s", names.values(), first_plain=False)
-        names[base] = name
-        components.append(_base_component(base, name, args))
-        handled.add(base)
-        replacement[base] = _finalize_from(base.summary, name, projection)
-        for d, body in bodies.items():
-            total = sympy.Integer(0)
-            for (deg,), coeff in sympy.Poly(sympy.expand(body), Ss).terms():
-                if not varies(coeff):
-                    term = coeff * count          # the same value at every position: times the count
-                else:
-                    term_name = _unused(f"{name}_p{deg}", names.values())
-                    names[term_name] = term_name
-                    term_sum = Reduce(BUILTINS["sum"], group.indices, (from_sympy(coeff, table),))
-                    components.append(_base_component(term_sum, term_name, args))
-                    term = table.symbol(projection(term_name), real=True)
-                total += term * table.symbol(projection(name), real=True) ** deg
-            components[-1].notes.append(f"separable: {_fmt(d)} expanded in powers of {name} into "
-                                        f"independent sums; no stable merge is known for this form")
-            replacement[d] = from_sympy(total, table)
-            handled.add(d)
+    st = _State(group, {m: [o for o in members if o is not m and o in set(walk(m)) - {m}] for m in members})
+    for m in members:
+        if extremum(m.summary) and not st.inside[m]:
+            st.names[m] = _unused("r", st.names.values())
+    for rule, _, apply in RULES:
+        for anchor in members:
+            if anchor in st.handled or st.inside[anchor] or not st.reading(anchor):
+                continue
+            why_not = apply(st, anchor)
+            st.report.append(f"rule {rule} on {_fmt(anchor)}: " + ("applied" if why_not is None
+                                                                   else f"not applied: {why_not}"))
 
     # everything else in the group folds alongside in the same pass
     for m in members:
-        if m in handled:
+        if m in st.handled:
             continue
-        if inside[m]:
+        if st.inside[m]:
             return None          # a dependency no rule resolves: leave the group as it is
-        name = names.get(m) or _unused("s", names.values(), first_plain=False)
-        names[m] = name
-        components.append(_base_component(m, name, args))
-        replacement[m] = _finalize_from(m.summary, name, projection)
-        handled.add(m)
+        name = st.names.get(m) or _unused("s", st.names.values(), first_plain=False)
+        st.names[m] = name
+        st.components.append(_base_component(m, name, st.args))
+        st.replacement[m] = _finalize_from(m.summary, name, st.projection)
+        st.handled.add(m)
+    components, args, replacement = st.components, st.args, st.replacement
+    if st.report:
+        components[0].notes[:0] = st.report
 
     fields = [f for c in components for f in c.fields]
     summary = Summary(

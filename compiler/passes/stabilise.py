@@ -23,6 +23,7 @@ from dataclasses import replace
 import sympy
 
 from ..algebra import BUILTINS
+from ..algebra.properties import extremum
 from ..ir import Call, Const, Expr, Program, Reduce, free_indices, transform, walk
 from .symbolic import SymbolTable, from_sympy, to_sympy
 
@@ -136,10 +137,11 @@ def expand_weighted_sums(e: Expr) -> Expr:
 
 
 def _bounded(parts: list[tuple[int, Expr]], indices) -> bool:
-    """Is the exponent c * (g - max[I](g)) for a constant c > 0 and some g, so at most 0?"""
+    """Is the exponent c * (g - max[I](g)) for a constant c > 0 and some g, so at
+    most 0?  Any summary whose merge selects the larger state counts as a max."""
     exponent = signed_sum(parts)
     for node in walk(exponent):
-        if isinstance(node, Reduce) and node.summary == BUILTINS["max"] and node.indices == tuple(indices):
+        if isinstance(node, Reduce) and extremum(node.summary) == "max" and node.indices == tuple(indices):
             table = SymbolTable()
             ratio = sympy.simplify(to_sympy(exponent, table) / to_sympy(Call("sub", (node.args[0], node)), table))
             if ratio.is_number and ratio.is_positive:

@@ -1,0 +1,57 @@
+"""Algebraic properties of a summary, read off its formulas with sympy.
+
+The factorisation rules state preconditions in these terms, never in names: a
+leader is any one-field summary whose merge selects the larger (smaller) of two
+states and whose identity is -inf (+inf), built-in `max` or a user's
+`where(a.m > b.m, a.m, b.m)` alike; a dependent or a base of moments is any
+one-field summary that adds its states, starting from 0, with the element
+itself as its lift."""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import sympy
+
+from ..ir import Const, Var
+from .formula import to_sympy
+from .summary import Summary
+
+_U, _D = sympy.Symbol("u", real=True), sympy.Symbol("d", positive=True)
+
+
+def _one_field_combine(s: Summary, a: sympy.Expr, b: sympy.Expr) -> sympy.Expr | None:
+    if len(s.fields) != 1:
+        return None
+    (f,) = s.field_names
+    try:
+        return sympy.simplify(to_sympy(s.combine[0], {f"a.{f}": a, f"b.{f}": b}))
+    except (TypeError, KeyError):
+        return None
+
+
+@lru_cache(maxsize=256)
+def extremum(s: Summary) -> str | None:
+    """"max" or "min" if the merge selects the larger (smaller) state, ties
+    included, and the identity is -inf (+inf); else None."""
+    if len(s.fields) != 1 or s.lift != (Var("x0"),) or s.arity != 1:
+        return None
+    low, high = _U, _U + _D
+    picks = [_one_field_combine(s, *pair) for pair in ((low, high), (high, low), (low, low))]
+    if any(p is None for p in picks):
+        return None
+    if picks == [high, high, low] and s.identity == (Const(-math.inf),):
+        return "max"
+    if picks == [low, low, low] and s.identity == (Const(math.inf),):
+        return "min"
+    return None
+
+
+@lru_cache(maxsize=256)
+def additive(s: Summary) -> bool:
+    """Does the summary add its states (a sum of its single argument)?"""
+    if len(s.fields) != 1 or s.lift != (Var("x0"),) or s.arity != 1 or s.identity[0].value != 0:
+        return False
+    a, b = sympy.Symbol("a", real=True), sympy.Symbol("b", real=True)
+    merged = _one_field_combine(s, a, b)
+    return merged is not None and sympy.simplify(merged - (a + b)) == 0
