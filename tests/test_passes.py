@@ -105,8 +105,11 @@ def test_layernorm_is_one_welford_pass():
     assert outer_reductions(program) == []
 
 
-def test_third_moment_says_it_is_not_guarded():
+def test_third_moment_merges_stably_and_a_seventh_says_it_is_not_guarded():
     program = compiler.compile(PROGRAMS["third_moment"], backend="reference")
+    (fold,) = folds(program)
+    assert any("Pébay's pairwise merge" in n for n in fold.summary.notes)
+    program = compiler.compile("mu[i] = mean[j](X[i,j]); Z[i] = sum[j]((X[i,j] - mu[i])**7)", backend="reference")
     (fold,) = folds(program)
     assert any("no stable merge" in n for n in fold.summary.notes)
 

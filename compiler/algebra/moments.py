@@ -1,31 +1,57 @@
 """Known numerically stable merges for separable summaries.
 
-Centred moments: the state (count, mean, M2) with Chan et al.'s parallel merge
-(Welford's update when one side is a single element).  Written with the same
-tracing as user summaries, so the formulas read as the textbook does."""
+Centred moments of any degree p: the state (count, mean, M2, ..., Mp), where
+Mk = sum (x - mean)^k, with Pébay's pairwise merge (2008, eq. 3.1; Chan et
+al.'s for p = 2, Welford's update when one side is a single element):
+
+    Mk = Mk_a + Mk_b + sum_{j=1}^{k-2} C(k, j) d^j ((-n_b/n)^j M(k-j)_a + (n_a/n)^j M(k-j)_b)
+         + d^k n_a n_b (n_a^(k-1) - (-n_b)^(k-1)) / n^k,        d = mean_b - mean_a.
+
+The last term is Pébay's (n_a n_b d / n)^k (1/n_b^(k-1) - (-1/n_a)^(k-1)) with
+the divisions by n_a and n_b cleared, so one empty side needs no guard; two
+empty sides (n = 0) merge to the empty state.  Written with the same tracing
+as user summaries, so the formulas read as the paper does."""
 from __future__ import annotations
+
+from math import comb
 
 from ..ir import Const, Expr
 from .summary import Field
 from .user import fn, lift_value, state
 
+MAX_DEGREE = 6
 
-def centred_moments(prefix: str, element: Expr):
-    """Fields `{prefix}_n`, `{prefix}_mean`, `{prefix}_m2`, for the element `element`;
-    returns (fields, identity, lift, combine) formula lists."""
-    n, mean, m2 = (f"{prefix}_n", f"{prefix}_mean", f"{prefix}_m2")
-    a, b = state("a.", (n, mean, m2)), state("b.", (n, mean, m2))
+
+def centred_moments(prefix: str, element: Expr, degree: int = 2):
+    """Fields `{prefix}_n`, `{prefix}_mean`, `{prefix}_m2` ... `{prefix}_m{degree}`
+    for the element `element`; returns (fields, identity, lift, combine) formula lists."""
+    n, mean = f"{prefix}_n", f"{prefix}_mean"
+    moments = [f"{prefix}_m{k}" for k in range(2, degree + 1)]
+    names = (n, mean, *moments)
+    a, b = state("a.", names), state("b.", names)
     count = a[n] + b[n]
     delta = b[mean] - a[mean]
-    empty = count == 0.0                  # two empty states merge to the empty state
-    combine = (
-        count,
-        a[mean] + fn.where(empty, 0.0, delta * b[n] / count),
-        a[m2] + b[m2] + fn.where(empty, 0.0, delta * delta * a[n] * b[n] / count),
-    )
-    lift = (Const(1.0), element, Const(0.0))
-    return ([Field(n), Field(mean), Field(m2)], [Const(0.0)] * 3, list(lift),
-            [lift_value(c) for c in combine])
+    empty = count == 0.0
+
+    def moment(side, k: int):
+        return side[n] if k == 0 else 0.0 if k == 1 else side[f"{prefix}_m{k}"]
+
+    def power(x, j: int):
+        return x if j == 1 else x ** j
+
+    def merged(k: int):
+        if k == 2:      # the general tail, d^2 n_a n_b (n_a + n_b) / n^2, with n cancelled
+            tail = delta * delta * a[n] * b[n] / count
+        else:
+            tail = power(delta, k) * a[n] * b[n] * (power(a[n], k - 1) - power(-b[n], k - 1)) / power(count, k)
+        for j in range(1, k - 1):
+            tail = tail + comb(k, j) * power(delta, j) * (power(-b[n] / count, j) * moment(a, k - j)
+                                                          + power(a[n] / count, j) * moment(b, k - j))
+        return moment(a, k) + moment(b, k) + fn.where(empty, 0.0, tail)
+
+    combine = (count, a[mean] + fn.where(empty, 0.0, delta * b[n] / count), *(merged(k) for k in range(2, degree + 1)))
+    lift = (Const(1.0), element, *(Const(0.0) for _ in moments))
+    return ([Field(f) for f in names], [Const(0.0)] * len(names), list(lift), [lift_value(c) for c in combine])
 
 
-__all__ = ["centred_moments"]
+__all__ = ["MAX_DEGREE", "centred_moments"]

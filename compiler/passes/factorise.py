@@ -15,7 +15,9 @@ summaries (compiler.algebra.properties), not names:
   Readers with one weight share it (the pullback: the weights are computed once
   for every value v_k); each further weight gets its own component;
 - centred moments: the anchor adds its states and every reader is a
-  polynomial of degree <= 2 in (x - S / count): Chan's stable merge (Welford);
+  polynomial of degree p <= 6 in (x - S / count) with x-free coefficients:
+  the moments (count, mean, M2..Mp) with Pébay's stable pairwise merge
+  (Chan's, i.e. Welford's, for p = 2);
 - separable: the readers are polynomials in the anchor S: expanded in powers
   of S into independent sums (one pass, not numerically guarded).
 Every other member folds alongside.  All of them form one product summary;
@@ -34,7 +36,7 @@ import sympy
 
 from ..algebra import BUILTINS, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
-from ..algebra.moments import centred_moments
+from ..algebra.moments import MAX_DEGREE, centred_moments
 from ..algebra.properties import additive, extremum
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, walk,
                   with_children)
@@ -196,11 +198,12 @@ def _finalize_from(summary: Summary, name: str, projection) -> Expr:
                                             for f in summary.field_names})
 
 
-def _welford(name: str, x: Expr) -> _Component:
-    fields, identity, lift, combine = centred_moments(name, x)
+def _centred(name: str, x: Expr, degree: int) -> _Component:
+    fields, identity, lift, combine = centred_moments(name, x, degree)
+    merge = "Chan/Welford merge (count, mean, M2)" if degree == 2 else \
+        f"Pébay's pairwise merge (count, mean, M2..M{degree})"
     return _Component(fields, identity, lift, combine, True, None,
-                      ["centred moments: Chan/Welford merge (count, mean, M2) chosen for numerical "
-                       "stability"])
+                      [f"centred moments: {merge} chosen for numerical stability"])
 
 
 # ---------------------------------------------------------------- one group
@@ -266,8 +269,8 @@ def _repair_rule(st: _State, leader: Reduce) -> str | None:
 
 
 def _moments_rule(st: _State, base: Reduce) -> str | None:
-    """Sums that read a sum S and are polynomials of degree <= 2 in x - S / n:
-    the centred moments (count, mean, M2) with Chan's stable merge."""
+    """Sums that read a sum S and are polynomials in x - S / n: the centred
+    moments (count, mean, M2, ..., Mp) with Pébay's stable pairwise merge."""
     if not additive(base.summary):
         return "it does not add its states"
     deps = st.reading(base)
@@ -282,20 +285,26 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
         if Ss in shifted.free_symbols or not shifted.is_polynomial(y):
             return f"{_fmt(d)} is not a polynomial in (x - mean)"
         poly = sympy.Poly(shifted, y)
-        if poly.degree() > 2 or any(varies(c) for c in poly.all_coeffs()):
-            return f"{_fmt(d)} has degree {poly.degree()} in (x - mean) (Chan's merge covers degree <= 2)"
+        if any(varies(c) for c in poly.all_coeffs()):
+            return f"{_fmt(d)} has coefficients that vary over {', '.join(st.group.indices)}"
+        if poly.degree() > MAX_DEGREE:
+            return f"{_fmt(d)} has degree {poly.degree()} in (x - mean), above {MAX_DEGREE}"
         centred[d] = dict((deg, c) for (deg,), c in poly.terms())
+    degree = max(2, *(max(c) for c in centred.values()))
     name = _unused("s", st.names.values(), first_plain=False)
     st.names[base] = name
-    comp = _welford(name, st.args.abstract(base.args[0], {}))
+    comp = _centred(name, st.args.abstract(base.args[0], {}), degree)
     st.components.append(comp)
     st.handled.update([base, *deps])
-    n, mean, m2 = (st.projection(f.name) for f in comp.fields)
+    n, mean, *moments = (st.projection(f.name) for f in comp.fields)
     st.replacement[base] = Call("mul", (mean, _count(st.group.indices)))    # sum x = count * mean
+    # sum (x - mean)^k is M_k; M_0 = count and M_1 = 0
+    sums = {0: n, **{k: m for k, m in enumerate(moments, start=2)}}
     for d, coeffs in centred.items():
-        total = coeffs.get(0, 0) * table.symbol(n, real=True) + coeffs.get(2, 0) * table.symbol(m2, real=True)
+        total = sum((c * table.symbol(sums[k], real=True) for k, c in coeffs.items() if k != 1), sympy.Integer(0))
         st.replacement[d] = from_sympy(total, table)
-        comp.notes.append(f"{_fmt(d)} is a polynomial in (x - mean): through count and M2")
+        comp.notes.append(f"{_fmt(d)} is a polynomial of degree {max(coeffs)} in (x - mean): "
+                          f"through the centred moments")
     return None
 
 
@@ -399,17 +408,18 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         rescaled=tuple(c.rescaled for c in components if c.rescaled is not None),
         notes=tuple(n for c in components for n in c.notes),
     )
-    summary = _with_laws(summary)
+    # equal summaries share one law check; the notes (excluded from equality) stay this derivation's
+    summary = replace(summary, laws=_checked_laws(summary))
     fold = Reduce(summary, group.indices, tuple(args.exprs))
     patch = {f"@{f.name}": replace(fold, result=f.name) for f in fields}
     return summary, tuple(args.exprs), {m: _replace_vars(e, patch) for m, e in replacement.items()}
 
 
 @lru_cache(maxsize=256)
-def _with_laws(summary: Summary) -> Summary:
+def _checked_laws(summary: Summary):
     """Laws are checked, never assumed: a derived summary that failed one would
     be a bug in this pass, reported as a LawError with its counterexample."""
-    return require_laws(summary)
+    return require_laws(summary).laws
 
 
 def _unused(base: str, taken, first_plain: bool = True) -> str:
