@@ -95,6 +95,66 @@ def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict
     return with_children(e, tuple(inline(c, defs, avoid, fresh_names, reading) for c in children(e)))
 
 
+# ---------------------------------------------------------------- restricted folds
+def _substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:
+    if isinstance(e, Var):
+        return mapping.get(e.name, e)
+    return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
+
+
+def restrict(fold: Reduce, available: frozenset) -> Reduce | None:
+    """`fold` folding only the fields that vary over no free index outside
+    `available`, with just the arguments those fields read (the fold itself when
+    every field qualifies; None when none does).
+
+    A fold shared by several projections may vary over more indices than one of
+    them: after factorise, attention's logsumexp L[i] reads the fields (r, l) of
+    the fold (r, l, u) whose u also varies over the value index j.  Where j does
+    not exist (L's own kernel) or lives in a deeper loop, the projection folds
+    the restricted summary (r, l) instead."""
+    s = fold.summary
+    bound = set(fold.indices)
+    ok = {k for k, a in enumerate(fold.args) if set(free(a)) - bound <= available}
+    keep = [f for f in s.field_names if s.arguments_of(f) <= ok]
+    if len(keep) == len(s.field_names):
+        return fold
+    if not keep:
+        return None
+    used = sorted(set().union(*(s.arguments_of(f) for f in keep)))
+    xs = {f"x{k}": Var(f"x{j}") for j, k in enumerate(used)}
+    index = {f: s.field_names.index(f) for f in keep}
+    finalize = s.finalize
+    if not {v.name for v in walk(finalize) if isinstance(v, Var)} <= set(keep):
+        finalize = Var(keep[0])            # never evaluated: every use projects a kept field
+    rescaled = tuple(
+        replace(rs, leader_arg=_substitute(rs.leader_arg, xs), weight=_substitute(rs.weight, xs),
+                values=tuple((f, _substitute(v, xs)) for f, v in rs.values if f in index))
+        for rs in s.rescaled if rs.leader in index)
+    summary = replace(
+        s, fields=tuple(s.fields[index[f]] for f in keep), arity=len(used),
+        identity=tuple(s.identity[index[f]] for f in keep),
+        lift=tuple(_substitute(s.lift[index[f]], xs) for f in keep),
+        combine=tuple(s.combine[index[f]] for f in keep), finalize=finalize, rescaled=rescaled,
+        notes=s.notes + (f"restricted to the fields ({', '.join(keep)})",))
+    return replace(fold, summary=summary, args=tuple(fold.args[k] for k in used), result=None)
+
+
+def narrow_projections(e: Expr, lhs: tuple[str, ...]) -> Expr:
+    """Projections whose fold varies over an index that neither the statement's left
+    side nor an enclosing reduction provides read a restricted fold (see `restrict`)."""
+    def visit(node: Expr, bound: frozenset) -> Expr:
+        inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
+        node = with_children(node, tuple(visit(c, inner) for c in children(node)))
+        if isinstance(node, Reduce) and node.result is not None:
+            available = frozenset(lhs) | bound
+            if not free(node.fold) <= available:
+                narrowed = restrict(node.fold, available)
+                if narrowed is not None and node.result in narrowed.summary.field_names:
+                    return replace(narrowed, result=node.result)
+        return node
+    return visit(e, frozenset())
+
+
 # ---------------------------------------------------------------- folds
 def top_folds(e: Expr, lhs: tuple[str, ...]) -> list[Reduce]:
     """Folds whose free indices are names of the left-hand side (not bound by an
@@ -352,7 +412,8 @@ class Former:
             joined = None
             if last is not None and not last.buffers:
                 group_defs = {**non_outputs, **{t.name: t for t in last.statements}}
-                expr = inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,))
+                expr = narrow_projections(inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,)),
+                                          s.indices)
                 grid, _ = _grid_of(expr, s.indices)
                 if grid == last.grid and (s.indices == last.grid or s.indices == last.lhs or
                                           (last.lhs == last.grid and s.indices[:len(grid)] == grid)):
@@ -362,7 +423,8 @@ class Former:
             else:
                 if s.name in reads(s.expr):
                     raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
-                expr = inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,))
+                expr = narrow_projections(inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,)),
+                                          s.indices)
                 self._add(replace(s, expr=expr), buffer=False)
                 if last is not None:
                     own = self.kernels[-1]
@@ -407,9 +469,20 @@ class Former:
         if buffer:
             why = f"materialises {s.name}: {why}"
         self.kernels.append(KernelSpec(
-            name=f"einfold_{s.name}", statements=(s,), grid=grid, epilogue=epilogue, why=why,
+            name=self._kernel_name(s.name), statements=(s,), grid=grid, epilogue=epilogue, why=why,
             buffers=(s.name,) if buffer else (), program_folds=program_folds,
             dependent=_dependent(program_folds)))
+
+    def _kernel_name(self, stem: str) -> str:
+        """einfold_<statement>, unless that or one of its split variants (_partial,
+        _merge) is another kernel's name (a statement named `Y_merge` next to Y)."""
+        variants = ("", "_partial", "_merge")
+        taken = {k.name + v for k in self.kernels for v in variants}
+        name, n = f"einfold_{stem}", 1
+        while any(name + v in taken for v in variants):
+            n += 1
+            name = f"einfold_{stem}_{n}"
+        return name
 
     def _materialise(self, s: Assign, todo: list[Reduce], reason: str) -> Assign:
         table: dict[Reduce, Access] = {}

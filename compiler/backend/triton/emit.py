@@ -27,13 +27,15 @@ Folds follow the summary's algebra, never the operator's name:
 from __future__ import annotations
 
 import itertools
+import keyword
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ...algebra import BUILTINS
+from ...errors import BackendError
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, free_indices, walk
 from . import ops as emission
 from .analysis import (
@@ -43,6 +45,7 @@ from .analysis import (
     exact_identity,
     free,
     index_bounds,
+    restrict,
     value_only_names,
 )
 
@@ -63,6 +66,20 @@ def np2(n: int) -> int:
 
 def ident(name: str) -> str:
     return re.sub(r"\W", "_", name)
+
+
+# Generated names.  User names (tensors, scalars, indices, summary fields) reach a
+# kernel only inside generated spellings (`X_ptr`, `n_k`, `offs_k`, `f0_r`), so two
+# meanings could share a spelling (a scalar `n` and the extent of an index `val` are
+# both `n_val`).  Every identifier of a kernel is therefore allocated through one
+# table (KernelEmitter.local): a spelling is taken once, a second meaning gets the
+# next free `<spelling>_<k>`, and the fixed names below and the module's globals
+# (kernels, combines, helpers) are never given out.
+FIXED_NAMES = frozenset({"pid", "split_id", "split", "n_split", "in_group", "first_row", "group_rows",
+                         "tl", "triton", "torch", "launch", "range", "float", "int", "min", "max", "abs",
+                         "len", "print", "True", "False", "None", *keyword.kwlist})
+# the generated names of one axis: <prefix>_<var>
+AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk")
 
 
 # ---------------------------------------------------------------- axes, values, scopes
@@ -109,6 +126,7 @@ class Value:
     raw: str | None = None             # a load in its stored dtype (for tl.dot)
     raw_dtype: object = None
     zero: frozenset = frozenset()      # axes outside whose extent the value is exactly 0
+    level: int = 0                     # the scope level it is defined at (at least its axes' levels)
 
 
 class Scope:
@@ -192,6 +210,21 @@ class ModuleContext:
         self.helpers: set[str] = set()
         self.combines: dict[tuple, tuple[str, str]] = {}      # (summary, fields) -> (name, source)
         self.split_layouts: dict = {}
+        # names of the module's globals (kernels, combine functions, helpers), every kernel-local
+        # name given out so far, and the names of the program (tensors, statements, buffers)
+        self.module_names: set[str] = {"launch", "torch", "triton", "tl"} | {f"_{h}" for h in emission.HELPERS}
+        self.local_names: set[str] = set()
+        self.reserved: set[str] = set()
+
+    def buffer_name(self, preferred: str) -> str:
+        """A name for a generated buffer (a key of the launcher's tensor table) that no
+        tensor, statement or other buffer has."""
+        name, k = preferred, 1
+        while name in self.reserved or name in self.tensors:
+            k += 1
+            name = f"{preferred}_{k}"
+        self.reserved.add(name)
+        return name
 
     def extent(self, name: str) -> int:
         extents = dict(self.sig.extents)
@@ -204,24 +237,30 @@ class ModuleContext:
         if key not in self.combines:
             guarded = not exact_identity(summary, fields)
             base = f"combine_{ident(summary.name)}"
-            taken = {n for n, _ in self.combines.values()}
+            taken = self.module_names | self.local_names
             name, k = base, 1
             while name in taken:
                 k += 1
                 name = f"{base}_{k}"
+            self.module_names.add(name)
             index = {f: summary.field_names.index(f) for f in fields}
-            names = {f"a.{f}": f"a_{f}" for f in fields} | {f"b.{f}": f"b_{f}" for f in fields}
-            params = ", ".join([f"a_{f}" for f in fields] + [f"b_{f}" for f in fields])
+            a = {f: f"a_{ident(f)}" for f in fields}
+            b = {f: f"b_{ident(f)}" for f in fields}
+            names = {f"a.{f}": a[f] for f in fields} | {f"b.{f}": b[f] for f in fields}
+            params = ", ".join([a[f] for f in fields] + [b[f] for f in fields])
             results = [inline_formula(summary.combine[index[f]], names, self.helpers) for f in fields]
             lines = ["@triton.jit", f"def {name}({params}):",
                      f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})"]
             if guarded:
                 ids = {f: emission.literal(summary.identity[index[f]].value) for f in fields}
+                a_empty, b_empty = "a_empty", "b_empty"
+                while a_empty in names.values() or b_empty in names.values():    # a field named `empty`
+                    a_empty, b_empty = a_empty + "_", b_empty + "_"
                 lines.append("    # its formulas are not exact at the identity (a tree reduction meets two "
                              "padding elements): the identity is passed through")
-                lines.append("    a_empty = " + " & ".join(f"(a_{f} == {ids[f]})" for f in fields))
-                lines.append("    b_empty = " + " & ".join(f"(b_{f} == {ids[f]})" for f in fields))
-                results = [f"tl.where(b_empty, a_{f}, tl.where(a_empty, b_{f}, {r}))"
+                lines.append(f"    {a_empty} = " + " & ".join(f"({a[f]} == {ids[f]})" for f in fields))
+                lines.append(f"    {b_empty} = " + " & ".join(f"({b[f]} == {ids[f]})" for f in fields))
+                results = [f"tl.where({b_empty}, {a[f]}, tl.where({a_empty}, {b[f]}, {r}))"
                            for f, r in zip(fields, results)]
             lines.append(f"    return {', '.join(results)}")
             source = "\n".join(lines) + "\n"
@@ -260,7 +299,9 @@ class KernelEmitter:
         self.temp_ids = itertools.count()
         self.axis_ids = itertools.count()
         self.fold_ids = itertools.count()
-        self.vars: set[str] = set()
+        self.taken: set[str] = set(FIXED_NAMES)      # every identifier given out in this kernel
+        self.named: dict[tuple, str] = {}            # meaning (("extent", index), ...) -> its name
+        ctx.module_names.add(self.name)
         self.whole: dict[str, Axis] = {}
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
@@ -270,17 +311,42 @@ class KernelEmitter:
         self.has_folds = any(isinstance(n, Reduce) for e in exprs for n in walk(e))
 
     # ------------------------------------------------------------ names
+    def clashes(self, name: str) -> bool:
+        return name in self.taken or name in self.ctx.module_names or keyword.iskeyword(name)
+
+    def local(self, preferred: str, meaning: tuple | None = None) -> str:
+        """A kernel-local identifier for `meaning` (the same one each time it is asked
+        for): `preferred` if no other meaning has it, else `<preferred>_<k>`."""
+        if meaning is not None and meaning in self.named:
+            return self.named[meaning]
+        name, k = preferred, 1
+        while self.clashes(name):
+            k += 1
+            name = f"{preferred}_{k}"
+        self.taken.add(name)
+        self.ctx.local_names.add(name)
+        if meaning is not None:
+            self.named[meaning] = name
+        return name
+
     def temp(self, stem: str = "t") -> str:
-        return f"{stem}{next(self.temp_ids)}"
+        return self.local(f"{stem}{next(self.temp_ids)}")
 
     def axis_var(self, name: str) -> str:
+        """The suffix of an axis's names (offs_<var>, mask_<var>, BLOCK_<var>, ...): all free."""
         base = ident(name)
         var, k = base, 1
-        while var in self.vars:
+        while any(self.clashes(f"{p}_{var}") for p in AXIS_PREFIXES):
             k += 1
             var = f"{base}{k}"
-        self.vars.add(var)
+        for p in AXIS_PREFIXES:
+            self.taken.add(f"{p}_{var}")
+            self.ctx.local_names.add(f"{p}_{var}")
         return var
+
+    def state_var(self, prefix: str, field_name: str) -> str:
+        """The variable of a fold's running field (one name however often its update is emitted)."""
+        return self.local(f"{prefix}_{ident(field_name)}", ("state", prefix, field_name))
 
     def new_axis(self, name: str, level: int, kind: str, block: int) -> Axis:
         ax = Axis(next(self.axis_ids), name, self.axis_var(name), level, kind, block)
@@ -289,16 +355,16 @@ class KernelEmitter:
         return ax
 
     def extent_param(self, name: str) -> str:
-        p = f"n_{ident(name)}"
+        p = self.local(f"n_{ident(name)}", ("extent", name))
         self.params.setdefault(p, f'n["{name}"]')
         return p
 
     def tensor_params(self, name: str, rank: int) -> tuple[str, list[str]]:
-        ptr = f"{ident(name)}_ptr"
+        ptr = self.local(f"{ident(name)}_ptr", ("ptr", name))
         self.params.setdefault(ptr, f't["{name}"]')
         strides = []
         for d in range(rank):
-            s = f"{ident(name)}_s{d}"
+            s = self.local(f"{ident(name)}_s{d}", ("stride", name, d))
             self.params.setdefault(s, f't["{name}"].stride({d})')
             strides.append(s)
         return ptr, strides
@@ -344,8 +410,10 @@ class KernelEmitter:
         return widest
 
     # ------------------------------------------------------------ placement and memo
-    def target(self, axes, scope: Scope) -> Scope:
-        level = max((a.level for a in axes), default=0)
+    def target(self, axes, scope: Scope, level: int = 0) -> Scope:
+        """The outermost scope visible from `scope` where values over `axes` (and values
+        defined at `level`) exist."""
+        level = max([a.level for a in axes] + [level])
         for s in scope.chain():
             if s.level == level:
                 return s
@@ -360,7 +428,7 @@ class KernelEmitter:
     def assign(self, code: str, axes, scope: Scope, kind: str = "float", stem: str = "t", **extra) -> Value:
         name = self.temp(stem)
         scope.lines.append(f"{name} = {code}")
-        return Value(name, sort_axes(axes), kind, **extra)
+        return Value(name, sort_axes(axes), kind, level=scope.level, **extra)
 
     # ------------------------------------------------------------ broadcasting helpers
     @staticmethod
@@ -392,11 +460,13 @@ class KernelEmitter:
         return f"tl.where({mask}, {code}, {other})" if mask else code
 
     def ragged(self, a: Axis) -> bool:
-        """Can a tile of `a` reach past its extent?  Not when the extent is a multiple
-        of every tile the axis may take (tuned tiles are powers of two up to 256) and
-        tiles start at multiples of the tile: such tiles need no mask at all."""
+        """Can a tile of `a` reach past its extent?  Not when the extent is a positive
+        multiple of every tile the axis may take (tuned tiles are powers of two up to
+        256) and tiles start at multiples of the tile: such tiles need no mask at all.
+        An empty index (extent 0) is no multiple: every element of its tile is masked."""
         largest = 256 if a.block_name in self.tunable else a.block
-        return self.ctx.extent(a.name) % largest != 0
+        n = self.ctx.extent(a.name)
+        return n == 0 or n % largest != 0
 
     def as_float(self, v: Value) -> Value:
         if v.kind == "float":
@@ -405,8 +475,8 @@ class KernelEmitter:
             return Value(emission.literal(float(v.const)), (), "float", const=float(v.const))
         if not dims(v.axes):
             # a scalar int may be a constexpr (Triton specialises some integer arguments)
-            return Value(f"({v.code} * 1.0)", v.axes, "float")
-        return Value(f"{v.code}.to({self.ctx.cdt})", v.axes, "float")
+            return Value(f"({v.code} * 1.0)", v.axes, "float", level=v.level)
+        return Value(f"{v.code}.to({self.ctx.cdt})", v.axes, "float", level=v.level)
 
     # ------------------------------------------------------------ expressions
     def value(self, e: Expr, scope: Scope) -> Value:
@@ -432,7 +502,7 @@ class KernelEmitter:
             v = self.reduce(e, scope)
         else:
             raise TypeError(f"the triton backend cannot emit {type(e).__name__} (run the lower pass first)")
-        self.target(v.axes, scope).memo[key] = v
+        self.target(v.axes, scope, v.level).memo[key] = v
         return v
 
     def call(self, op: str, args: list[Value], pin: Scope | None, scope: Scope, cse: dict | None = None) -> Value:
@@ -450,7 +520,8 @@ class KernelEmitter:
             kind = "int" if isinstance(result, int) else "float"
             return Value(emission.literal(result), (), kind, const=result)
         axes = sort_axes(a for v in args for a in v.axes)
-        place = pin if pin is not None else self.target(axes, scope)
+        level = max((a.level for a in args), default=0)
+        place = pin if pin is not None else self.target(axes, scope, level)
         kinds = [a.kind for a in args]
         if op == "pow" and args[1].const is not None:
             n = emission.small_integer_power(args[1].const)
@@ -508,12 +579,12 @@ class KernelEmitter:
     def load(self, e: Access, scope: Scope) -> Value:
         info = self.ctx.tensors[e.tensor]
         if info.kind == "number" and self.ctx.cdt != "tl.float64":
-            p = f"{ident(e.tensor)}_val"
+            p = self.local(f"{ident(e.tensor)}_val", ("val", e.tensor))
             self.params.setdefault(p, f'float(t["{e.tensor}"])')
             return Value(p, (), "float")
         if info.kind == "number":
             # float arguments are float32 inside a kernel; a float64 program reads its numbers from memory
-            p = f"{ident(e.tensor)}_ptr"
+            p = self.local(f"{ident(e.tensor)}_ptr", ("ptr", e.tensor))
             self.params.setdefault(p, f'torch.full((), float(t["{e.tensor}"]), dtype=torch.float64, device=device)')
             raw = self.temp(f"x_{ident(e.tensor)}")
             self.root.lines.append(f"{raw} = tl.load({p})")
@@ -564,16 +635,30 @@ class KernelEmitter:
 
     def fold_state(self, R: Reduce, scope: Scope):
         fold = R.fold
+        if R.result is not None and not free(fold) <= set(scope.env):
+            # the projected field does not vary over every free index of the fold (the row
+            # logsumexp of attention's fold, whose output field also varies over j): where
+            # those indices do not exist, fold only the fields that do not vary over them
+            narrowed = restrict(fold, frozenset(scope.env))
+            if narrowed is not None and R.result in narrowed.summary.field_names:
+                fold = narrowed
+        missing = sorted(free(fold) - set(scope.env))
+        if missing:
+            raise BackendError(f"{self.spec.name}: the fold {fold.summary.name}[{', '.join(fold.indices)}] "
+                               f"varies over {', '.join(missing)}, which this kernel does not loop over")
         names = sorted(free(fold))
         env0 = {n: scope.env[n] for n in names}
         T = self.target(env0.values(), scope)
         key = ("fold", fold, tuple((n, env0[n].id) for n in names))
         state = self.lookup(key, scope)
         if state is None:
-            if self.mode == "merge" and T is self.root:
+            if self.mode == "merge" and T is self.root and (self.spec.name, fold) in self.ctx.split_layouts:
                 state = self.merge_fold(fold, env0)
             else:
                 state = self.emit_fold(fold, env0, T)
+            # the state exists from T on: values computed from it are placed there or deeper,
+            # even where a field varies over fewer indices than the fold (and so than T's axes)
+            state = {f: v if v.level >= T.level else replace(v, level=T.level) for f, v in state.items()}
             T.memo[key] = state
         return state, key, T
 
@@ -584,12 +669,15 @@ class KernelEmitter:
         nested = T.kind in ("body", "merge")
         loops: list[Axis] = []
         bound: list[Axis] = []
+        lead = self.scalar_leads(fold)
         for p, b in enumerate(fold.indices):
             last = p == len(fold.indices) - 1
             if not s.commutative and not last:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
             elif nested and self._np(b) <= WHOLE_MAX:
                 ax = self.whole_axis(b)
+            elif lead and not last:
+                ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see scalar_leads)
             elif T is self.root and p == 0 and self.split > 1:
                 ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
@@ -603,6 +691,9 @@ class KernelEmitter:
         if loops:
             body = Scope(T, T.level + 1, env, "body")
             for ax in loops:
+                if ax.scalar:
+                    body.lines.append(f"{ax.offs} = start_{ax.var}")
+                    continue
                 body.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
                 body.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
         else:
@@ -624,8 +715,8 @@ class KernelEmitter:
                 lo, hi = "0", n
                 if chunk and p == 0:
                     # flash-decoding: this program folds one contiguous chunk of the tiles
-                    T.lines.append(f"chunk_{ax.var} = tl.cdiv(tl.cdiv({n}, {ax.block_name}), n_split) "
-                                   f"* {ax.block_name}")
+                    T.lines.append(f"chunk_{ax.var} = tl.cdiv(tl.cdiv({n}, {self.step(ax)}), n_split) "
+                                   f"* {self.step(ax)}")
                     T.lines.append(f"lo_{ax.var} = split_id * chunk_{ax.var}")
                     T.lines.append(f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})")
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
@@ -638,7 +729,7 @@ class KernelEmitter:
                     T.lines.extend(indent(inner_body.lines, 1))
                     T.lines.append("# the boundary tiles, where the predicate is evaluated")
                     lo = f"mid_{ax.var}"
-                headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):"], depth)
+                headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
                 depth += 1
             T.lines.extend(headers)
             T.lines.extend(indent(body.lines, depth))
@@ -661,7 +752,7 @@ class KernelEmitter:
         """For a single loop bounded above by a predicate (m <= i: causal), the
         tiles below the boundary satisfy it everywhere: emit their update without
         the predicate.  Returns (first boundary tile start, interior body) or None."""
-        if len(loops) != 1 or self.mode != "full":
+        if len(loops) != 1 or self.mode != "full" or loops[0].scalar:
             return None
         ax = loops[0]
         upper = [(op, o) for op, o in relations.get(ax.name, []) if op in ("le", "lt") and o in env0]
@@ -700,9 +791,25 @@ class KernelEmitter:
                 T.lines.append(f"# elements with {ax.name} {'>=' if op == 'ge' else '>'} {other} failing "
                                f"contribute the identity: start at the first tile where it can hold")
                 name = f"lo_{ax.var}"
-                T.lines.append(f"{name} = tl.maximum({lo}, ({bound}) // {ax.block_name} * {ax.block_name})")
+                start = f"({bound})" if ax.scalar else f"({bound}) // {ax.block_name} * {ax.block_name}"
+                T.lines.append(f"{name} = tl.maximum({lo}, {start})")
                 lo = name
         return lo, hi
+
+    @staticmethod
+    def step(ax: Axis) -> str:
+        """A loop's stride: its tile, or 1 for an index folded one value at a time."""
+        return "1" if ax.scalar else ax.block_name
+
+    def scalar_leads(self, fold: Reduce) -> bool:
+        """Whether a commutative fold over several indices streams all but its last index
+        one value at a time.  It does when an index takes part in a matrix product
+        (softmax[m, n] of Q K^T times V over a 2-D key grid): tiles of every index at
+        once would make the product's tile [rows, m, n, k] (millions of elements, past
+        Triton's limit) and no tl.dot; with m one value at a time, each step is
+        FlashAttention over a tile of n."""
+        return (fold.summary.commutative and len(fold.indices) > 1
+                and any(b in self.contraction for b in fold.indices))
 
     def whole_axis(self, name: str) -> Axis:
         if name not in self.whole:
@@ -728,7 +835,7 @@ class KernelEmitter:
         FA = sort_axes(a for a in contrib.axes if a not in RA)
         if not looped:
             return {"acc": contrib}
-        acc = f"{prefix}_acc"
+        acc = self.state_var(prefix, "acc")
         init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
         body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
         return {"acc": Value(acc, FA)}
@@ -739,7 +846,9 @@ class KernelEmitter:
         ra_dims = dims(RA)
         dot = self.dot_plan(factors, ra_dims)
         if dot is not None:
-            return self.emit_dot(*dot, body)
+            v = self.emit_dot(*dot, body)
+            # an index folded one value at a time (a scalar axis of RA) is summed by the loop
+            return replace(v, axes=sort_axes(a for a in v.axes if a not in RA))
         U = sort_axes([a for f in factors for a in f.axes] + list(RA))
         product = " * ".join(self.expand(f, U) for f in factors) if factors else "1.0"
         mask = self.mask_code(RA, U)
@@ -820,7 +929,7 @@ class KernelEmitter:
         if not looped:
             return {"acc": tile}
         FA = tile.axes
-        acc = f"{prefix}_acc"
+        acc = self.state_var(prefix, "acc")
         init.append(f"{acc} = tl.full({self.shape(FA)}, {identity}, {self.ctx.cdt})")
         body.lines.append(f"{acc} = {combine}({acc}, {tile.code})")
         return {"acc": Value(acc, FA)}
@@ -865,7 +974,7 @@ class KernelEmitter:
             if dims(U) != dims(la.axes):
                 padded = self.broadcast(padded, U)
             tile = self.reduce_axes(padded, U, RA, fn, body)
-            r = f"{prefix}_{ident(rs.leader)}"
+            r = self.state_var(prefix, rs.leader)
             FR = tile.axes
             init.append(f"{r} = tl.full({self.shape(FR)}, {lit}, {cdt})")
             r_val = Value(r, FR)
@@ -889,7 +998,7 @@ class KernelEmitter:
                 v = self.as_float(self.formula(v_expr, xs, body))
                 contrib = self.contract([p] if v.const == 1.0 else [p, v], RA, body)
                 FT = sort_axes(list(contrib.axes) + list(alpha.axes))
-                t = f"{prefix}_{ident(fname)}"
+                t = self.state_var(prefix, fname)
                 init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
                 body.lines.append(f"{t} = {self.expand(Value(t, FT), FT)} * {self.expand(alpha, FT)} + "
                                   f"{self.expand(contrib, FT)}")
@@ -968,7 +1077,7 @@ class KernelEmitter:
             return tile_vals
         state = {}
         for f in fields:
-            var = f"{prefix}_{ident(f)}"
+            var = self.state_var(prefix, f)
             init.append(f"{var} = tl.full({self.shape(FA)}, {ids[f]}, {cdt})")
             state[f] = Value(var, FA)
         env = {f"a.{f}": state[f] for f in fields} | {f"b.{f}": tile_vals[f] for f in fields}
@@ -1019,7 +1128,7 @@ class KernelEmitter:
                           f"states in order")
         for f in s.field_names:
             axes = sort_axes(env0[n] for n in layout[f][1])
-            var = f"{prefix}_{ident(f)}"
+            var = self.state_var(prefix, f)
             root.lines.append(f"{var} = tl.full({self.shape(axes)}, "
                               f"{emission.literal(s.identity[s.field_names.index(f)].value)}, {cdt})")
             state[f] = Value(var, axes)
@@ -1201,7 +1310,8 @@ class KernelEmitter:
                 layout = {}
                 for fname, v in state.items():
                     names = tuple(a.name for a in v.axes)
-                    buf = f"{spec.name}_state{list(spec.program_folds).index(f)}_{ident(fname)}"
+                    buf = self.ctx.buffer_name(f"{spec.name}_state{list(spec.program_folds).index(f)}_"
+                                               f"{ident(fname)}")
                     layout[fname] = (buf, names)
                     state_dtype = torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
                     self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), state_dtype)

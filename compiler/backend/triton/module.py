@@ -25,7 +25,7 @@ from ...schedule import Kernel, Plan
 from .analysis import KernelSpec, Structure
 from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
 from .ops import HELPERS
-from .tuning import candidates, decorator
+from .tuning import binding, candidates, decorator
 
 SPLIT_MIN_TILES = 64
 SPLIT_MAX = 64
@@ -57,6 +57,12 @@ class ModuleBuilder:
         self.split = split
         self.passes = passes
         self.ctx = ModuleContext(signature, structure.fresh_names)
+        # the launcher's tensor table holds inputs, statements and buffers by name; the
+        # module's globals are the kernels (their split variants included)
+        self.ctx.reserved |= {i.name for i in program.inputs} | {s.name for s in program.statements}
+        self.ctx.reserved |= {b for spec in structure.kernels for b in spec.buffers}
+        self.ctx.module_names |= {spec.name + suffix for spec in structure.kernels
+                                  for suffix in ("", "_partial", "_merge")}
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
         self.notes: list[str] = []
@@ -83,7 +89,7 @@ class ModuleBuilder:
         tiles = 0
         for f in spec.program_folds:
             b = f.indices[0]
-            if not f.summary.commutative and len(f.indices) > 1:
+            if (not f.summary.commutative or full.scalar_leads(f)) and len(f.indices) > 1:
                 block = 1
             else:
                 block = full.split_block(b) if full.split > 1 else full.loop_block(b)
@@ -158,11 +164,9 @@ class ModuleBuilder:
                 lines.append(f'    t["{name}"] = torch.empty(({", ".join(shape)},), dtype={dtype}, '
                              f'device=device)')
             args = [expr for _, expr in code.params]
-            tuned = code.name in self.tuned
-            args += [f"{k}={v}" for k, v in code.constexprs.items() if not (tuned and k in code.tunable)]
-            if tuned:
-                # the autotuner picks the tiles: the grid follows its choice
-                factors = [f'triton.cdiv(n["{g}"], META["{b}"])' if b in code.tunable else f
+            if code.name in self.tuned:
+                # the autotuner binds every tile (each candidate is complete): the grid follows its choice
+                factors = [f'triton.cdiv(n["{g}"], META["{b}"])' if b is not None else f
                            for (g, b), f in zip(code.grid_blocks, code.grid)]
                 sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks) or "True"
                 second = " n_split" if code.split_axis else ""
@@ -170,6 +174,8 @@ class ModuleBuilder:
                 lines.append(f"    if {sizes}:                       # an empty output launches nothing")
                 lines.append(f"        {code.name}[grid](")
             else:
+                # every constexpr, as each autotune candidate would bind it (tuning.binding)
+                args += [f"{k}={v}" for k, v in binding(code).items()]
                 grid = " * ".join(code.grid) if code.grid else "1"
                 dims = "grid, n_split" if code.split_axis else "grid,"
                 lines.append(f"    grid = {grid}")

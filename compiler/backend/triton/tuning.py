@@ -14,6 +14,12 @@ streamed contraction index).  Candidates, each clamped to the index's extent
 Triton's autotuner times every candidate once per specialisation and keeps the
 fastest; candidates that do not fit the chip (shared memory) are skipped by it.
 Under the interpreter nothing is tuned: one small configuration runs.
+
+Every candidate is complete: it binds every constexpr the kernel declares (the
+tiles that are not tuned at the values the emitter chose, `binding(code)`), so
+that the launcher passes no tile itself and no tiling of several folds or
+tiled indices can leave a BLOCK_* unbound.  The untuned path (the interpreter,
+split kernels) launches with exactly `binding(code)`.
 """
 from __future__ import annotations
 
@@ -29,9 +35,16 @@ MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128
 LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 
 
+def binding(code: KernelCode) -> dict[str, int]:
+    """The constexprs of `code` as the emitter chose them: what an untuned launch
+    passes, and what every candidate starts from."""
+    return dict(code.constexprs)
+
+
 def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str, int], int, int]]:
-    """[(tile constexprs, num_warps, num_stages)] to try for `code`; `extent` maps
-    index names to their extents."""
+    """[(constexprs, num_warps, num_stages)] to try for `code`; `extent` maps index
+    names to their extents.  Each candidate binds every constexpr of the kernel."""
+    base = binding(code)
     grid = [b for b, (role, _) in code.tunable.items() if role == "grid"]
     loop = [b for b, (role, _) in code.tunable.items() if role == "loop"]
 
@@ -41,13 +54,13 @@ def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str,
     out: list[tuple[dict[str, int], int, int]] = []
     if len(grid) == 1 and len(loop) == 1:
         for rows, keys, warps, stages in STREAMED:
-            out.append(({grid[0]: clamp(grid[0], rows), loop[0]: clamp(loop[0], keys)}, warps, stages))
+            out.append(({**base, grid[0]: clamp(grid[0], rows), loop[0]: clamp(loop[0], keys)}, warps, stages))
     elif len(grid) == 2 and len(loop) == 1:
         for rows, cols, depth, warps, stages in MATMUL:
-            out.append(({grid[0]: clamp(grid[0], rows), grid[1]: clamp(grid[1], cols),
+            out.append(({**base, grid[0]: clamp(grid[0], rows), grid[1]: clamp(grid[1], cols),
                          loop[0]: clamp(loop[0], depth)}, warps, stages))
     else:
-        out = [({}, warps, stages) for warps, stages in LAUNCH]
+        out = [(dict(base), warps, stages) for warps, stages in LAUNCH]
     unique = []
     for c in out:
         if c not in unique:
@@ -57,6 +70,10 @@ def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str,
 
 def decorator(code: KernelCode, configs) -> str:
     """The @triton.autotune line for `code` (its extent parameters as the key)."""
+    for blocks, _, _ in configs:
+        if set(blocks) != set(code.constexprs):
+            raise AssertionError(f"{code.name}: a candidate binds {sorted(blocks)}, the kernel declares "
+                                 f"{sorted(code.constexprs)}")
     items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st})" for blocks, w, st in configs)
-    keys = [p for p, _ in code.params if p.startswith("n_")]
+    keys = [p for p, expr in code.params if expr.startswith('n["')]     # the extents, by what they pass
     return f"@triton.autotune(configs=[{items}], key={keys!r})"
