@@ -8,10 +8,10 @@
 from .algebra import Field, Summary
 from .algebra.user import summary
 from .einsum import einsum
-from .errors import BackendError, BindError, CheckError, EinfoldError, LawError, ParseError
+from .errors import BackendError, BindError, CheckError, EinfoldError, LawError, LimitError, ParseError
 from .program import Program, compile
 
 __version__ = "0.2.0.dev0"
 
 __all__ = ["compile", "Program", "einsum", "summary", "Summary", "Field", "EinfoldError", "ParseError",
-           "CheckError", "BindError", "LawError", "BackendError", "__version__"]
+           "CheckError", "BindError", "LawError", "LimitError", "BackendError", "__version__"]

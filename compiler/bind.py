@@ -60,6 +60,9 @@ class Binder:
                 if value.dtype not in SUPPORTED_DTYPES:
                     raise BindError(f"input '{name}' has dtype {value.dtype}; einfold takes "
                                     f"float16, bfloat16, float32 or float64 tensors", src, decl.span)
+                if value.device.type == "meta":
+                    raise BindError(f"input '{name}' is a meta tensor (a shape without data); pass a "
+                                    f"tensor on the CPU or a GPU", src, decl.span)
                 if value.dim() != decl.rank:
                     raise BindError(f"input '{name}' has {_dims(value.dim())} but the program "
                                     f"reads it with {decl.rank} ind{'ex' if decl.rank == 1 else 'ices'}",

@@ -16,7 +16,9 @@ import sympy
 
 from . import parse as syn
 from .algebra import BUILTINS, COMPOSITES, Summary
-from .errors import CheckError, Span
+from . import config
+from .config import deep
+from .errors import CheckError, LimitError, Span
 from .ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce,
                  bound_indices, children, free_indices, walk, with_children)
 from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
@@ -25,8 +27,10 @@ from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
 def check(syntax: syn.Syntax, *, outputs: tuple[str, ...] | None = None,
           summaries: Mapping[str, Summary] | None = None) -> Program:
     """Check a parsed program and build its IR.  `summaries` adds user summaries
-    usable as `name[t](args...)`."""
-    return _Checker(syntax, dict(summaries or {})).run(outputs)
+    usable as `name[t](args...)`.  Deep expressions are checked on a large stack
+    (config.deep); past config's limits, a LimitError."""
+    return deep(lambda: _Checker(syntax, dict(summaries or {})).run(outputs), what="the program",
+                source=syntax.source)
 
 
 @dataclass
@@ -77,8 +81,26 @@ class _Checker:
                     raise CheckError(f"unknown output '{name}'; the statements are {', '.join(names)}")
             program_outputs = tuple(n for n in names if n in set(outputs))
         self._check_extents_known(checked)
+        self._check_fused_size(checked)
         extents = tuple((i, self._extent_symbol(i)) for i in sorted(self.index_names))
         return Program(tuple(checked), tuple(self.inputs.values()), program_outputs, extents, self.source)
+
+    def _check_fused_size(self, statements: list[Assign]) -> None:
+        """The fuse pass inlines every statement into its readers: a chain of
+        statements that each read the previous one twice doubles at every step.
+        Refuse a program whose inlined expressions exceed config.MAX_FUSED_NODES."""
+        cap = config.MAX_FUSED_NODES
+        size: dict[str, int] = {}
+        for st in statements:
+            total = 0
+            for node in walk(st.expr):
+                total += size.get(node.tensor, 1) if isinstance(node, Access) else 1
+                if total > cap:
+                    raise LimitError(f"statement '{st.name}' grows to more than {cap:,} operations once "
+                                     f"the statements it reads are inlined (compiler.config.MAX_FUSED_NODES); "
+                                     f"each read of an earlier statement copies its whole expression",
+                                     self.source, st.span)
+            size[st.name] = total
 
     def _collect_index_names(self) -> None:
         def visit(node):

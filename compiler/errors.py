@@ -85,3 +85,10 @@ class BackendError(EinfoldError):
     """A backend cannot run the program as asked."""
 
     kind = "backend error"
+
+
+class LimitError(EinfoldError):
+    """The program is too large or too deeply nested for einfold's limits
+    (compiler/config.py: the limit is named in the message)."""
+
+    kind = "limit error"

@@ -152,22 +152,63 @@ def children(e: Expr) -> tuple[Expr, ...]:
 
 def with_children(e: Expr, new: tuple[Expr, ...]) -> Expr:
     if isinstance(e, Call | Reduce):
-        return e if new == e.args else replace(e, args=tuple(new))
+        # identity, not equality: comparing deep trees would recurse (and cost their size)
+        same = len(new) == len(e.args) and all(a is b for a, b in zip(new, e.args))
+        return e if same else replace(e, args=tuple(new))
     if isinstance(e, Composite):
         return e if new[0] is e.arg else replace(e, arg=new[0])
     return e
 
 
 def walk(e: Expr) -> Iterator[Expr]:
-    """Pre-order traversal."""
-    yield e
-    for c in children(e):
-        yield from walk(c)
+    """Pre-order traversal (iterative: any depth, linear time)."""
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        yield node
+        kids = children(node)
+        if kids:
+            stack.extend(reversed(kids))
 
 
 def transform(e: Expr, fn: Callable[[Expr], Expr]) -> Expr:
-    """Post-order rewrite: children first, then `fn` on the rebuilt node."""
-    return fn(with_children(e, tuple(transform(c, fn) for c in children(e))))
+    """Post-order rewrite: children first, then `fn` on the rebuilt node
+    (iterative: any depth)."""
+    done: list[Expr] = []
+    stack: list[tuple[Expr, bool]] = [(e, False)]
+    while stack:
+        node, expanded = stack.pop()
+        kids = children(node)
+        if not kids:
+            done.append(fn(node))
+        elif expanded:
+            k = len(kids)
+            new = tuple(done[-k:])
+            del done[-k:]
+            done.append(fn(with_children(node, new)))
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(kids))
+    return done[0]
+
+
+def postorder(e: Expr, unique: bool = False) -> Iterator[Expr]:
+    """Every node after its children, left to right (iterative: any depth).
+    With `unique`, a node object shared by several parents is visited once."""
+    stack: list[tuple[Expr, bool]] = [(e, False)]
+    seen: set[int] = set()
+    while stack:
+        node, expanded = stack.pop()
+        if unique and id(node) in seen:
+            continue
+        kids = children(node)
+        if expanded or not kids:
+            if unique:
+                seen.add(id(node))
+            yield node
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(kids))
 
 
 def bound_indices(e: Expr) -> tuple[str, ...]:
@@ -186,16 +227,27 @@ def free_indices(e: Expr) -> tuple[str, ...]:
         return tuple(dict.fromkeys(e.indices))
     if isinstance(e, Index):
         return (e.name,)
-    out: dict[str, None] = {}
-    args = children(e)
-    if isinstance(e, Reduce) and e.result is not None:     # a field varies over its own arguments only
-        used = e.summary.arguments_of(e.result)
-        args = tuple(a for k, a in enumerate(args) if k in used)
-    for c in args:
-        out.update(dict.fromkeys(free_indices(c)))
-    for i in bound_indices(e):
-        out.pop(i, None)
-    return tuple(out)
+    if not children(e):
+        return ()
+    free: dict[int, tuple[str, ...]] = {}        # id(node) -> its free indices
+    for node in postorder(e, unique=True):
+        if isinstance(node, Access):
+            free[id(node)] = tuple(dict.fromkeys(node.indices))
+            continue
+        if isinstance(node, Index):
+            free[id(node)] = (node.name,)
+            continue
+        out: dict[str, None] = {}
+        args = children(node)
+        if isinstance(node, Reduce) and node.result is not None:   # a field varies over its own arguments only
+            used = node.summary.arguments_of(node.result)
+            args = tuple(a for k, a in enumerate(args) if k in used)
+        for c in args:
+            out.update(dict.fromkeys(free[id(c)]))
+        for i in bound_indices(node):
+            out.pop(i, None)
+        free[id(node)] = tuple(out)
+    return free[id(e)]
 
 
 # ---------------------------------------------------------------- printing
@@ -225,6 +277,18 @@ def format_number(value: int | float) -> str:
 
 
 def format_expr(e: Expr) -> str:
+    """The canonical text of `e` (iterative: any depth)."""
+    text: dict[int, str] = {}                   # id(node) -> its text
+
+    def wrap(c: Expr, at_least: int) -> str:
+        return text[id(c)] if _prec(c) >= at_least else f"({text[id(c)]})"
+
+    for node in postorder(e, unique=True):
+        text[id(node)] = _format_node(node, text, wrap)
+    return text[id(e)]
+
+
+def _format_node(e: Expr, text: dict[int, str], wrap) -> str:
     if isinstance(e, Const):
         return format_number(e.value)
     if isinstance(e, Access):
@@ -234,24 +298,25 @@ def format_expr(e: Expr) -> str:
     if isinstance(e, Extent):
         return f"len({e.name})"
     if isinstance(e, Reduce):
-        text = f"{e.summary.name}[{', '.join(e.indices)}]({', '.join(map(format_expr, e.args))})"
-        return text if e.result is None else f"{text}.{e.result}"
+        args = ", ".join(text[id(a)] for a in e.args)
+        out = f"{e.summary.name}[{', '.join(e.indices)}]({args})"
+        return out if e.result is None else f"{out}.{e.result}"
     if isinstance(e, Composite):
-        return f"{e.op}[{', '.join(e.indices)}]({format_expr(e.arg)})"
+        return f"{e.op}[{', '.join(e.indices)}]({text[id(e.arg)]})"
     if isinstance(e, Call):
         op = OPS[e.op]
         if op.syntax == "function":
-            return f"{op.symbol}({', '.join(map(format_expr, e.args))})"
+            return f"{op.symbol}({', '.join(text[id(a)] for a in e.args)})"
         if op.syntax == "prefix":
             sep = " " if op.symbol.isalpha() else ""
-            return f"{op.symbol}{sep}{_wrap(e.args[0], op.precedence)}"
+            return f"{op.symbol}{sep}{wrap(e.args[0], op.precedence)}"
         left, right = e.args
         p = op.precedence
         if op.name == "pow":            # right-associative; the base must be an atom
-            return f"{_wrap(left, PREC_ATOM)} ** {_wrap(right, PREC_UNARY)}"
+            return f"{wrap(left, PREC_ATOM)} ** {wrap(right, PREC_UNARY)}"
         if p == PREC_CMP:               # comparisons do not chain
-            return f"{_wrap(left, PREC_ADD)} {op.symbol} {_wrap(right, PREC_ADD)}"
-        return f"{_wrap(left, p)} {op.symbol} {_wrap(right, p + 1)}"
+            return f"{wrap(left, PREC_ADD)} {op.symbol} {wrap(right, PREC_ADD)}"
+        return f"{wrap(left, p)} {op.symbol} {wrap(right, p + 1)}"
     raise TypeError(f"not an expression: {e!r}")
 
 
@@ -269,5 +334,5 @@ def format_program(p: Program) -> str:
 
 
 __all__ = ["Expr", "Const", "Access", "Index", "Extent", "Var", "Call", "Reduce", "Composite",
-           "Assign", "Input", "Program", "walk", "transform", "children", "with_children",
+           "Assign", "Input", "Program", "walk", "postorder", "transform", "children", "with_children",
            "free_indices", "bound_indices", "format_expr", "format_statement", "format_program"]

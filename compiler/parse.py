@@ -7,9 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 
 import lark
-from lark import Lark, Transformer, v_args
+from lark import Lark, Transformer_NonRecursive
 
-from .errors import ParseError, Span
+from . import config
+from .errors import LimitError, ParseError, Span
 from .ops import INFIX
 
 
@@ -118,11 +119,21 @@ def _token_span(token) -> Span:
     return Span(token.start_pos, token.end_pos)
 
 
-@v_args(meta=True)
-class _ToSyntax(Transformer):
+class _ToSyntax(Transformer_NonRecursive):
+    """Tree -> syntax, bottom up without recursion (any nesting).  Each rule method
+    takes (meta, children); unlike lark's v_args(meta=True), the dispatch below
+    builds no wrapper per node (a third of the parse time on long programs)."""
+
     def __init__(self, source: str):
         super().__init__()
         self.source = source
+
+    def _call_userfunc(self, tree, new_children=None):
+        children = new_children if new_children is not None else tree.children
+        method = getattr(self, tree.data, None)
+        if method is None:
+            return self.__default__(tree.data, children, tree.meta)
+        return method(tree.meta, children)
 
     def start(self, meta, children):
         return Syntax(tuple(children), self.source)
@@ -188,7 +199,15 @@ def _describe(terminals) -> str:
 
 
 def parse(source: str) -> Syntax:
-    """Parse program text; raise ParseError with a caret on bad input."""
+    """Parse program text; raise ParseError with a caret on bad input, LimitError
+    past the size limits of compiler/config.py.  Iterative: any nesting parses."""
+    if not isinstance(source, str):
+        hint = "; decode it first, e.g. source.decode()" if isinstance(source, bytes | bytearray) else ""
+        raise ParseError(f"a program is a str, not {type(source).__name__}{hint}")
+    if len(source) > config.MAX_SOURCE_CHARS:
+        raise LimitError(f"the program has {len(source):,} characters; the limit is "
+                         f"{config.MAX_SOURCE_CHARS:,} (compiler.config.MAX_SOURCE_CHARS)",
+                         source, Span(config.MAX_SOURCE_CHARS, config.MAX_SOURCE_CHARS + 1))
     try:
         tree = _parser().parse(source)
     except lark.exceptions.UnexpectedCharacters as e:
@@ -208,4 +227,51 @@ def parse(source: str) -> Syntax:
         at = len(source.rstrip())
         raise ParseError(f"unexpected end of input; expected {_describe(e.expected)}",
                          source, Span(max(0, at - 1), max(1, at))) from None
-    return _ToSyntax(source).transform(tree)
+    syntax = _ToSyntax(source).transform(tree)
+    _check_limits(syntax)
+    return syntax
+
+
+def depth(node) -> int:
+    """Nesting depth of a syntax expression (an atom is 1), computed without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((c, d + 1) for c in _children(node))
+    return deepest
+
+
+def _children(node) -> tuple:
+    if isinstance(node, Operator):
+        return node.operands
+    if isinstance(node, Call | Reduction):
+        return node.args
+    return ()
+
+
+def deepest_statement(syntax: Syntax) -> Statement | None:
+    """The statement with the most deeply nested expression (first of equals)."""
+    best, best_depth = None, 0
+    for st in syntax.statements:
+        d = depth(st.expr)
+        if d > best_depth:
+            best, best_depth = st, d
+    return best
+
+
+def _check_limits(syntax: Syntax) -> None:
+    statements = syntax.statements
+    if len(statements) > config.MAX_STATEMENTS:
+        raise LimitError(f"the program has {len(statements):,} statements; the limit is "
+                         f"{config.MAX_STATEMENTS:,} (compiler.config.MAX_STATEMENTS)",
+                         syntax.source, statements[config.MAX_STATEMENTS].name_span)
+    for st in statements:
+        stack = [(st.expr, 1)]
+        while stack:
+            node, d = stack.pop()
+            if d > config.MAX_DEPTH:
+                raise LimitError(f"this expression is nested more than {config.MAX_DEPTH:,} levels "
+                                 f"deep (compiler.config.MAX_DEPTH; a sum of n terms is n levels); "
+                                 f"split it into statements", syntax.source, node.span)
+            stack.extend((c, d + 1) for c in _children(node))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from functools import cached_property
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -10,9 +11,10 @@ if TYPE_CHECKING:
 from . import backend as backends
 from .algebra import Summary
 from .check import check
-from .errors import BackendError, EinfoldError
+from .config import deep
+from .errors import BackendError, BindError, CheckError, EinfoldError, ParseError
 from .ir import Program as IRProgram
-from .parse import parse
+from .parse import deepest_statement, parse
 from .passes import run_pipeline
 from .schedule import Plan
 
@@ -23,7 +25,20 @@ KNOWN_OPTIONS = ("summaries", *SCHEDULE_OPTIONS)
 
 
 class Program:
-    """A compiled program.  Call it with its inputs by name."""
+    """A compiled program: call it with its inputs by keyword.
+
+    `compile(source, ...)` makes one. A call binds the inputs (a tensor with one
+    dimension per index of its access for each tensor input, a number or 0-d
+    tensor for each 0-d input), checks their ranks, dtypes, devices and
+    extents, and runs the backend. A later call with inputs of the same shapes,
+    dtypes and devices reuses the first call's kernels.
+
+    Attributes:
+        text: the source text.
+        checked: the checked IR (every reduction explicit), before the passes.
+        factorised: the IR after the passes (lower, fuse, stabilise, factorise).
+        outputs: the names of the statements a call returns, in statement order.
+    """
 
     def __init__(self, source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
                  **options):
@@ -31,15 +46,23 @@ class Program:
         if unknown:
             raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
                                f"known: {', '.join(KNOWN_OPTIONS)}")
-        summaries = {s.name: _checked_user_summary(s) for s in options.get("summaries", ())}
+        if not isinstance(source, str):
+            hint = "; decode it first, e.g. source.decode()" if isinstance(source, bytes | bytearray) else ""
+            raise ParseError(f"a program is a str, not {type(source).__name__}{hint}")
+        summaries = _checked_user_summaries(options.get("summaries", ()))
         self.backend_name = backends.check_name(backend)
         split = options.get("split")
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
             raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
+        wanted = _checked_outputs(outputs)
         self.text = source
-        self.checked: IRProgram = check(parse(source), outputs=tuple(outputs) if outputs else None,
-                                        summaries=summaries)
-        self.factorised: IRProgram = run_pipeline(self.checked)
+        syntax = parse(source)          # iterative; enforces config's size limits
+        # Checking and the passes recurse over expressions: deep() reruns them on a
+        # large stack when the default one is too small (compiler/config.py).
+        where = deepest_statement(syntax)
+        self.checked, self.factorised = deep(
+            lambda: _front_end(syntax, wanted, summaries), what="the program", source=source,
+            span=where.span if where is not None else None)
         self.outputs = self.checked.outputs
         self.schedule_options = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
         self._runners: dict[tuple, object] = {}
@@ -55,33 +78,90 @@ class Program:
         from .bind import Binder
         return Binder(self.checked, extents_of=self.factorised)
 
-    def __call__(self, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def __call__(self, *args, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run the program on `inputs`, one keyword per input name.
+
+        Returns:
+            The output tensor, or a tuple of them in statement order when the
+            program has several outputs.
+
+        Raises:
+            BindError: an input is missing or unexpected, or has the wrong rank,
+                dtype or device, or an extent that disagrees with another.
+        """
+        if args:
+            self._positional_error(args)
         # Inputs of the shapes, dtypes and devices seen before bind the same way:
         # reuse that call's runner (no re-checking, no re-specialising).
         import torch
-        key = tuple((name, v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else (name, type(v))
-                    for name, v in inputs.items())
+        key = []
+        for name, v in inputs.items():
+            if isinstance(v, torch.Tensor):
+                key.append((name, v.shape, v.dtype, v.device))
+            else:
+                if type(v) is not float:            # numbers run as float64 scalars
+                    v = inputs[name] = _number(self.checked, name, v)
+                key.append((name, type(v)))
+        key = tuple(key)
         runner = self._runners.get(key)
         if runner is None:
-            runner = self.backend.runner(self.binder(inputs))
+            binding = self.binder(inputs)
+            runner = deep(lambda: self.backend.runner(binding), what="the program", source=self.text)
             self._runners[key] = runner
         results = runner(inputs)
         values = tuple(results[name] for name in self.outputs)
         return values[0] if len(values) == 1 else values
 
-    def plan(self, **inputs) -> Plan:
-        return self.backend.plan(self.binder(inputs))
+    def _positional_error(self, args: tuple) -> None:
+        names = ", ".join(i.name for i in self.checked.inputs)
+        example = ", ".join(f"{i.name}=..." for i in self.checked.inputs)
+        raise BindError(f"inputs are passed by name, not by position (got {len(args)} positional "
+                        f"argument{'s' * (len(args) != 1)}); call it as ({example}) -- the program's "
+                        f"inputs are: {names or 'none'}")
+
+    def plan(self, *args, **inputs) -> Plan:
+        """The plan the backend follows for these inputs (nothing runs): its
+        kernels, what each writes and folds, and the tiles and splits chosen
+        for these sizes."""
+        if args:
+            self._positional_error(args)
+        binding = self.binder(inputs)
+        return deep(lambda: self.backend.plan(binding), what="the program", source=self.text)
 
     @property
     def source(self) -> str:
-        return self.backend.source
+        """The generated module: for the Triton backend, the Triton source of
+        the last call (before any call, the module for float32 inputs with
+        every extent 128); for the reference backend, the IR it evaluates."""
+        return deep(lambda: self.backend.source, what="the program", source=self.text)
 
     def explain(self) -> str:
+        """The derivation, pass by pass, as text (what `einfold explain`
+        prints): the checked program, the IR after each pass that changed it,
+        each derived summary (fields, identity, lift, merge, how it was
+        derived, its checked laws), the results from the final states, and the
+        backend's plan."""
         from .explain import explain
-        return explain(self)
+        return deep(lambda: explain(self), what="the program", source=self.text)
 
     def __repr__(self) -> str:
         return f"<einfold.Program {self.outputs} backend={self.backend_name}>"
+
+
+def _checked_user_summaries(given) -> dict[str, Summary]:
+    """summaries=: an iterable of compiler.summary(...) values (or one of them)."""
+    if isinstance(given, Summary):
+        given = (given,)
+    elif isinstance(given, str | bytes) or not isinstance(given, Iterable):
+        raise EinfoldError(f"summaries= takes a list of compiler.summary(...) values, "
+                           f"not {type(given).__name__}")
+    out: dict[str, Summary] = {}
+    for s in given:
+        checked = _checked_user_summary(s)
+        if checked.name in out:
+            raise EinfoldError(f"summaries= names '{checked.name}' twice")
+        out[checked.name] = checked
+    return out
 
 
 def _checked_user_summary(s: Summary) -> Summary:
@@ -96,9 +176,74 @@ def _checked_user_summary(s: Summary) -> Summary:
     return s if s.laws is not None else require_laws(s)
 
 
+def _checked_outputs(outputs) -> tuple[str, ...] | None:
+    """outputs=: statement names (a list of them, or one name)."""
+    if outputs is None:
+        return None
+    if isinstance(outputs, str):
+        outputs = (outputs,)
+    elif not isinstance(outputs, Iterable):
+        raise CheckError(f"outputs= takes a list of statement names, not {type(outputs).__name__}")
+    names = tuple(outputs)
+    for name in names:
+        if not isinstance(name, str):
+            raise CheckError(f"outputs= takes statement names (str), not {type(name).__name__} {name!r}")
+    return names or None
+
+
+def _front_end(syntax, outputs, summaries) -> tuple[IRProgram, IRProgram]:
+    checked = check(syntax, outputs=outputs, summaries=summaries)
+    return checked, run_pipeline(checked)
+
+
+def _number(program: IRProgram, name: str, value):
+    """A scalar input as the float64 value it runs as; anything else is left to the
+    binder, which names what is wrong with it."""
+    from numbers import Real
+    if isinstance(value, Real) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (OverflowError, ValueError, TypeError):
+            decl = next((i for i in program.inputs if i.name == name), None)
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise BindError(f"input '{name}' = {shown} does not fit in a float64 (at most about 1.8e308)",
+                            program.source, decl.span if decl is not None else None) from None
+    return value
+
+
 def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
             **options) -> Program:
-    """Parse, check and compile `source` for `backend`."""
+    """Parse, check and compile `source` for `backend`.
+
+    Args:
+        source: the program: one or more statements in index notation,
+            separated by newlines or `;` (see the language reference).
+        outputs: the statements a call returns, in statement order
+            (default: the statements that no later statement reads).
+        backend: `"auto"` (Triton kernels; on CPU tensors under Triton's
+            interpreter), `"triton"`, or `"reference"` (the float64 oracle).
+        **options: `summaries=[...]`: user summaries (`compiler.summary`)
+            usable by name in the program; `split=N`: force a split count on
+            every reduction (a schedule option of the Triton backend).
+
+    Returns:
+        A `Program`; call it with the inputs by keyword.
+
+    Raises:
+        ParseError: the text is not a program.
+        CheckError: the program means nothing (an unknown name, a bad index, a type error).
+        LawError: a user summary breaks a monoid law.
+        BackendError: an unknown backend.
+        LimitError: the program passes a documented size or depth limit.
+        EinfoldError: an unknown option.
+
+    Example:
+        ```python
+        attention = compiler.compile(
+            "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]")
+        out = attention(Q=q, K=k, V=v, scale=0.125)
+        ```
+    """
     return Program(source, outputs=outputs, backend=backend, **options)
 
 

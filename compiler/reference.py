@@ -9,12 +9,13 @@ serves every summary, user-defined and non-commutative ones included.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import torch
 
 from .algebra import COMPOSITES
+from .config import deep
 from .algebra.formula import evaluate as evaluate_formula
 from .ir import Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, free_indices
 from .ops import BOOL, FLOAT, INT, OPS
@@ -96,6 +97,13 @@ class _Evaluator:
         # A projected field varies only over its own arguments' indices: it is
         # constant along the others, so take their first position.
         dims = free_indices(e)
+        if any(d not in dims and self.extents[d] == 0 for d in kept):
+            # an empty dimension has no first position: fold this field's own
+            # arguments alone (its value does not depend on the others)
+            used = s.arguments_of(e.result)
+            own = replace(e.fold, args=tuple(a if k in used else Const(0.0) for k, a in enumerate(e.args)))
+            kept, state = self._fold(own)
+            result = state[e.result].expand([self.extents[d] for d in kept]) if kept else state[e.result]
         for axis in reversed(range(len(kept))):
             if kept[axis] not in dims:
                 result = result.select(axis, 0)
@@ -177,7 +185,13 @@ def run(program: Program, inputs: Mapping[str, torch.Tensor | float], extents: M
     """Evaluate `program` in float64 on already-checked inputs.  `extents` maps
     every index name to its size.  Returns every requested statement's result,
     with dimensions in the order of its left-hand side.  With `chunking`, every
-    reduction runs as the chunked executor (fold_in_chunks) drawing from it."""
+    reduction runs as the chunked executor (fold_in_chunks) drawing from it.
+    Deeply nested programs run on a large stack (config.deep)."""
+    return deep(_run, program, inputs, extents, outputs, chunking, what="the program",
+                source=program.source or None)
+
+
+def _run(program, inputs, extents, outputs, chunking):
     values = {}
     for decl in program.inputs:
         value = inputs[decl.name]

@@ -127,6 +127,7 @@ class Value:
     raw_dtype: object = None
     zero: frozenset = frozenset()      # axes outside whose extent the value is exactly 0
     level: int = 0                     # the scope level it is defined at (at least its axes' levels)
+    bounds: tuple[int, int] | None = None  # an int value's range (decides when it needs 64 bits)
 
 
 class Scope:
@@ -485,9 +486,10 @@ class KernelEmitter:
             return Value(emission.literal(e.value), (), kind, const=e.value)
         if isinstance(e, Index):
             ax = scope.env[e.name]
-            return Value(ax.offs, (ax,), "int")
+            return Value(ax.offs, (ax,), "int", bounds=(0, max(self.ctx.extent(e.name) + ax.block - 1, 0)))
         if isinstance(e, Extent):
-            return Value(self.extent_param(e.name), (), "int")
+            n = self.ctx.extent(e.name)
+            return Value(self.extent_param(e.name), (), "int", bounds=(n, n))
         if isinstance(e, Var):
             raise TypeError(f"free summary variable '{e.name}' in a statement")
         key = (e, tuple((n, scope.env[n].id) for n in sorted(free(e))))
@@ -513,7 +515,8 @@ class KernelEmitter:
         if all(a.const is not None for a in args):
             def tensor(c):
                 dtype = torch.bool if isinstance(c, bool) else torch.int64 if isinstance(c, int) else torch.float64
-                return torch.tensor(c, dtype=dtype)
+                # an operator the language types as float (2 ** -1, 1 / 2) folds in floating point
+                return torch.tensor(c, dtype=torch.float64 if op in emission.FLOAT_RESULT else dtype)
             result = OPS[op].torch(*(tensor(a.const) for a in args)).item()
             if isinstance(result, bool):
                 return Value(emission.literal(result), (), "bool", const=result)
@@ -548,13 +551,20 @@ class KernelEmitter:
             kind = "float" if "float" in kinds else "int"
             if kind == "float":
                 args = [self.as_float(a) for a in args]
+        bounds = emission.int_bounds(op, [a.bounds if a.const is None else (a.const, a.const) for a in args]) \
+            if kind == "int" else None
         codes = [self.expand(a, axes) if a.const is None else a.code for a in args]
+        if bounds is not None and max(map(abs, bounds)) >= 2 ** 31:
+            # int32 index arithmetic would wrap: compute this operation in 64 bits
+            codes = [f"{c}.to(tl.int64)" if a.const is None and (a.bounds is None or
+                                                                 max(map(abs, a.bounds)) < 2 ** 31) else c
+                     for c, a in zip(codes, args)]
         code = emission.emit(op, codes, self.ctx.helpers)
         if cse is not None:
             if code not in cse:
-                cse[code] = self.assign(code, axes, place, kind)
+                cse[code] = self.assign(code, axes, place, kind, bounds=bounds)
             return cse[code]
-        return self.assign(code, axes, place, kind)
+        return self.assign(code, axes, place, kind, bounds=bounds)
 
     def formula(self, e: Expr, env: dict[str, Value], scope: Scope, cse: dict | None = None) -> Value:
         """A summary formula (lift, combine, finalize, weight, repair) over Values, pinned to `scope`."""
@@ -617,7 +627,8 @@ class KernelEmitter:
         else:
             value = v.code
         mask = self.mask_code(target, target)
-        line = f"tl.store({address}, ({value}).to({ptr}.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
+        # tl.cast, not .to(): a scalar input stored as is may be a plain Python number
+        line = f"tl.store({address}, tl.cast({value}, {ptr}.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
         scope.lines.append(f"# {name}[{', '.join(indices)}]")
         scope.lines.append(line)
 
@@ -962,13 +973,13 @@ class KernelEmitter:
             fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
             body.lines.append(f"# {rs.leader}: running {rs.leader_monoid} (the leader); the fields "
                               f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
-            base2 = self.base2_arg(fold, rs)
-            if base2 is not None:
-                # exp(x - r) = exp2(x log2(e) - r log2(e)): keep the leader in base-2 units,
-                # with log2(e) folded into the scalar factor of x
-                body.lines.append("# base-2 units: log2(e) folded into the scale; the leader is r * log2(e)")
-                xs2 = {**xs, rs.leader_arg.name: self.as_float(self.value(base2, body))}
-            la = self.formula(rs.leader_arg, xs if base2 is None else xs2, body)
+            base2 = self.base2_arg(rs)
+            if base2:
+                # exp(x - r) = exp2((x - r) log2(e)): the leader stays the max of x itself, so
+                # x - r is exact near the max and r, r + log(l), x - r - log(l) are as exact as
+                # torch's (folding log2(e) into x first would err by |x| 2^-24 per element)
+                body.lines.append("# base 2: w = exp2((x - r) * log2(e)), r the running max of x itself")
+            la = self.formula(rs.leader_arg, xs, body)
             U = sort_axes(list(la.axes) + list(RA))
             padded = self.masked(RA, U, self.expand(la, U), lit)
             if dims(U) != dims(la.axes):
@@ -981,13 +992,14 @@ class KernelEmitter:
             r_new = self.assign(f"{comb}({r}, {tile.code})", FR, body, stem="r_new")
             body.lines.append("# a leader still at the identity has no mass yet: use the finite stand-in 0")
             r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", FR, body, stem="r_use")
-            if base2 is None:
+            if not base2:
                 alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
                 w = self.formula(rs.weight, {**xs, "r": r_use}, body)
             else:
-                alpha = self.assign(f"tl.exp2({r} - {r_use.code})", FR, body, stem="alpha")
+                log2e = repr(1 / math.log(2.0))
+                alpha = self.assign(f"tl.exp2(({r} - {r_use.code}) * {log2e})", FR, body, stem="alpha")
                 WU = sort_axes(list(la.axes) + list(FR))
-                w = self.assign(f"tl.exp2({self.expand(la, WU)} - {self.expand(r_use, WU)})", WU, body,
+                w = self.assign(f"tl.exp2(({self.expand(la, WU)} - {self.expand(r_use, WU)}) * {log2e})", WU, body,
                                 stem="w")
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
@@ -1004,7 +1016,7 @@ class KernelEmitter:
                                   f"{self.expand(contrib, FT)}")
                 state[fname] = Value(t, FT)
             updates.append(f"{r} = {r_new.code}")
-            state[rs.leader] = r_val if base2 is None else Value(f"({r} * {math.log(2.0)!r})", FR)
+            state[rs.leader] = r_val
         body.lines.extend(updates)
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
@@ -1012,24 +1024,14 @@ class KernelEmitter:
         return state
 
     @staticmethod
-    def base2_arg(fold: Reduce, rs) -> Expr | None:
-        """When the weight is exp(x - r) of the leader's own argument x (the form the
-        stabilise and factorise passes derive), x scaled by log2(e), with the constant
-        folded into x's scalar factor where x is a product with one: else None."""
+    def base2_arg(rs) -> bool:
+        """Whether the weight and repair are exp(x - r) and exp(r - r_new) of the leader's
+        own argument x (the form the stabilise and factorise passes derive): those run
+        as exp2 of the difference times log2(e)."""
         x = rs.leader_arg
-        if not (isinstance(x, Var) and rs.leader_monoid == "max"
+        return (isinstance(x, Var) and rs.leader_monoid == "max"
                 and rs.weight == Call("exp", (Call("sub", (x, Var("r"))),))
-                and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),))):
-            return None
-        arg = fold.args[int(x.name[1:])]
-        log2e = Const(1 / math.log(2.0))
-        if isinstance(arg, Call) and arg.op == "mul":
-            a, b = arg.args
-            if not free_indices(b):
-                return Call("mul", (a, Call("mul", (b, log2e))))
-            if not free_indices(a):
-                return Call("mul", (b, Call("mul", (a, log2e))))
-        return Call("mul", (arg, log2e))
+                and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),)))
 
     # any summary
     def generic_fold(self, fold, fields, prefix, body, RA, looped, init, xs=None) -> dict[str, Value]:

@@ -93,3 +93,25 @@ def small_integer_power(exponent) -> int | None:
 FLOAT_RESULT = {op.name for op in OPS.values() if op.result((INT,) * op.arity) == FLOAT}
 BOOL_RESULT = {op.name for op in OPS.values()
                if op.result((INT,) * op.arity) == BOOL or op.result((BOOL,) * op.arity) == BOOL}
+
+
+def int_bounds(op: str, bounds: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """The range of an integer operation from its operands' ranges (None: unknown)."""
+    if op == "where":
+        bounds = bounds[1:]
+    if any(b is None for b in bounds):
+        return None
+    if op == "neg":
+        return (-bounds[0][1], -bounds[0][0])
+    if op == "abs":
+        lo, hi = bounds[0]
+        return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+    if op in ("add", "sub", "mul", "maximum", "minimum"):
+        (a, b), (c, d) = bounds
+        corners = {"add": (a + c, b + d), "sub": (a - d, b - c), "maximum": (max(a, c), max(b, d)),
+                   "minimum": (min(a, c), min(b, d)), "mul": (a * c, a * d, b * c, b * d)}[op]
+        return (min(corners), max(corners))
+    if op == "where":
+        (a, b), (c, d) = bounds
+        return (min(a, c), max(b, d))
+    return None

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run on the GPU machine (the device tool), from the repository root:
+#   bash scripts/gpu_check.sh tests            GPU-marked tests + the interpreter-free corpus checks
+#   bash scripts/gpu_check.sh bench GROUP...   einfold bench for these groups (one run, side by side)
+#   bash scripts/gpu_check.sh fuzz N           the fuzzer with N examples per property
+# Wheels the machine lacks (lark, pytest, hypothesis) travel in .whl/ (carry it).
+# Logs and results go to $OUT (or ./gpu-out); the last lines printed are a short summary.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD || exit 1
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 EINFOLD_CACHE_DIR=/tmp/einfold-cache
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+what=${1:-tests}; shift || true
+case "$what" in
+    tests)
+        python3 -m pytest -p no:cacheprovider -m gpu -rA tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+    bench)
+        args=(); for g in "$@"; do args+=(--group "$g"); done
+        python3 -m compiler bench "${args[@]}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
+    fuzz)
+        EINFOLD_FUZZ_EXAMPLES=${1:-2000} python3 -m pytest -p no:cacheprovider -rA tests/test_fuzz.py 2>&1 \
+            | tee "$OUT/fuzz.log" | tail -30 ;;
+    *) echo "unknown step: $what"; exit 2 ;;
+esac
