@@ -260,8 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
-    text = str(message).removeprefix("einfold: ")
-    return f"einfold: warning: {text}\n"
+    """A warning as one line without a source frame; others' warnings keep their category."""
+    text = " ".join(str(message).split())
+    if text.startswith("einfold: "):
+        return f"einfold: warning: {text.removeprefix('einfold: ')}\n"
+    return f"{category.__name__}: {text}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

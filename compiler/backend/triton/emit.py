@@ -975,10 +975,12 @@ class KernelEmitter:
                               f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
             base2 = self.base2_arg(rs)
             if base2:
-                # exp(x - r) = exp2((x - r) log2(e)): the leader stays the max of x itself, so
-                # x - r is exact near the max and r, r + log(l), x - r - log(l) are as exact as
-                # torch's (folding log2(e) into x first would err by |x| 2^-24 per element)
-                body.lines.append("# base 2: w = exp2((x - r) * log2(e)), r the running max of x itself")
+                # exp(x - r) in base 2 at one fma per element: w = exp2(fma(x, log2 e, -r2)) with
+                # r2 = r log2(e) rounded.  The product x log2(e) is not rounded, so every weight of a
+                # row errs by the same factor exp2(r log2(e) - r2); _natural divides it out of the
+                # final fields.  The leader stays the max of x itself (exact), so r, r + log(l)
+                # and x - r - log(l) are as exact as torch's at any logit size.
+                body.lines.append("# base 2: w = exp2(x * log2(e) - r2), r2 = r * log2(e); r is the max of x itself")
             la = self.formula(rs.leader_arg, xs, body)
             U = sort_axes(list(la.axes) + list(RA))
             padded = self.masked(RA, U, self.expand(la, U), lit)
@@ -997,9 +999,10 @@ class KernelEmitter:
                 w = self.formula(rs.weight, {**xs, "r": r_use}, body)
             else:
                 log2e = repr(1 / math.log(2.0))
-                alpha = self.assign(f"tl.exp2(({r} - {r_use.code}) * {log2e})", FR, body, stem="alpha")
+                r2 = self.assign(f"{r_use.code} * {log2e}", FR, body, stem="r2")
+                alpha = self.assign(f"tl.exp2({r} * {log2e} - {r2.code})", FR, body, stem="alpha")
                 WU = sort_axes(list(la.axes) + list(FR))
-                w = self.assign(f"tl.exp2(({self.expand(la, WU)} - {self.expand(r_use, WU)}) * {log2e})", WU, body,
+                w = self.assign(f"tl.exp2(tl.fma({self.expand(la, WU)}, {log2e}, -{self.expand(r2, WU)}))", WU, body,
                                 stem="w")
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
@@ -1014,7 +1017,12 @@ class KernelEmitter:
                 init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
                 body.lines.append(f"{t} = {self.expand(Value(t, FT), FT)} * {self.expand(alpha, FT)} + "
                                   f"{self.expand(contrib, FT)}")
-                state[fname] = Value(t, FT)
+                if base2:
+                    self.ctx.helpers.add("natural")
+                    state[fname] = Value(f"_natural({self.expand(Value(t, FT), FT)}, "
+                                         f"{self.expand(r_val, FT)})", FT)
+                else:
+                    state[fname] = Value(t, FT)
             updates.append(f"{r} = {r_new.code}")
             state[rs.leader] = r_val
         body.lines.extend(updates)
