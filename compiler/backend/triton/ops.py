@@ -60,7 +60,7 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {
     "minimum": ("tl.minimum({0}, {1})", None),
     "gelu": ("(0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476)))", None),
     "silu": ("({0} * tl.sigmoid({0}))", None),
-    "relu": ("tl.maximum({0}, 0.0)", None),
+    "relu": ("tl.where({0} < 0.0, 0.0, {0})", None),          # NaN stays NaN, as in torch
     "softplus": ("(tl.maximum({0}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({0}))))", None),
     "tanh": ("_tanh({0})", "tanh"),
     "pow": ("_pow({0}, {1})", "pow"),

@@ -1,0 +1,76 @@
+"""The numerical contract, FlashAttention's criterion: against a float64
+reference, einfold's error is at most twice the error of the same torch code in
+the same precision (plus two ulp of the dtype, for results torch gets exactly).
+
+Rows of logits sit at offsets up to 1e4 from 0 with O(1) spread: the case where
+folding log2(e) into a logit before subtracting the running max lost digits
+(2e-2 relative error at 1e5 in float32 before the fma form).  Inputs are rounded
+to the dtype first and the reference is computed from the rounded values, so
+only the computation is measured.  Triton backend (the interpreter on CPU; the
+same tests run on CUDA tensors on the GPU machine).
+
+Known gap, asserted as measured so that it cannot grow unseen: layer norm at
+offsets >= 1e3 in float32 is within 4x of torch, not 2x (the one-pass Chan merge
+in float32 against torch's two-pass kernel)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiler
+from compiler.random_inputs import relative_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = {
+    "softmax": ("P[i,j] = softmax[j](X[i,j])", lambda X: torch.softmax(X, -1)),
+    "log_softmax": ("P[i,j] = X[i,j] - logsumexp[j](X[i,j])", lambda X: torch.log_softmax(X, -1)),
+    "logsumexp": ("L[i] = logsumexp[j](X[i,j])", lambda X: torch.logsumexp(X, -1)),
+    "cross_entropy": ("L[i] = logsumexp[j](X[i,j]) - X[i,j] * T[i,j]",
+                      lambda X, T: torch.logsumexp(X, -1) - (X * T).sum(-1)),
+    "layernorm": ("mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)\n"
+                  "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + 1e-5)",
+                  lambda X: torch.nn.functional.layer_norm(X, X.shape[-1:], eps=1e-5)),
+    "attention": ("O[i,j] = softmax[m](X[i,m]) * V[m,j]", lambda X, V: torch.softmax(X, -1) @ V),
+}
+GRID = [(dtype, offset) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        for offset in (0.0, 1e2, 1e3, 1e4) if dtype == torch.float32 or offset <= 1e3]
+
+
+def _inputs(name: str, offset: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    inputs = {"X": offset + 3 * torch.randn(5, 37, dtype=torch.float64, generator=g)}
+    if name == "attention":
+        inputs["V"] = torch.randn(37, 6, dtype=torch.float64, generator=g)
+    if name == "cross_entropy":
+        inputs["T"] = torch.nn.functional.one_hot(torch.randint(0, 37, (5,), generator=g), 37).double()
+    return inputs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_error_is_at_most_twice_torchs_in_the_same_precision(name):
+    source, torch_code = CASES[name]
+    program = compiler.compile(source)
+    for dtype, offset in GRID:
+        low = {k: v.to(dtype).to(DEVICE) for k, v in _inputs(name, offset, seed=len(name)).items()}
+        want = torch_code(*(v.double().cpu() for v in low.values()))
+        ours = relative_error(program(**low), want)
+        theirs = relative_error(torch_code(*low.values()), want)
+        factor = 4 if name == "layernorm" and offset >= 1e3 else 2
+        assert ours <= factor * theirs + 2 * torch.finfo(dtype).eps, (dtype, offset, ours, theirs)
+
+
+def test_nan_and_infinities_propagate_as_in_torch():
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    x[0, 1], x[1, :], x[2, 2] = float("nan"), -float("inf"), float("inf")
+    x = x.to(DEVICE)
+    softmax = compiler.compile(CASES["softmax"][0])(X=x)
+    torch.testing.assert_close(softmax, torch.softmax(x, -1), equal_nan=True)
+    relu = compiler.compile("Y[i] = relu(X[i])")
+    v = torch.tensor([float("nan"), -1.0, 2.0, -float("inf"), float("inf")], device=DEVICE)
+    torch.testing.assert_close(relu(X=v), torch.relu(v), equal_nan=True)
+    lse = compiler.compile(CASES["logsumexp"][0])(X=x)
+    want = torch.logsumexp(x, -1)
+    # rows with NaN, all -inf and finite agree; a row holding +inf gives NaN where torch gives
+    # inf (a known gap: l is NaN there, and softmax needs it NaN)
+    torch.testing.assert_close(lse[[0, 1, 3]], want[[0, 1, 3]], equal_nan=True)
