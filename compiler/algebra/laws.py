@@ -225,6 +225,7 @@ class _Laws:
     def __init__(self, summary: Summary):
         self.s = summary
         self.names = summary.field_names
+        self._compiled: dict[str, Callable] = {}
 
     # ------------------------------------------------------------ symbolic
     def _symbols(self, state: str) -> tuple[sympy.Symbol, ...]:
@@ -277,15 +278,22 @@ class _Laws:
 
     # ------------------------------------------------------------ numeric
     def _lift(self, element: Sequence[float]) -> tuple[float, ...]:
-        import torch
-        env = {f"x{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in enumerate(element)}
-        return tuple(float(evaluate(f, env)) for f in self.s.lift)
+        return self._numeric("lift")(*element)
 
     def _combine(self, a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
-        import torch
-        env = {**{f"a.{n}": torch.tensor(float(v), dtype=torch.float64) for n, v in zip(self.names, a)},
-               **{f"b.{n}": torch.tensor(float(v), dtype=torch.float64) for n, v in zip(self.names, b)}}
-        return tuple(float(evaluate(c, env)) for c in self.s.combine)
+        return self._numeric("combine")(*a, *b)
+
+    def _numeric(self, which: str) -> Callable:
+        """lift or combine as a float64 function of its variables, compiled once with
+        sympy's numpy printer (IEEE semantics like torch's, and no torch import);
+        formulas numpy cannot take are evaluated by the oracle's torch column."""
+        cached = self._compiled.get(which)
+        if cached is None:
+            formulas = self.s.lift if which == "lift" else self.s.combine
+            names = ([f"x{k}" for k in range(self.s.arity)] if which == "lift" else
+                     [f"{side}.{n}" for side in "ab" for n in self.names])
+            cached = self._compiled[which] = _float64_function(formulas, names)
+        return cached
 
     def _state(self, elements) -> tuple[float, ...]:
         """A reachable state: the identity, or the ordered fold of lifted elements."""
@@ -359,6 +367,35 @@ def _element(rng: random.Random) -> float:
     """A lifted element's coordinate: small exact integers half the time (so that
     ties occur), otherwise a moderate float, |x| <= 1e3."""
     return float(rng.randint(-3, 3)) if rng.random() < 0.5 else rng.uniform(-1e3, 1e3)
+
+
+def _float64_function(formulas, names: list[str]) -> Callable:
+    symbols = [sympy.Symbol(f"v{k}", real=True) for k in range(len(names))]
+    env = dict(zip(names, symbols))
+    try:
+        import numpy
+        compiled = sympy.lambdify(symbols, [to_sympy(f, env) for f in formulas], modules="numpy")
+    except Exception:           # a formula numpy's printer cannot take: the torch column evaluates it
+        compiled = None
+
+    def by_numpy(*values):
+        with numpy.errstate(all="ignore"):
+            return tuple(float(v) for v in compiled(*(numpy.float64(v) for v in values)))
+
+    def by_torch(*values):
+        import torch
+        frame = {n: torch.tensor(float(v), dtype=torch.float64) for n, v in zip(names, values)}
+        return tuple(float(evaluate(f, frame)) for f in formulas)
+
+    if compiled is None:
+        return by_torch
+
+    def evaluate_values(*values):
+        try:
+            return by_numpy(*values)
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+            return by_torch(*values)
+    return evaluate_values
 
 
 # ---------------------------------------------------------------- sympy helpers
