@@ -22,6 +22,11 @@ def _span_field():
     return field(default=None, compare=False, repr=False)
 
 
+def _hash_field():
+    """A value computed once from the node's fields (not compared, not printed)."""
+    return field(default=None, init=False, compare=False, repr=False)
+
+
 class Expr:
     """Base of expression nodes."""
 
@@ -74,6 +79,15 @@ class Call(Expr):
     op: str
     args: tuple[Expr, ...]
     span: Span | None = _span_field()
+    _hash: int | None = _hash_field()
+    _free: tuple[str, ...] | None = _hash_field()     # free_indices, once computed
+    _hashed = ("op", "args")
+
+    def __hash__(self) -> int:
+        # computed once per node: a structural hash of a deep tree costs its size
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((type(self), *(getattr(self, f) for f in self._hashed))))
+        return self._hash
 
 
 @_node
@@ -89,6 +103,15 @@ class Reduce(Expr):
     args: tuple[Expr, ...]
     result: str | None = None
     span: Span | None = _span_field()
+    _hash: int | None = _hash_field()
+    _free: tuple[str, ...] | None = _hash_field()     # free_indices, once computed
+    _hashed = ("summary", "indices", "args", "result")
+
+    def __hash__(self) -> int:
+        # computed once per node: a structural hash of a deep tree costs its size
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((type(self), *(getattr(self, f) for f in self._hashed))))
+        return self._hash
 
     @property
     def fold(self) -> "Reduce":
@@ -105,6 +128,15 @@ class Composite(Expr):
     indices: tuple[str, ...]
     arg: Expr
     span: Span | None = _span_field()
+    _hash: int | None = _hash_field()
+    _free: tuple[str, ...] | None = _hash_field()     # free_indices, once computed
+    _hashed = ("op", "indices", "arg")
+
+    def __hash__(self) -> int:
+        # computed once per node: a structural hash of a deep tree costs its size
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash((type(self), *(getattr(self, f) for f in self._hashed))))
+        return self._hash
 
 
 @_node
@@ -221,21 +253,32 @@ def bound_indices(e: Expr) -> tuple[str, ...]:
     return ()
 
 
-def free_indices(e: Expr) -> tuple[str, ...]:
-    """Indices the value of `e` varies over, in order of first occurrence."""
-    if isinstance(e, Access):
-        return tuple(dict.fromkeys(e.indices))
-    if isinstance(e, Index):
-        return (e.name,)
-    if not children(e):
+def _leaf_or_known_free(node: Expr) -> tuple[str, ...] | None:
+    """The free indices of a leaf, or those already computed for an inner node."""
+    if isinstance(node, Access):
+        return tuple(dict.fromkeys(node.indices))
+    if isinstance(node, Index):
+        return (node.name,)
+    if not children(node):
         return ()
-    free: dict[int, tuple[str, ...]] = {}        # id(node) -> its free indices
-    for node in postorder(e, unique=True):
-        if isinstance(node, Access):
-            free[id(node)] = tuple(dict.fromkeys(node.indices))
+    return node._free
+
+
+def free_indices(e: Expr) -> tuple[str, ...]:
+    """Indices the value of `e` varies over, in order of first occurrence.  An
+    inner node keeps its answer (computed once: linear over a whole program)."""
+    known = _leaf_or_known_free(e)
+    if known is not None:
+        return known
+    stack: list[tuple[Expr, bool]] = [(e, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if not expanded:
+            if _leaf_or_known_free(node) is None:
+                stack.append((node, True))
+                stack.extend((c, False) for c in children(node))
             continue
-        if isinstance(node, Index):
-            free[id(node)] = (node.name,)
+        if node._free is not None:            # shared by several parents: done already
             continue
         out: dict[str, None] = {}
         args = children(node)
@@ -243,11 +286,11 @@ def free_indices(e: Expr) -> tuple[str, ...]:
             used = node.summary.arguments_of(node.result)
             args = tuple(a for k, a in enumerate(args) if k in used)
         for c in args:
-            out.update(dict.fromkeys(free[id(c)]))
+            out.update(dict.fromkeys(_leaf_or_known_free(c)))
         for i in bound_indices(node):
             out.pop(i, None)
-        free[id(node)] = tuple(out)
-    return free[id(e)]
+        object.__setattr__(node, "_free", tuple(out))
+    return e._free
 
 
 # ---------------------------------------------------------------- printing

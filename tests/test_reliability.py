@@ -87,6 +87,14 @@ def test_deep_program_on_the_triton_backend():
     torch.testing.assert_close(compiler.compile(src, backend="triton")(X=x), x * 301, rtol=1e-4, atol=1e-4)
 
 
+def test_sum_of_10000_terms_on_the_triton_backend():
+    # emission is linear: free indices and hashes are computed once per node (this took
+    # over 6 minutes when each lookup walked the whole subtree)
+    src = "Y[i] = " + " + ".join(f"X[i] * {k % 7 + 1}" for k in range(10_000))
+    torch.testing.assert_close(compiler.compile(src, backend="triton")(X=torch.ones(3)),
+                               torch.full((3,), 39_994.0))
+
+
 def test_deep_work_restores_the_recursion_limit():
     before = sys.getrecursionlimit()
     oracle("Y[i] = " + "-" * 1500 + "X[i]", X=torch.randn(2))
@@ -298,9 +306,10 @@ def test_outputs_argument():
     assert program.outputs == ("Y",)
 
 
-def test_copy_of_a_scalar_input_on_the_oracle():
+def test_copy_of_a_scalar_input_on_the_oracle_and_the_triton_backend():
     assert float(oracle("Y[] = s", s=2.5)) == 2.5
     assert float(oracle("Y[] = s", s=3)) == 3.0
+    assert float(compiler.compile("Y[] = s", backend="triton")(s=2.5)) == 2.5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
