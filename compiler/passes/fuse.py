@@ -73,12 +73,17 @@ def fuse(program: Program) -> Program:
     def substitute(e: Expr) -> Expr:
         if isinstance(e, Access) and e.tensor in inlined:
             params, body = inlined[e.tensor]
-            return rename_indices(body, dict(zip(params, e.indices)), names.fresh)
+            mapping = {p: i for p, i in zip(params, e.indices) if p != i}
+            return rename_indices(body, mapping, names.fresh) if mapping else body
         return with_children(e, tuple(substitute(c) for c in children(e)))
 
     kept = []
     for s in program.statements:
-        s = replace(s, expr=transform(substitute(s.expr), names.restore))
+        renamed_before = len(names.origin)
+        expr = substitute(s.expr)
+        if len(names.origin) != renamed_before:      # fresh names were made: give them back where possible
+            expr = transform(expr, names.restore)
+        s = replace(s, expr=expr)
         inlined[s.name] = (s.indices, s.expr)      # readers recompute it, outputs or not
         if s.name in program.outputs:
             kept.append(s)
