@@ -29,19 +29,8 @@ import compiler  # noqa: E402
 from compiler.random_inputs import random_inputs, relative_error  # noqa: E402
 
 warnings.filterwarnings("ignore", message="einfold: no CUDA tensors")
-pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
-    """Generated modules go to a temporary folder, not the user's cache."""
-    before = os.environ.get("EINFOLD_CACHE_DIR")
-    os.environ["EINFOLD_CACHE_DIR"] = str(tmp_path_factory.mktemp("einfold-cache"))
-    yield
-    if before is None:
-        os.environ.pop("EINFOLD_CACHE_DIR", None)
-    else:
-        os.environ["EINFOLD_CACHE_DIR"] = before
+pytestmark = [pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors"),
+              pytest.mark.usefixtures("private_cache")]
 
 EXAMPLES = int(os.environ.get("EINFOLD_FUZZ_EXAMPLES", "30"))
 TOLERANCE = 2e-3          # float32 against the float64 oracle, relative to the largest value

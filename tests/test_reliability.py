@@ -15,29 +15,11 @@ from compiler import BackendError, BindError, CheckError, EinfoldError, ParseErr
 from compiler.errors import LimitError
 from compiler.ir import format_program
 from compiler.parse import parse
+from test_errors import pointed
 
 warnings.filterwarnings("ignore", message="einfold: no CUDA tensors")
-pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
-    """Generated modules go to a temporary folder, not the user's cache."""
-    before = os.environ.get("EINFOLD_CACHE_DIR")
-    os.environ["EINFOLD_CACHE_DIR"] = str(tmp_path_factory.mktemp("einfold-cache"))
-    yield
-    if before is None:
-        os.environ.pop("EINFOLD_CACHE_DIR", None)
-    else:
-        os.environ["EINFOLD_CACHE_DIR"] = before
-
-
-def pointed(message: str) -> str:
-    source_line, caret_line = message.splitlines()[-2:]
-    text = source_line.split(" | ", 1)[1]
-    marks = caret_line.split(" | ", 1)[1]
-    start = marks.index("^")
-    return text[start:start + marks.count("^")]
+pytestmark = [pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors"),
+              pytest.mark.usefixtures("private_cache")]
 
 
 def oracle(src: str, **inputs):

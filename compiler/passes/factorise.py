@@ -271,11 +271,9 @@ def _repair_rule(st: _State, leader: Reduce) -> str | None:
 def _moments_rule(st: _State, base: Reduce) -> str | None:
     """Sums that read a sum S and are polynomials in x - S / n: the centred
     moments (count, mean, M2, ..., Mp) with Pébay's stable pairwise merge."""
-    if not additive(base.summary):
-        return "it does not add its states"
-    deps = st.reading(base)
-    if not deps or not all(additive(d.summary) for d in deps):
-        return "no additive reduction reads it"
+    deps = _additive_readers(st, base)
+    if isinstance(deps, str):
+        return deps
     table, Ss, bodies, varies = _in_powers_of(st, base, deps)
     xs, y = to_sympy(base.args[0], table), sympy.Symbol("_y", real=True)
     count = to_sympy(_count(st.group.indices), table)
@@ -311,11 +309,9 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
 def _separable_rule(st: _State, base: Reduce) -> str | None:
     """Sums that read a sum S polynomially: expanded in powers of S into
     independent sums (one pass; no stable merge is known for the form)."""
-    if not additive(base.summary):
-        return "it does not add its states"
-    deps = st.reading(base)
-    if not deps or not all(additive(d.summary) for d in deps):
-        return "no additive reduction reads it"
+    deps = _additive_readers(st, base)
+    if isinstance(deps, str):
+        return deps
     table, Ss, bodies, varies = _in_powers_of(st, base, deps)
     if not all(body.is_polynomial(Ss) for body in bodies.values()):
         return "a reader is not a polynomial in it"
@@ -342,6 +338,17 @@ def _separable_rule(st: _State, base: Reduce) -> str | None:
         st.replacement[d] = from_sympy(total, table)
         st.handled.add(d)
     return None
+
+
+def _additive_readers(st: _State, base: Reduce) -> list[Reduce] | str:
+    """The moments' and separable rules' precondition: the anchor and every reader
+    add their states.  The readers, or why not."""
+    if not additive(base.summary):
+        return "it does not add its states"
+    deps = st.reading(base)
+    if not deps or not all(additive(d.summary) for d in deps):
+        return "no additive reduction reads it"
+    return deps
 
 
 def _in_powers_of(st: _State, base: Reduce, deps: list[Reduce]):
