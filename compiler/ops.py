@@ -129,5 +129,10 @@ OPS: dict[str, Op] = {op.name: op for op in [
 FUNCTIONS: dict[str, Op] = {op.symbol: op for op in OPS.values() if op.syntax == "function"}
 INFIX: dict[str, Op] = {op.symbol: op for op in OPS.values() if op.syntax == "infix"}
 
+# Algebraic facts the canonical form uses: operands of a commutative operator are
+# ordered canonically, and chains of an associative one are flattened first.
+COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "and", "or", "eq", "ne"})
+ASSOCIATIVE = frozenset({"add", "mul", "maximum", "minimum", "and", "or"})
+
 # Named constants of the language.
 CONSTANTS: dict[str, float] = {"inf": math.inf, "pi": math.pi}

@@ -10,6 +10,9 @@
 2. Base-2 exponentials and logarithms are written in the natural base
    (exp2(x) = exp(x * ln 2), log2(x) = log(x) / ln 2), so one stabiliser covers
    the exponential family; a backend may rewrite back to base 2.
+3. Operands of commutative operators are put in one order (their printed form),
+   after flattening chains of an associative one: Q*K and K*Q, (a+b)+c and
+   a+(c+b) are one expression, so equal reductions are equal values.
 
 Free (left-hand) indices keep the names the program gives them."""
 from __future__ import annotations
@@ -17,7 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..ir import Call, Const, Expr, Extent, Program, Reduce, children, free_indices, transform, walk, with_children
+from ..ir import (Call, Const, Expr, Extent, Program, Reduce, children, format_expr, free_indices, transform, walk,
+                  with_children)
+from ..ops import ASSOCIATIVE, COMMUTATIVE
 from .fuse import rename_indices
 
 LN2 = Const(math.log(2.0))
@@ -33,6 +38,49 @@ def natural_base(e: Expr) -> Expr:
     if isinstance(e, Call) and e.op in NATURAL_BASE:
         return NATURAL_BASE[e.op](e.args[0])
     return e
+
+
+def order_operands(e: Expr) -> Expr:
+    """`e` with the operands of every commutative call sorted by their printed form,
+    chains of an associative operator flattened first and rebuilt from the left.
+    Iterative, and each chain is flattened once at its top: linear in its length."""
+    done: dict[int, Expr] = {}
+    stack: list[tuple[Expr, list[Expr] | None]] = [(e, None)]
+    while stack:
+        node, operands = stack.pop()
+        if id(node) in done:
+            continue
+        if operands is None:
+            operands = _operands(node)
+            pending = [a for a in operands if id(a) not in done]
+            if pending:
+                stack.append((node, operands))
+                stack.extend((a, None) for a in pending)
+                continue
+        new = [done[id(a)] for a in operands]
+        if isinstance(node, Call) and node.op in COMMUTATIVE:
+            new.sort(key=format_expr)
+            out = new[0]
+            for a in new[1:]:
+                out = Call(node.op, (out, a))
+            done[id(node)] = out
+        else:
+            done[id(node)] = with_children(node, tuple(new))
+    return done[id(e)]
+
+
+def _operands(node: Expr) -> list[Expr]:
+    """A node's children; for an associative call, the operands of its whole chain."""
+    if not (isinstance(node, Call) and node.op in ASSOCIATIVE):
+        return list(children(node))
+    operands, pending = [], [node]
+    while pending:
+        n = pending.pop()
+        if isinstance(n, Call) and n.op == node.op:
+            pending.extend(reversed(n.args))
+        else:
+            operands.append(n)
+    return operands
 
 
 class _Binders:
@@ -79,7 +127,7 @@ class _Binders:
 def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
     statements = tuple(
-        replace(s, expr=binders.rename(transform(s.expr, natural_base)))
+        replace(s, expr=order_operands(binders.rename(transform(s.expr, natural_base))))
         for s in program.statements)
     named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
         n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}
