@@ -69,8 +69,11 @@ class Program:
 
     @cached_property
     def backend(self):
-        """The backend object (made on first use: it imports torch and Triton)."""
-        return backends.choose(self.backend_name)(self.factorised, self.outputs, **self.schedule_options)
+        """The backend object (made on first use: it imports torch and Triton).  Its
+        analysis walks the program recursively, so it is made under deep()."""
+        backend_class = backends.choose(self.backend_name)
+        return deep(lambda: backend_class(self.factorised, self.outputs, **self.schedule_options),
+                    what="the program", source=self.text)
 
     @cached_property
     def binder(self):

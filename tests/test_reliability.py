@@ -72,6 +72,13 @@ def test_deep_program_on_the_triton_backend():
     torch.testing.assert_close(compiler.compile(src, backend="triton")(X=x), x * 301, rtol=1e-4, atol=1e-4)
 
 
+def test_a_deep_program_backend_plan_and_source_do_not_recurse_out():
+    program = compiler.compile("Y[i] = " + "-" * 3000 + "X[i]", backend="triton")
+    assert type(program.backend).__name__ == "TritonBackend"         # made under deep()
+    assert "def launch" in program.source
+    assert program.plan(X=torch.ones(2)).kernels
+
+
 def test_sum_of_10000_terms_on_the_triton_backend():
     # emission is linear: free indices and hashes are computed once per node (this took
     # over 6 minutes when each lookup walked the whole subtree)
