@@ -23,7 +23,7 @@ from dataclasses import replace
 from ..ir import (Call, Const, Expr, Extent, Program, Reduce, children, format_expr, free_indices, transform, walk,
                   with_children)
 from ..ops import ASSOCIATIVE, COMMUTATIVE
-from .fuse import rename_indices
+from .fuse import FreshNames, rename_indices
 
 LN2 = Const(math.log(2.0))
 
@@ -88,6 +88,8 @@ class _Binders:
 
     def __init__(self, extents: dict):
         self.extents = extents
+        # a binder that a renaming would capture gets a fresh name (made canonical later)
+        self.fresh = FreshNames(extents).fresh
 
     def canonical(self, index: str, taken: set[str]) -> str:
         base = str(self.extents[index]).removeprefix("len_")
@@ -97,14 +99,6 @@ class _Binders:
             name = f"{base}_{n}"
         self.extents.setdefault(name, self.extents[index])
         return name
-
-    def fresh(self, index: str) -> str:
-        """A name for a binder that a renaming would capture (made canonical later)."""
-        n = 1
-        while f"{index}__{n}" in self.extents:
-            n += 1
-        self.extents[f"{index}__{n}"] = self.extents[index]
-        return f"{index}__{n}"
 
     def rename(self, e: Expr) -> Expr:
         if isinstance(e, Extent):           # a size, not a position: any index of the class names it

@@ -34,7 +34,7 @@ def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
     return with_children(e, tuple(rename_indices(c, mapping, fresh) for c in children(e)))
 
 
-class _Names:
+class FreshNames:
     """Fresh index names sharing the extent of the index they stand for."""
 
     def __init__(self, extents: dict):
@@ -67,7 +67,7 @@ class _Names:
 
 
 def fuse(program: Program) -> Program:
-    names = _Names(dict(program.extents))
+    names = FreshNames(dict(program.extents))
     inlined: dict[str, tuple[tuple[str, ...], Expr]] = {}
 
     def substitute(e: Expr) -> Expr:
