@@ -2,8 +2,8 @@
 
 Valid programs (attention-like scores with causal masks, biases and soft caps,
 losses, norms, elementwise chains, chains of statements with renamed indices,
-several outputs) run on the oracle and on the Triton backend (the interpreter on
-CPU, tiny ragged sizes, float32) and must agree.  Mutations of them (characters
+several outputs) run on the oracle and on the Triton backend (compiled kernels on
+a GPU, the interpreter on CPU; tiny ragged sizes, float32) and must agree.  Mutations of them (characters
 inserted, deleted or replaced, truncation, swapped brackets, unknown names) must
 compile and run or raise an einfold error -- never another exception.
 
@@ -162,9 +162,11 @@ def valid_program():
                      elementwise("X[i,k]").map(lambda e: f"Y[i,k] = {_using('X[i,k]', e)}"))
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the GPU machine runs real kernels
+
+
 def _inputs(program, sizes, seed):
-    inputs = random_inputs(program, sizes, dtype=torch.float32, seed=seed)
-    return inputs
+    return random_inputs(program, sizes, dtype=torch.float32, seed=seed, device=DEVICE)
 
 
 def _compare(src: str, sizes: dict, seed: int) -> None:

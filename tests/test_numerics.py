@@ -60,17 +60,34 @@ def test_error_is_at_most_twice_torchs_in_the_same_precision(name):
         assert ours <= factor * theirs + 2 * torch.finfo(dtype).eps, (dtype, offset, ours, theirs)
 
 
-def test_nan_and_infinities_propagate_as_in_torch_but_for_a_logsumexp_row_holding_inf():
+def test_nan_and_infinities_propagate_as_in_torch():
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
     x[0, 1], x[1, :], x[2, 2] = float("nan"), -float("inf"), float("inf")
     x = x.to(DEVICE)
-    softmax = compiler.compile(CASES["softmax"][0])(X=x)
-    torch.testing.assert_close(softmax, torch.softmax(x, -1), equal_nan=True)
+    for name in ("softmax", "log_softmax", "logsumexp"):
+        source, torch_code = CASES[name]
+        # a row holding +inf: logsumexp is +inf (its shift is guarded), softmax and
+        # log-softmax are NaN, as torch gives
+        torch.testing.assert_close(compiler.compile(source)(X=x), torch_code(x), equal_nan=True)
     relu = compiler.compile("Y[i] = relu(X[i])")
     v = torch.tensor([float("nan"), -1.0, 2.0, -float("inf"), float("inf")], device=DEVICE)
     torch.testing.assert_close(relu(X=v), torch.relu(v), equal_nan=True)
-    lse = compiler.compile(CASES["logsumexp"][0])(X=x)
-    want = torch.logsumexp(x, -1)
-    # rows with NaN, all -inf and finite agree; a row holding +inf gives NaN where torch gives
-    # inf (a known gap: l is NaN there, and softmax needs it NaN)
-    torch.testing.assert_close(lse[[0, 1, 3]], want[[0, 1, 3]], equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp", "attention", "cross_entropy"])
+def test_logits_near_the_dtype_maximum_stay_finite_as_in_torch(name, dtype):
+    source, torch_code = CASES[name]
+    top = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(3)
+    inputs = _inputs(name, 0.0, seed=3)
+    # rows of logits at 0.97 to 0.99 of the largest finite value, one row spanning -max to max
+    x = top * (0.97 + 0.02 * torch.rand(5, 37, dtype=torch.float64, generator=g))
+    x[2] = torch.linspace(-0.99 * top, 0.99 * top, 37, dtype=torch.float64)
+    inputs["X"] = x
+    low = {k: v.to(dtype).to(DEVICE) for k, v in inputs.items()}
+    ours, theirs = compiler.compile(source)(**low), torch_code(*low.values())
+    want = torch_code(*(v.double().cpu() for v in low.values()))
+    # finite wherever torch is (log-softmax of the spanning row is -inf at its low end in both)
+    assert torch.isfinite(ours.cpu())[torch.isfinite(theirs.cpu())].all(), (name, dtype, ours)
+    assert relative_error(ours, want) <= 2 * relative_error(theirs, want) + 2 * torch.finfo(dtype).eps

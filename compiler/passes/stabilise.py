@@ -14,10 +14,14 @@ Rewrites of sum[I](body), then one symbolic simplification:
    known positive): exp(M) cancels in ratios, log(exp(M) * l) = M + log(l);
 4. rescale: what remains as a sum of exponential terms in a denominator or a
    logarithm (a sink logit beside the softmax sum) is rescaled by its largest
-   exponent.
+   exponent;
+5. guard: M + log(sum_I exp(x - M)) is log(sum_I exp(x)) only for a finite M;
+   at M = +inf or -inf the log-sum-exp is M itself (torch's convention), so
+   the shifted form is selected only where |M| < inf.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import sympy
@@ -203,6 +207,30 @@ def rescale_exponential_sums(e: Expr) -> Expr:
     return e
 
 
+def guard_infinite_shift(e: Expr) -> Expr:
+    """M + log(sum_I exp(x - M)), M = max[I](x), as where(|M| < inf, that, M): the
+    shifted sum is exp(inf - inf) = NaN at M = +inf, where the log-sum-exp is +inf."""
+    if not (isinstance(e, Call) and e.op in ("add", "sub")):
+        return e
+    parts = terms(e)
+    for k, (sign, t) in enumerate(parts):
+        if sign < 0 or not (isinstance(t, Call) and t.op == "log" and _is_sum(t.args[0])):
+            continue
+        body = t.args[0].args[0]
+        if not (isinstance(body, Call) and body.op == "exp"):
+            continue
+        shift = [(-s, m) for s, m in terms(body.args[0]) if isinstance(m, Reduce) and extremum(m.summary) == "max"
+                 and m.indices == t.args[0].indices]
+        if len(shift) != 1 or shift[0] not in parts:
+            continue
+        leader = shift[0][1]
+        rest = [p for j, p in enumerate(parts) if j != k and p != shift[0]]
+        shifted = Call("add", (leader, t))
+        finite = Call("lt", (Call("abs", (leader,)), Const(math.inf)))
+        return signed_sum([*rest, (1, Call("where", (finite, shifted, leader)))])
+    return e
+
+
 def stabilise(program: Program) -> Program:
     statements = []
     for st in program.statements:
@@ -210,6 +238,6 @@ def stabilise(program: Program) -> Program:
         expr = transform(expr, pull_out_invariants)
         shifted = transform(expr, shift_exponentials)
         if shifted != expr:
-            shifted = transform(simplify(shifted), rescale_exponential_sums)
+            shifted = transform(transform(simplify(shifted), rescale_exponential_sums), guard_infinite_shift)
         statements.append(replace(st, expr=shifted))
     return replace(program, statements=tuple(statements))

@@ -23,15 +23,6 @@ def _tanh(x):
     series = x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
     return tl.where(tl.abs(x) < 0.1, series, t)
 ''',
-    "natural": '''\
-@triton.jit
-def _natural(t, r):
-    # t summed with weights exp2(x * log2(e) - r2), r2 = r * log2(e) rounded: each weight is
-    # exp(x - r) * exp2(r * log2(e) - r2), and fma(r, log2(e), -r2) is that exponent exactly;
-    # divide the common factor out (r = -inf: t is 0)
-    r2 = r * 1.4426950408889634
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, 1.4426950408889634, -r2)))
-''',
     "pow": '''\
 @triton.jit
 def _pow(x, y):
