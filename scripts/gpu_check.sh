@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh tests            GPU-marked tests + the interpreter-free corpus checks
 #   bash scripts/gpu_check.sh bench GROUP...   einfold bench for these groups (one run, side by side)
 #   bash scripts/gpu_check.sh fuzz N           the fuzzer with N examples per property
-#   bash scripts/gpu_check.sh compare GROUP... this tree against .before/einfold_before (see scripts/compare_revisions.py)
+#   bash scripts/gpu_check.sh compare NAME[,NAME] GROUP...  this tree against earlier revisions in .before/ (scripts/compare_revisions.py)
 # Wheels the machine lacks (lark, pytest, hypothesis) travel in .whl/ (carry it).
 # Logs and results go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -uo pipefail
@@ -28,6 +28,6 @@ case "$what" in
         EINFOLD_FUZZ_EXAMPLES=${1:-2000} python3 -m pytest -p no:cacheprovider -rA --hypothesis-show-statistics tests/test_fuzz.py 2>&1 \
             | tee "$OUT/fuzz.log" | tail -30 ;;
     compare)
-        python3 scripts/compare_revisions.py .before "$@" 2>&1 | tee "$OUT/compare.log" | tail -30 ;;
+        python3 scripts/compare_revisions.py "$@" 2>&1 | tee "$OUT/compare.log" | tail -30 ;;
     *) echo "unknown step: $what"; exit 2 ;;
 esac

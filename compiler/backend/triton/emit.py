@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import keyword
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -972,6 +973,16 @@ class KernelEmitter:
             fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
             body.lines.append(f"# {rs.leader}: running {rs.leader_monoid} (the leader); the fields "
                               f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
+            base2 = self.base2_arg(rs)
+            if base2:
+                # exp(x - r) in base 2 at one fma per element: w = exp2(fma(x, a, -r2)) with a = log2(e)
+                # and r2 = r a rounded.  The product x a is not rounded, so every weight of a row errs
+                # by the same factor exp2(r a - r2); _natural divides it out of the final fields.  The
+                # leader stays the max of x itself (exact), so r, r + log(l) and x - r - log(l) are as
+                # exact as torch's at any logit size.  A row whose max is beyond FLT_MAX / log2(e)
+                # (where r a would overflow) takes a = 1: float32 values that large are 2**104 apart,
+                # so exp(x - r) is exactly 1 at the max and 0 elsewhere, and so is exp2(x - r).
+                body.lines.append("# base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself")
             la = self.formula(rs.leader_arg, xs, body)
             U = sort_axes(list(la.axes) + list(RA))
             padded = self.masked(RA, U, self.expand(la, U), lit)
@@ -985,12 +996,19 @@ class KernelEmitter:
             r_new = self.assign(f"{comb}({r}, {tile.code})", FR, body, stem="r_new")
             body.lines.append("# a leader still at the identity has no mass yet: use the finite stand-in 0")
             r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", FR, body, stem="r_use")
-            # on NVIDIA GPUs tl.exp of float32 is ex2.approx(x * log2(e)): the base-2 form,
-            # and the difference x - r is taken first, so it is as exact as torch's and never overflows
             body.lines.append(f"# weight {format_expr(rs.weight)}, repair {format_expr(rs.repair)} "
                               f"(r_new: the moved leader)")
-            alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
-            w = self.formula(rs.weight, {**xs, "r": r_use}, body)
+            if not base2:
+                alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
+                w = self.formula(rs.weight, {**xs, "r": r_use}, body)
+            else:
+                self.ctx.helpers.add("base2")
+                a = self.assign(f"_base2({r_use.code})", FR, body, stem="a")
+                r2 = self.assign(f"{r_use.code} * {a.code}", FR, body, stem="r2")
+                alpha = self.assign(f"tl.exp2({r} * _base2({r}) - {r2.code})", FR, body, stem="alpha")
+                WU = sort_axes(list(la.axes) + list(FR))
+                w = self.assign(f"tl.exp2(tl.fma({self.expand(la, WU)}, {self.expand(a, WU)}, "
+                                f"-{self.expand(r2, WU)}))", WU, body, stem="w")
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
@@ -1004,7 +1022,12 @@ class KernelEmitter:
                 init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
                 body.lines.append(f"{t} = {self.expand(Value(t, FT), FT)} * {self.expand(alpha, FT)} + "
                                   f"{self.expand(contrib, FT)}")
-                state[fname] = Value(t, FT)
+                if base2:
+                    self.ctx.helpers.add("natural")
+                    state[fname] = Value(f"_natural({self.expand(Value(t, FT), FT)}, "
+                                         f"{self.expand(r_val, FT)})", FT)
+                else:
+                    state[fname] = Value(t, FT)
             updates.append(f"{r} = {r_new.code}")
             state[rs.leader] = r_val
         body.lines.extend(updates)
@@ -1012,6 +1035,16 @@ class KernelEmitter:
         if rest:
             state.update(self.generic_fold(fold, rest, prefix, body, RA, True, init, xs=xs))
         return state
+
+    @staticmethod
+    def base2_arg(rs) -> bool:
+        """Whether the weight and repair are exp(x - r) and exp(r - r_new) of the leader's
+        own argument x (the form the stabilise and factorise passes derive): those run
+        as exp2 of the difference times log2(e)."""
+        x = rs.leader_arg
+        return (isinstance(x, Var) and rs.leader_monoid == "max"
+                and rs.weight == Call("exp", (Call("sub", (x, Var("r"))),))
+                and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),)))
 
     # any summary
     def generic_fold(self, fold, fields, prefix, body, RA, looped, init, xs=None) -> dict[str, Value]:

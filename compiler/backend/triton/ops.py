@@ -23,6 +23,23 @@ def _tanh(x):
     series = x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
     return tl.where(tl.abs(x) < 0.1, series, t)
 ''',
+    "base2": '''\
+@triton.jit
+def _base2(r):
+    # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
+    # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
+    return tl.where(tl.abs(r) < 2.35e38, 1.4426950408889634, 1.0)
+''',
+    "natural": '''\
+@triton.jit
+def _natural(t, r):
+    # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
+    # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
+    # divide the common factor out (r = -inf: t is 0)
+    a = _base2(r)
+    r2 = r * a
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, a, -r2)))
+''',
     "pow": '''\
 @triton.jit
 def _pow(x, y):
