@@ -151,6 +151,30 @@ def test_equivalent_spellings_stay_finite_at_large_logits(name):
         assert torch.isfinite(got).all(), source
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
+@pytest.mark.parametrize("name", sorted(EQUIVALENT))
+def test_equivalent_spellings_run_on_the_triton_backend(name):
+    """Both spellings as generated kernels (the interpreter on CPU, CUDA on the GPU
+    machine), float32 at logits of scale 1 and 1e3, against the float64 oracle: to
+    1e-4 relative, or to 8 ulp of the largest logit (a difference such as
+    logsumexp - E[x] cancels to ~0 from values of the logits' size; torch's float32
+    -sum(p * log(p)) is NaN there, 0 * log(0))."""
+    for source in EQUIVALENT[name]:
+        oracle = factorised(source)
+        kernels = compiler.compile(source, backend="triton", outputs=[_last(source)])
+        for scale in (1.0, 1e3):
+            inputs = _inputs(oracle, scale, seed=7)
+            low = {k: v.float().to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            want = oracle(**{k: v.double().cpu() if isinstance(v, torch.Tensor) else v for k, v in low.items()})
+            got = kernels(**low).double().cpu()
+            ulp = torch.finfo(torch.float32).eps * max(float(v.abs().max()) for v in low.values()
+                                                       if isinstance(v, torch.Tensor))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=8 * ulp, msg=f"{source} at scale {scale}")
+
+
 # ---------------------------------------------------------------- one stabiliser
 SINK = "O[i,j] = sum[m](exp(S[i,m]) * V[m,j]) / (sum[m](exp(S[i,m])) + exp(sink))"
 
@@ -319,6 +343,6 @@ def test_higher_centred_moments_merge_stably_in_one_pass():
     test_passes.chunked_matches_oracle(program, {"X": x}, rtol=1e-6)
     triton = compiler.compile(MOMENTS, outputs=["S", "K"])
     d = x - x.mean(1, keepdim=True)
-    skew, kurt = triton(X=x.float())          # x is exactly representable in float32
-    torch.testing.assert_close(skew.double(), (d ** 3).mean(1), rtol=0, atol=1e-3)
-    torch.testing.assert_close(kurt.double(), (d ** 4).mean(1), rtol=1e-3, atol=1e-3)
+    skew, kurt = triton(X=x.float().to(DEVICE))          # x is exactly representable in float32
+    torch.testing.assert_close(skew.double().cpu(), (d ** 3).mean(1), rtol=0, atol=1e-3)
+    torch.testing.assert_close(kurt.double().cpu(), (d ** 4).mean(1), rtol=1e-3, atol=1e-3)
