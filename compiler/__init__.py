@@ -4,14 +4,17 @@
     attention = compiler.compile(
         "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]")
     out = attention(Q=q, K=k, V=v, scale=0.125)
+    backward = compiler.grad(attention.text)       # dQ, dK, dV from Q, K, V, scale and dO
 """
 from .algebra import Field, Summary
 from .algebra.user import summary
 from .einsum import einsum
 from .errors import BackendError, BindError, CheckError, EinfoldError, LawError, LimitError, ParseError
+from .grad import GradientProgram, grad
 from .program import Program, compile
 
 __version__ = "0.2.0.dev0"
 
-__all__ = ["compile", "Program", "einsum", "summary", "Summary", "Field", "EinfoldError", "ParseError",
-           "CheckError", "BindError", "LawError", "LimitError", "BackendError", "__version__"]
+__all__ = ["compile", "Program", "grad", "GradientProgram", "einsum", "summary", "Summary", "Field",
+           "EinfoldError", "ParseError", "CheckError", "BindError", "LawError", "LimitError", "BackendError",
+           "__version__"]

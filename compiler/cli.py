@@ -1,7 +1,7 @@
 """The `einfold` command line.
 
-`parse`, `ir` and `explain` import neither torch nor Triton's runtime, so they
-start quickly; `run`, `dump` and `bench` import torch when they need tensors.
+`parse`, `ir`, `grad` and `explain` import neither torch nor Triton's runtime, so
+they start quickly; `run`, `dump` and `bench` import torch when they need tensors.
 Every mistake of the user (a bad option, a bad program, unreadable input)
 exits with status 2 and a message on stderr, never a traceback."""
 from __future__ import annotations
@@ -114,6 +114,16 @@ def cmd_ir(args) -> int:
     return 0
 
 
+def cmd_grad(args) -> int:
+    from .check import check
+    from .grad import _checked_wrt
+    from .parse import parse
+    from .passes.differentiate import differentiate
+    program = check(parse(_read_program(args)), outputs=tuple(args.output) if args.output else None)
+    print(format_program(differentiate(program, _checked_wrt(args.wrt, program))), end="")
+    return 0
+
+
 def cmd_run(args) -> int:
     from . import compile, reference
     from .bind import bind
@@ -223,6 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the IR after this pass, or after every stage with 'all' "
                         f"(passes: {', '.join(name for name, _ in PIPELINE)})")
     p.set_defaults(run=cmd_ir)
+
+    p = _command(sub, "grad", "print the gradient program: the forward inputs and an upstream gradient "
+                 "dO per output in, dX per input out", 'einfold grad -e "C[i,j] = A[i,k] * B[k,j]"',
+                 f'einfold grad -e "{ATTENTION}" --wrt Q --wrt scale')
+    p.add_argument("--wrt", action="append", metavar="NAME",
+                   help="an input to differentiate with respect to; repeat for several, in the order the "
+                        "gradients come (default: every input read with indices)")
+    p.add_argument("--output", action="append", metavar="NAME",
+                   help="a statement the gradients flow from; repeat for several (default: the program's "
+                        "outputs)")
+    p.set_defaults(run=cmd_grad)
 
     p = _command(sub, "run", "run on random inputs and report the error against the float64 oracle",
                  f'einfold run -e "{ATTENTION}" --size i=128 --size m=256 --dtype bfloat16',

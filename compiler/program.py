@@ -42,13 +42,8 @@ class Program:
 
     def __init__(self, source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
                  **options):
-        unknown = sorted(set(options) - set(KNOWN_OPTIONS))
-        if unknown:
-            raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
-                               f"known: {', '.join(KNOWN_OPTIONS)}")
-        if not isinstance(source, str):
-            hint = "; decode it first, e.g. source.decode()" if isinstance(source, bytes | bytearray) else ""
-            raise ParseError(f"a program is a str, not {type(source).__name__}{hint}")
+        _check_options(options)
+        _check_source(source)
         summaries = _checked_user_summaries(options.get("summaries", ()))
         self.backend_name = backends.check_name(backend)
         split = options.get("split")
@@ -65,7 +60,13 @@ class Program:
             span=where.span if where is not None else None)
         self.outputs = self.checked.outputs
         self.schedule_options = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
+        # what a gradient program of this one is compiled with (summaries already checked)
+        self._options = dict(self.schedule_options)
+        if summaries:
+            self._options["summaries"] = tuple(summaries.values())
         self._runners: dict[tuple, object] = {}
+        self._gradients: dict[tuple[str, ...], Program] = {}      # wrt -> compiled gradient program
+        self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
 
     @cached_property
     def backend(self):
@@ -88,12 +89,28 @@ class Program:
             The output tensor, or a tuple of them in statement order when the
             program has several outputs.
 
+        When torch's grad mode is on and a tensor input requires grad, the
+        outputs carry a `grad_fn`: `backward()` runs the compiled gradient
+        program (`compiler.grad`, same backend, compiled once per set of inputs
+        that require grad) and fills `.grad` of exactly those inputs. Such a
+        call, and a call that `torch.compile` traces, runs as a torch custom
+        op (`compiler/autograd.py`).
+
         Raises:
             BindError: an input is missing or unexpected, or has the wrong rank,
                 dtype or device, or an extent that disagrees with another.
         """
         if args:
             self._positional_error(args)
+        import torch
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+                isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values())):
+            from .autograd import call_op
+            return call_op(self, inputs)
+        return self._run(inputs)
+
+    def _run(self, inputs: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The outputs for `inputs`, outside autograd."""
         # Inputs of the shapes, dtypes and devices seen before bind the same way:
         # reuse that call's runner (no re-checking, no re-specialising).
         import torch
@@ -114,6 +131,15 @@ class Program:
         results = runner(inputs)
         values = tuple(results[name] for name in self.outputs)
         return values[0] if len(values) == 1 else values
+
+    def _gradient(self, wrt: tuple[str, ...]) -> Program:
+        """The gradient program for inputs `wrt` (compiled on first use, then kept)."""
+        program = self._gradients.get(wrt)
+        if program is None:
+            from .grad import grad
+            program = self._gradients[wrt] = grad(self.text, wrt=wrt, outputs=self.outputs,
+                                                  backend=self.backend_name, **self._options)
+        return program
 
     def _positional_error(self, args: tuple) -> None:
         names = ", ".join(i.name for i in self.checked.inputs)
@@ -149,6 +175,19 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<einfold.Program {self.outputs} backend={self.backend_name}>"
+
+
+def _check_options(options: dict) -> None:
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                           f"known: {', '.join(KNOWN_OPTIONS)}")
+
+
+def _check_source(source) -> None:
+    if not isinstance(source, str):
+        hint = "; decode it first, e.g. source.decode()" if isinstance(source, bytes | bytearray) else ""
+        raise ParseError(f"a program is a str, not {type(source).__name__}{hint}")
 
 
 def _checked_user_summaries(given) -> dict[str, Summary]:

@@ -91,3 +91,13 @@ def test_logits_near_the_dtype_maximum_stay_finite_as_in_torch(name, dtype):
     # finite wherever torch is (log-softmax of the spanning row is -inf at its low end in both)
     assert torch.isfinite(ours.cpu())[torch.isfinite(theirs.cpu())].all(), (name, dtype, ours)
     assert relative_error(ours, want) <= 2 * relative_error(theirs, want) + 2 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("name", ["softmax", "logsumexp", "attention"])
+def test_float64_kernels_keep_float64_accuracy(name):
+    # every constant of a generated float64 kernel is float64 (a float32 log2(e) in the
+    # base-2 weight gave errors of 1e-9)
+    source, _ = CASES[name]
+    inputs = {k: v.to(DEVICE) for k, v in _inputs(name, 10.0, seed=5).items()}
+    want = compiler.compile(source, backend="reference")(**inputs)
+    assert relative_error(compiler.compile(source)(**inputs), want) < 1e-13

@@ -1,13 +1,18 @@
 """Composite reductions: defined by a formula over primitive reductions.
 
 Each row gives the oracle's direct torch meaning (so that the `lower` pass is
-tested against an independent implementation) and whether the result keeps the
-reduced index (softmax does, mean and logsumexp do not).
+tested against an independent implementation), whether the result keeps the
+reduced index (softmax does, mean and logsumexp do not), and its reverse-mode
+rule (read by passes/differentiate.py: the composite keeps its own adjoint, so
+the max-shift of softmax and logsumexp contributes nothing).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
+
+from ..ir import Call, Composite, Expr, Extent, Reduce
+from .summary import BUILTINS
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +24,10 @@ class CompositeRule:
     keeps_index: bool
     # float64 meaning: (tensor, dims to reduce) -> tensor (dims kept with size 1 when keeps_index)
     torch: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+    # reverse mode: (g, out, node) -> the adjoint of node.arg, given the adjoint g of
+    # the result (g varies over no index the result lacks) and `out`, the result
+    # itself or a read of the statement that holds it
+    adjoint: Callable[[Expr, Expr, Composite], Expr]
 
 
 def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -39,10 +48,29 @@ def _logsumexp(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.logsumexp(x.double(), dim=dims)
 
 
+def _softmax_adjoint(g: Expr, p: Expr, node: Composite) -> Expr:
+    # p * (g - sum_m p * g): the m of g and p inside the sum is the kept index
+    weighted = Reduce(BUILTINS["sum"], node.indices, (Call("mul", (p, g)),))
+    return Call("mul", (p, Call("sub", (g, weighted))))
+
+
+def _mean_adjoint(g: Expr, out: Expr, node: Composite) -> Expr:
+    count: Expr = Extent(node.indices[0])
+    for i in node.indices[1:]:
+        count = Call("mul", (count, Extent(i)))
+    return Call("div", (g, count))
+
+
+def _logsumexp_adjoint(g: Expr, out: Expr, node: Composite) -> Expr:
+    # softmax recomputed from the argument rather than exp(x - out): the max it
+    # subtracts is exact, where the rounded out loses digits at large logits
+    return Call("mul", (g, Composite("softmax", node.indices, node.arg)))
+
+
 COMPOSITES: dict[str, CompositeRule] = {
     r.name: r for r in [
-        CompositeRule("softmax", True, _softmax),       # NaN on a row that is all -inf
-        CompositeRule("mean", False, _mean),
-        CompositeRule("logsumexp", False, _logsumexp),
+        CompositeRule("softmax", True, _softmax, _softmax_adjoint),       # NaN on a row that is all -inf
+        CompositeRule("mean", False, _mean, _mean_adjoint),
+        CompositeRule("logsumexp", False, _logsumexp, _logsumexp_adjoint),
     ]
 }

@@ -28,7 +28,8 @@ def _tanh(x):
 def _base2(r):
     # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
     # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
-    return tl.where(tl.abs(r) < 2.35e38, 1.4426950408889634, 1.0)
+    # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
+    return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
 ''',
     "natural": '''\
 @triton.jit

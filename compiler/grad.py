@@ -1,0 +1,122 @@
+"""compiler.grad: the gradient program of a program, compiled like any program.
+
+The forward program is parsed and checked, differentiated in index notation
+(passes/differentiate.py), printed, and the printed text is compiled through
+the normal pipeline: the gradient program is an ordinary einfold program.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .check import check
+from .config import deep
+from .errors import CheckError
+from .ir import format_program
+from .ops import FLOAT
+from .parse import parse
+from .passes.differentiate import differentiate
+from .program import Program, _check_options, _check_source, _checked_outputs, _checked_user_summaries
+
+
+class GradientProgram(Program):
+    """A gradient program made by `compiler.grad`.
+
+    A `Program` whose source is the derived backward program. A call takes the
+    forward inputs and one upstream gradient `d<Output>` per float output;
+    inputs its statements do not read (a gradient that does not depend on
+    them) are accepted and ignored.
+
+    Attributes:
+        wrt: the inputs whose gradients it returns, in order (`outputs` names
+            them: `d<Input>` each).
+        upstream: the name of each float output's upstream gradient input
+            (`{"O": "dO"}`).
+        inputs: the names a call takes: the forward inputs, then the upstream
+            gradients.
+
+    A name that the forward program uses already takes the first free suffix:
+    the upstream gradient of `O` in a program with an input `dO` is `dO_1`.
+    """
+
+    def __init__(self, source: str, *, wrt: tuple[str, ...], upstream: dict[str, str],
+                 inputs: tuple[str, ...], **kwargs):
+        super().__init__(source, **kwargs)
+        self.wrt = wrt
+        self.upstream = upstream
+        self.inputs = inputs
+
+    def _read(self, inputs: dict) -> dict:
+        declared = {i.name for i in self.checked.inputs}
+        return {k: v for k, v in inputs.items() if k in declared or k not in self.inputs}
+
+    def __call__(self, *args, **inputs):
+        return super().__call__(*args, **self._read(inputs))
+
+    def plan(self, *args, **inputs):
+        return super().plan(*args, **self._read(inputs))
+
+
+def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[str] | str | None = None,
+         backend: str = "auto", **options) -> GradientProgram:
+    """Compile the gradient program of `source`.
+
+    Args:
+        source: the forward program.
+        wrt: the inputs to differentiate with respect to, in the order the
+            gradients come back (default: every tensor input, i.e. every input
+            read with indices; a 0-d input only when named here).
+        outputs: the forward outputs the gradients flow from (default: the
+            program's outputs); an int or predicate output carries none.
+        backend: as for `compile`: `"auto"`, `"triton"` or `"reference"`.
+        **options: as for `compile` (`summaries=`, `split=`).
+
+    Returns:
+        A `GradientProgram`: call it with the forward inputs plus `d<O>`, the
+        upstream gradient of each float output O (indexed like O); it returns
+        `d<X>` for each X in `wrt`, in that order (one tensor for one input).
+        A name the program uses already takes a suffix (`dO_1`); the
+        program's `upstream` and `outputs` say which.
+
+    Raises:
+        ParseError, CheckError: the program is not valid, a name in `wrt` is not
+            an input, or a summary on a gradient's path has no derivative.
+
+    Example:
+        ```python
+        backward = compiler.grad("C[i,j] = A[i,k] * B[k,j]")
+        dA, dB = backward(A=a, B=b, dC=torch.ones(3, 5))
+        ```
+    """
+    _check_options(options)
+    _check_source(source)
+    summaries = _checked_user_summaries(options.pop("summaries", ()))
+    wanted = _checked_outputs(outputs)
+    forward = deep(lambda: check(parse(source), outputs=wanted, summaries=summaries), what="the program",
+                   source=source)
+    names = _checked_wrt(wrt, forward)
+    statements = {s.name: s for s in forward.statements}
+    flowing = tuple(o for o in forward.outputs if statements[o].dtype == FLOAT)
+    backward = differentiate(forward, names, flowing)
+    upstream = dict(zip(flowing, (i.name for i in backward.inputs[len(forward.inputs):])))
+    if summaries:
+        options["summaries"] = tuple(summaries.values())
+    return GradientProgram(format_program(backward), wrt=names, upstream=upstream,
+                           inputs=tuple(i.name for i in backward.inputs), outputs=backward.outputs,
+                           backend=backend, **options)
+
+
+def _checked_wrt(wrt, forward) -> tuple[str, ...]:
+    if wrt is None:
+        names = tuple(i.name for i in forward.inputs if i.rank > 0)
+        if not names:
+            raise CheckError("the program has no tensor input to differentiate with respect to; name the "
+                             "0-d inputs to differentiate (wrt=, or --wrt on the command line)")
+        return names
+    if isinstance(wrt, str):
+        return (wrt,)
+    if not isinstance(wrt, Iterable):
+        raise CheckError(f"wrt= takes a list of input names, not {type(wrt).__name__}")
+    return tuple(wrt)
+
+
+__all__ = ["grad", "GradientProgram"]

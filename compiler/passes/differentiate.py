@@ -1,0 +1,535 @@
+"""differentiate: reverse-mode derivatives of a checked program, in index notation.
+
+`differentiate(program, wrt, outputs)` returns an ordinary program: its inputs
+are the forward inputs plus one upstream gradient `d<Output>` per output
+(indexed like the output), its outputs the gradients `d<Input>` of the names in
+`wrt`, in that order.  Where the program already uses such a name, the name
+takes the first free suffix: `dO_1`, `dO_2`, ...  It runs on the checked IR, before `lower`, so softmax,
+logsumexp and mean keep their own adjoints (the max-shift of softmax
+contributes nothing) and every sum is explicit.
+
+The rules, one place each:
+
+- statements are visited last to first; the adjoint of a statement is the sum
+  of its upstream gradient (an output) and of what later statements
+  contribute; the forward statements the adjoints read are recomputed (the
+  passes inline them as they inline any statement);
+- an elementwise call: the ops table's `adjoint` column (ops.py);
+- a composite: the composites table's `adjoint` column (algebra/composites.py);
+- a built-in reduction: REDUCTIONS below; a user summary has no derivative;
+- every child receives its adjoint summed over the indices it does not vary
+  over: that one rule makes the reductions of Einstein sums and broadcasts (the
+  gradient of a key shared by grouped query heads sums over the heads);
+- a read `T[idx]` contributes its adjoint to `dT`, renamed to dT's indices; a
+  repeated index (`T[i, i]`) contributes on the diagonal only;
+- predicates, index values, sizes and constants carry no gradient.
+
+An index needs its extent from a tensor read in the program that uses it: a
+gradient that only broadcasts over an index (`dX[i, k] = dY[i]` for
+`Y[i] = sum[k](X[i, k])`) reads the shape with `X[i, k] ** 0`, which is 1
+everywhere (also at inf and NaN) and costs nothing once compiled.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import sympy
+
+from ..algebra import BUILTINS, COMPOSITES
+from ..algebra.user import Sym, fn
+from ..config import deep
+from ..errors import CheckError
+from ..ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce, Var,
+                  children, free_indices, walk, with_children)
+from ..ops import BOOL, FLOAT, OPS
+from .fuse import rename_indices
+
+SUM = BUILTINS["sum"]
+
+
+def differentiate(program: Program, wrt: tuple[str, ...], outputs: tuple[str, ...] | None = None) -> Program:
+    """The gradient program of `program` (checked IR): inputs are the forward
+    inputs and `d<O>` for each name O in `outputs` (default: the program's float
+    outputs), outputs `d<X>` for each input X in `wrt`, in `wrt` order (with a
+    suffix `_1`, `_2`, ... where the name is taken).
+
+    Raises:
+        CheckError: a name in `wrt` is not an input, an output has no gradient
+            (an int or predicate), or a summary on a gradient's path has no
+            derivative."""
+    return deep(lambda: _Differentiator(program, tuple(wrt), outputs).run(), what="the program",
+                source=program.source or None)
+
+
+# ---------------------------------------------------------------- built-in reductions
+# One row per built-in summary: (g, out, node) -> the adjoint of each argument of
+# `node` (None: none flows), where g is the adjoint of the result and `out` the
+# result itself or a read of the statement that holds it.
+def _sum_adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
+    return (g,)
+
+
+def _extremum_adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
+    # Ties share the gradient equally (as torch.amax / amin): each element equal
+    # to the extreme gets g / (how many are equal to it).
+    x, = node.args
+    hit = Call("eq", (x, out))
+    count = Reduce(SUM, node.indices, (Call("where", (hit, Const(1.0), Const(0.0))),))
+    return (Call("where", (hit, Call("div", (g, count)), Const(0.0))),)
+
+
+def _prod_adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
+    # out / x is 0/0 at a zero: an element that is the only zero gets the product of
+    # the others, an element beside another zero gets 0; exact at zeros, as torch.prod
+    x, = node.args
+    zero = Call("eq", (x, Const(0.0)))
+    zeros = Reduce(SUM, node.indices, (Call("where", (zero, Const(1.0), Const(0.0))),))
+    others = Reduce(BUILTINS["prod"], node.indices, (Call("where", (zero, Const(1.0), x)),))
+    at_zero = Call("where", (Call("eq", (zeros, Const(1.0))), others, Const(0.0)))
+    return (Call("mul", (g, Call("where", (zero, at_zero, Call("div", (out, x)))))),)
+
+
+def _arg_adjoint(extreme: str) -> Callable[[Expr, Expr, Reduce], tuple[Expr | None, ...]]:
+    """argmax / argmin: the payload at the first extreme element (in index order,
+    row-major over several indices, as the fold keeps it) gets g; the compared
+    value carries none (the result is piecewise constant in it)."""
+    def adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
+        x, _ = node.args
+        position: Expr = Index(node.indices[0])
+        size: Expr = Extent(node.indices[0])
+        for i in node.indices[1:]:
+            position = Call("add", (Call("mul", (position, Extent(i))), Index(i)))
+            size = Call("mul", (size, Extent(i)))
+        best = Call("eq", (x, Reduce(BUILTINS[extreme], node.indices, (x,))))
+        first = Reduce(BUILTINS["min"], node.indices, (Call("where", (best, position, size)),))
+        return None, Call("where", (Call("eq", (position, first)), g, Const(0.0)))
+    return adjoint
+
+
+REDUCTIONS: dict[str, Callable[[Expr, Expr, Reduce], tuple[Expr | None, ...]]] = {
+    "sum": _sum_adjoint,
+    "max": _extremum_adjoint,
+    "min": _extremum_adjoint,
+    "prod": _prod_adjoint,
+    "argmax": _arg_adjoint("max"),
+    "argmin": _arg_adjoint("min"),
+}
+
+
+def _differentiable_arguments(op: str) -> frozenset[int]:
+    """Positions of an operator's arguments that its adjoint rule gives a gradient."""
+    rule = OPS[op].adjoint
+    if rule is None:
+        return frozenset()
+    traced = rule(fn, Sym(Var("g")), Sym(Var("out")), *(Sym(Var(f"x{k}")) for k in range(OPS[op].arity)))
+    return frozenset(k for k, a in enumerate(traced) if a is not None)
+
+
+_DIFFERENTIABLE = {op: _differentiable_arguments(op) for op in OPS}
+
+
+# ---------------------------------------------------------------- constant folding
+# Rules instantiated with literal arguments (x ** 2 gives 2 * x ** (2 - 1)) are
+# folded where that is exact: integer and float arithmetic, and predicates
+# deciding a where().
+_FOLD: dict[str, Callable] = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "neg": operator.neg,
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
+    "ne": operator.ne, "and": lambda a, b: a and b, "or": lambda a, b: a or b, "not": operator.not_,
+}
+
+
+def _constant(e: Expr) -> int | float | bool | None:
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Call) and e.op in _FOLD:
+        args = [_constant(a) for a in e.args]
+        if None not in args:
+            return _FOLD[e.op](*args)
+    return None
+
+
+def _is_one(e: Expr) -> bool:
+    # the integer 1 only: dropping a float 1.0 could turn a float product into an int
+    return isinstance(e, Const) and type(e.value) is int and e.value == 1
+
+
+def _fold(e: Expr) -> Expr:
+    """One rebuilt node, simplified where exact (its children are simplified)."""
+    if not isinstance(e, Call):
+        return e
+    if e.op == "where":
+        decided = _constant(e.args[0])
+        if decided is not None:
+            return e.args[1] if decided else e.args[2]
+        return e
+    value = _constant(e)
+    if value is not None and not isinstance(value, bool) and not math.isnan(value):
+        return Const(value)
+    if e.op == "mul" and _is_one(e.args[0]):
+        return e.args[1]
+    if e.op in ("mul", "pow") and _is_one(e.args[1]):
+        return e.args[0]
+    if e.op == "neg" and isinstance(e.args[0], Call) and e.args[0].op == "neg":
+        return e.args[0].args[0]
+    return e
+
+
+def _simplify(e: Expr, given: set[int]) -> Expr:
+    """Fold the nodes a rule built around its operands; the operands themselves
+    (ids in `given`: the adjoint, the result, the arguments) are left as they are,
+    so simplifying costs the size of the rule, not of the program."""
+    if id(e) in given or not isinstance(e, Call):
+        return e
+    return _fold(with_children(e, tuple(_simplify(c, given) for c in children(e))))
+
+
+# ---------------------------------------------------------------- the driver
+def _add(terms: list[Expr]) -> Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        out = Call("add", (out, t))
+    return out
+
+
+def _reads(e: Expr) -> set[str]:
+    return {n.tensor for n in walk(e) if isinstance(n, Access)}
+
+
+def _subscripts(e: Expr) -> set[str]:
+    return {i for n in walk(e) if isinstance(n, Access) for i in n.indices}
+
+
+@dataclass
+class _Names:
+    """Fresh tensor and index names, none of them taken in the program."""
+
+    taken: set[str]
+    extents: dict[str, sympy.Symbol]
+
+    def fresh(self, name: str) -> str:
+        """A new index name for the extent of `name`."""
+        n = 1
+        while f"{name}_{n}" in self.taken:
+            n += 1
+        new = f"{name}_{n}"
+        self.taken.add(new)
+        self.extents[new] = self.extents[name]
+        return new
+
+    def tensor(self, name: str) -> str:
+        new, n = name, 0
+        while new in self.taken:
+            n += 1
+            new = f"{name}_{n}"
+        self.taken.add(new)
+        return new
+
+
+@dataclass
+class _Differentiator:
+    program: Program
+    wrt: tuple[str, ...]
+    outputs: tuple[str, ...] | None
+    live: set[str] = field(default_factory=set)                  # tensors a gradient flows through
+    adjoints: dict[str, list[Expr]] = field(default_factory=dict)  # tensor -> contributions, on its targets
+    targets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # tensor -> indices of its adjoint
+    emitted: list[Assign] = field(default_factory=list)           # adjoint statements, in order
+    relevance: dict[int, tuple[Expr, bool]] = field(default_factory=dict)
+    names: _Names | None = None                                   # made once the names are checked
+    current: str = ""                                             # the statement being differentiated
+
+    def error(self, message: str, span=None) -> CheckError:
+        return CheckError(message, self.program.source or None, span)
+
+    # ------------------------------------------------------------ arguments
+    def _checked_arguments(self) -> tuple[tuple[str, ...], dict[str, Assign]]:
+        p = self.program
+        statements = {s.name: s for s in p.statements}
+        inputs = {i.name: i for i in p.inputs}
+        if not self.wrt:
+            raise self.error("nothing to differentiate: give at least one input in wrt")
+        for name in self.wrt:
+            if not isinstance(name, str):
+                raise self.error(f"wrt= takes input names (str), not {type(name).__name__} {name!r}")
+            if name in statements:
+                raise self.error(f"'{name}' is a statement, not an input; gradients are taken with respect "
+                                 f"to inputs (the program's inputs are: {', '.join(inputs) or 'none'})")
+            if name not in inputs:
+                close = ([i for i in inputs if i.lower() == name.lower()]
+                         or difflib.get_close_matches(name, list(inputs), n=1))
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise self.error(f"cannot differentiate with respect to '{name}': it is not an input of the "
+                                 f"program{hint} (the program's inputs are: {', '.join(inputs) or 'none'})")
+        if len(set(self.wrt)) != len(self.wrt):
+            twice = next(n for n in self.wrt if self.wrt.count(n) > 1)
+            raise self.error(f"wrt names '{twice}' twice")
+        if self.outputs is None:
+            outputs = tuple(o for o in p.outputs if statements[o].dtype == FLOAT)
+        else:
+            outputs = tuple(self.outputs)
+        for name in outputs:
+            if name not in statements:
+                raise self.error(f"unknown output '{name}'; the statements are {', '.join(statements)}")
+            if statements[name].dtype != FLOAT:
+                kind = "a predicate" if statements[name].dtype == BOOL else "an integer"
+                raise self.error(f"output '{name}' is {kind}, which has no gradient", statements[name].span)
+        if not outputs:
+            raise self.error("the program has no float output to differentiate")
+        return outputs, statements
+
+    # ------------------------------------------------------------ relevance
+    def relevant(self, e: Expr) -> bool:
+        """Whether a gradient can flow from `e` into a live tensor (memoised by node)."""
+        known = self.relevance.get(id(e))
+        if known is not None:
+            return known[1]
+        if isinstance(e, Access):
+            value = e.tensor in self.live
+        elif isinstance(e, Call):
+            value = any(self.relevant(e.args[k]) for k in _DIFFERENTIABLE[e.op])
+        else:
+            value = any(self.relevant(c) for c in children(e))
+        self.relevance[id(e)] = (e, value)          # the node is kept so that its id stays its own
+        return value
+
+    # ------------------------------------------------------------ propagation
+    def propagate(self, e: Expr, g: Expr, out: Expr) -> None:
+        """Send the adjoint `g` of `e` (varying over no index `e` lacks) to its
+        children; `out` is the value of `e` (e itself, or a statement's read)."""
+        if isinstance(e, Access):
+            self.contribute(e, g)
+            return
+        if isinstance(e, Call):
+            op = OPS[e.op]
+            traced = op.adjoint(fn, Sym(g), Sym(out), *(Sym(a) for a in e.args))
+            adjoints = tuple(None if t is None else t.expr for t in traced)
+        elif isinstance(e, Composite):
+            adjoints = (COMPOSITES[e.op].adjoint(g, out, e),)
+        elif isinstance(e, Reduce):
+            rule = REDUCTIONS.get(e.summary.name)
+            if rule is None or BUILTINS.get(e.summary.name) != e.summary:
+                raise self.error(f"'{e.summary.name}[...]' has no derivative: gradients flow through sum, "
+                                 f"max, min, prod, argmax, argmin, mean, softmax and logsumexp, not through "
+                                 f"a user summary", e.span)
+            adjoints = rule(g, out, e)
+        else:
+            return
+        given = {id(g), id(out), *map(id, children(e))}
+        adjoints = tuple(None if a is None or not self.relevant(c) else _simplify(a, given)
+                         for c, a in zip(children(e), adjoints))
+        if not isinstance(g, Access | Const) and self._uses(adjoints, g) > 1:
+            # the rule reads g twice (softmax): give it a name, so that the program
+            # text does not grow with every such rule it passes through
+            g = self.bind(g)
+            self.propagate(e, g, out)
+            return
+        for child, adjoint in zip(children(e), adjoints):
+            if adjoint is not None:
+                self.edge(child, adjoint)
+
+    @staticmethod
+    def _uses(adjoints: tuple[Expr | None, ...], g: Expr) -> int:
+        count = 0
+        for a in adjoints:
+            stack = [a] if a is not None else []
+            while stack:
+                node = stack.pop()
+                if node is g:
+                    count += 1
+                else:
+                    stack.extend(children(node))
+        return count
+
+    def bind(self, g: Expr) -> Access:
+        """A statement holding the adjoint `g`; a read of it."""
+        lhs = self.targets[self.current]
+        indices = tuple(sorted(free_indices(g), key=lambda i: lhs.index(i) if i in lhs else len(lhs)))
+        name = self.names.tensor(f"d{self.current}")
+        self.emitted.append(Assign(name, indices, g, FLOAT))
+        return Access(name, indices)
+
+    def edge(self, child: Expr, adjoint: Expr) -> None:
+        """The child's adjoint is summed over the indices the child does not vary over."""
+        own = set(free_indices(child))
+        extra = tuple(i for i in free_indices(adjoint) if i not in own)
+        if extra:
+            adjoint = Reduce(SUM, extra, (adjoint,))
+        self.propagate(child, adjoint, child)
+
+    def contribute(self, access: Access, g: Expr) -> None:
+        """`g`, the adjoint of a read T[idx], renamed to the indices of dT."""
+        if access.tensor not in self.live:
+            return
+        targets = self.targets[access.tensor]
+        mapping: dict[str, str] = {}
+        diagonal: list[Expr] = []
+        for target, ix in zip(targets, access.indices):
+            if ix in mapping:
+                diagonal.append(Call("eq", (Index(target), Index(mapping[ix]))))
+            else:
+                mapping[ix] = target
+        g = rename_indices(g, {k: v for k, v in mapping.items() if k != v}, self.names.fresh)
+        if diagonal:
+            g = Call("where", (_conjunction(diagonal), g, Const(0.0)))
+        self.adjoints.setdefault(access.tensor, []).append(g)
+
+    # ------------------------------------------------------------ the program
+    def run(self) -> Program:
+        p = self.program
+        outputs, statements = self._checked_arguments()
+        self.names = _Names({i for i, _ in p.extents} | {i.name for i in p.inputs} | set(statements),
+                            dict(p.extents))
+        # d<Name>, or d<Name>_1, _2, ... where the program uses d<Name> already
+        upstream = {o: self.names.tensor(f"d{o}") for o in outputs}
+        gradient = {x: self.names.tensor(f"d{x}") for x in self.wrt}
+        self.live = set(self.wrt)
+        for s in p.statements:
+            if self.relevant(s.expr):
+                self.live.add(s.name)
+            self.targets[s.name] = s.indices
+        for x in self.wrt:
+            self.targets[x] = self._input_indices(x)
+        for o in outputs:
+            self.adjoints[o] = [Access(upstream[o], statements[o].indices)]
+        for s in reversed(p.statements):
+            contributions = self.adjoints.pop(s.name, [])
+            if not contributions or s.name not in self.live:
+                continue
+            self.current = s.name
+            if len(contributions) == 1 and isinstance(contributions[0], Access):
+                g = contributions[0]
+            else:
+                name = self.names.tensor(f"d{s.name}")
+                adjoint = Assign(name, s.indices, _add(contributions), FLOAT)
+                self.emitted.append(self._anchored(adjoint, s.name))
+                g = Access(name, s.indices)
+            self.propagate(s.expr, g, Access(s.name, s.indices))
+        gradients = [self._anchored(Assign(gradient[x], self.targets[x],
+                                           _add(self.adjoints.get(x, [Const(0.0)])), FLOAT), x)
+                     for x in self.wrt]
+        kept = _needed([*p.statements, *self.emitted, *gradients], {g.name for g in gradients})
+        decls = {i.name: i for i in p.inputs}
+        given = tuple(Input(upstream[o], len(statements[o].indices)) for o in outputs)
+        result = Program(kept, (*decls.values(), *given), tuple(g.name for g in gradients),
+                         tuple(sorted(self.names.extents.items())), p.source)
+        return _anchor_unmeasured(result, p, self.names)
+
+    def _input_indices(self, name: str) -> tuple[str, ...]:
+        """Index names for d<name>: those of its first read, a repeated one renamed."""
+        first = next(n for s in self.program.statements for n in walk(s.expr)
+                     if isinstance(n, Access) and n.tensor == name)
+        out: list[str] = []
+        for ix in first.indices:
+            out.append(self.names.fresh(ix) if ix in out else ix)
+        return tuple(out)
+
+    def _anchored(self, st: Assign, shape_of: str) -> Assign:
+        """Read the shape from `shape_of` where the right side does not vary over
+        one of the statement's indices, or reads no tensor indexed by it (a
+        broadcast)."""
+        if set(st.indices) <= set(free_indices(st.expr)) & _subscripts(st.expr):
+            return st
+        ones = Call("pow", (Access(shape_of, st.indices), Const(0)))
+        return replace(st, expr=Call("mul", (st.expr, ones)))
+
+
+def _conjunction(terms: list[Expr]) -> Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        out = Call("and", (out, t))
+    return out
+
+
+def _needed(statements: list[Assign], wanted: set[str]) -> tuple[Assign, ...]:
+    """The statements the wanted ones read, transitively, in order."""
+    kept = []
+    for s in reversed(statements):
+        if s.name in wanted:
+            kept.append(s)
+            wanted |= _reads(s.expr)
+    return tuple(reversed(kept))
+
+
+# ---------------------------------------------------------------- extents
+def _measured(program: Program) -> set[str]:
+    """Index names whose extent some input dimension gives, through the accesses
+    and the statements' left sides (the checker's rule)."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for s in program.statements:
+        for d, ix in enumerate(s.indices):
+            parent[find(f"{s.name}#{d}")] = find(ix)
+        for n in walk(s.expr):
+            if isinstance(n, Access):
+                for d, ix in enumerate(n.indices):
+                    parent[find(f"{n.tensor}#{d}")] = find(ix)
+    statements = {s.name for s in program.statements}
+    roots = {find(f"{n.tensor}#{d}") for s in program.statements for n in walk(s.expr)
+             if isinstance(n, Access) and n.tensor not in statements for d in range(len(n.indices))}
+    return {ix for ix, _ in program.extents if ix in parent and find(ix) in roots}
+
+
+def _anchor_unmeasured(program: Program, forward: Program, names: _Names) -> Program:
+    """Give every index the gradient program uses an extent: one that the
+    forward program measured through statements the gradients no longer read
+    (or a fresh name that renaming made) reads the shape of a forward input
+    dimension of its extent, as 1 (`prod[a](W[a, m] ** 0)`), where it is in scope."""
+    used = {i for s in program.statements for i in s.indices} | {
+        i for s in program.statements for n in walk(s.expr) if isinstance(n, Reduce | Composite)
+        for i in n.indices}
+    missing = sorted(used - _measured(program))
+    if not missing:
+        return program
+    symbols = dict(program.extents)
+    inputs = {i.name for i in forward.inputs}
+    by_symbol: dict[sympy.Symbol, tuple[Access, int]] = {}        # extent -> a read of an input dimension of it
+    for s in forward.statements:
+        for n in walk(s.expr):
+            if isinstance(n, Access) and n.tensor in inputs:
+                for d, ix in enumerate(n.indices):
+                    by_symbol.setdefault(symbols[ix], (n, d))
+    statements = list(program.statements)
+    for ix in missing:
+        read, d = by_symbol[symbols[ix]]
+        indices = tuple(ix if k == d else names.fresh(other) for k, other in enumerate(read.indices))
+        ones: Expr = Call("pow", (Access(read.tensor, indices), Const(0)))
+        others = tuple(i for i in indices if i != ix)
+        if others:
+            ones = Reduce(BUILTINS["prod"], others, (ones,))
+        statements = _place_anchor(statements, ix, ones)
+    return replace(program, statements=tuple(statements), extents=tuple(sorted(names.extents.items())))
+
+
+def _place_anchor(statements: list[Assign], ix: str, ones: Expr) -> list[Assign]:
+    """Multiply by `ones` (1 that reads the shape of `ix`) where `ix` is in scope:
+    the first statement with `ix` on its left, else the first reduction binding it."""
+    for k, s in enumerate(statements):
+        if ix in s.indices:
+            expr = (Call("and", (s.expr, Call("eq", (ones, Const(1.0))))) if s.dtype == BOOL
+                    else Call("mul", (s.expr, ones)))
+            return [*statements[:k], replace(s, expr=expr), *statements[k + 1:]]
+    for k, s in enumerate(statements):
+        binder = next((n for n in walk(s.expr) if isinstance(n, Reduce | Composite) and ix in n.indices),
+                      None)
+        if binder is None:
+            continue
+
+        def anchor(e: Expr, binder: Expr = binder) -> Expr:
+            if e is not binder:
+                return with_children(e, tuple(anchor(c) for c in children(e)))
+            first, *rest = children(e)
+            return with_children(e, (Call("mul", (first, ones)), *rest))
+        return [*statements[:k], replace(s, expr=anchor(s.expr)), *statements[k + 1:]]
+    raise AssertionError(f"index '{ix}' is used but neither on a left side nor bound")

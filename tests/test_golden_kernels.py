@@ -1,0 +1,80 @@
+"""Golden kernels: the Triton module each program below generates for one fixed
+signature (shapes and dtypes as given, compiled for a GPU with an H100's 132
+SMs), checked in under tests/golden/kernels/ and reviewed as text.  Nothing
+runs: the inputs only fix the signature (large ones are broadcast views).
+
+After an intended change of the generated code, regenerate and read the diff:
+
+    python3 tests/test_golden_kernels.py --update
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import compiler
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "kernels"
+H100_SMS = 132
+BF16, F32 = torch.bfloat16, torch.float32
+
+ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+CAUSAL = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
+QKV = {"Q": ((2, 4, 1024, 64), BF16), "K": ((2, 4, 1024, 64), BF16), "V": ((2, 4, 1024, 64), BF16), "scale": 0.125}
+
+# name: (source, outputs or None, {input: (shape, dtype) or a number})
+GOLDEN = {
+    "attention": (ATTENTION, None, QKV),
+    "causal_attention": (CAUSAL, None, QKV),
+    # one query row over a long cache: split across programs, then merged
+    "split_decode": (ATTENTION, None, {"Q": ((1, 8, 1, 128), BF16), "K": ((1, 8, 65536, 128), BF16),
+                                       "V": ((1, 8, 65536, 128), BF16), "scale": 0.088}),
+    "layernorm": ("mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)\n"
+                  "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + 1e-5) * W[j] + B[j]", ["Y"],
+                  {"X": ((4096, 4096), F32), "W": ((4096,), F32), "B": ((4096,), F32)}),
+    "logsumexp": ("L[i] = logsumexp[j](X[i,j])", None, {"X": ((4096, 4096), F32)}),
+    "matmul": ("C[i,j] = A[i,k] * B[k,j]", None, {"A": ((1024, 512), BF16), "B": ((512, 2048), BF16)}),
+    # the position of each row's largest element: an ordered (non-commutative) fold
+    "argmax": ("Y[i] = argmax[j](X[i,j], j)", None, {"X": ((1000, 4099), F32)}),
+    # two outputs of different rank from one fold: the attention output and its row logsumexp
+    "two_output_fold": ("S[i,m] = Q[i,k] * K[m,k] * scale\n"
+                        "O[i,j] = softmax[m](S[i,m]) * V[m,j]\nL[i] = logsumexp[m](S[i,m])", ["O", "L"],
+                        {"Q": ((1000, 64), F32), "K": ((777, 64), F32), "V": ((777, 64), F32), "scale": 0.125}),
+}
+
+
+def _input(spec):
+    if not isinstance(spec, tuple):
+        return spec
+    shape, dtype = spec
+    return torch.zeros((1,) * len(shape), dtype=dtype).expand(*shape)
+
+
+def kernel_source(name: str) -> str:
+    source, outputs, inputs = GOLDEN[name]
+    program = compiler.compile(source, backend="triton", outputs=outputs)
+    binding = program.binder({k: _input(v) for k, v in inputs.items()})
+    return program.backend.source_for(binding, sm_count=H100_SMS)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_generated_kernels_match_the_golden_files(name):
+    path = GOLDEN_DIR / f"{name}.py"
+    assert kernel_source(name) == path.read_text(), \
+        f"{path.name} differs: run `python3 tests/test_golden_kernels.py --update` and review the diff"
+
+
+def test_every_golden_file_has_a_program():
+    assert sorted(p.stem for p in GOLDEN_DIR.glob("*.py")) == sorted(GOLDEN)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update"]:
+        sys.exit(__doc__)
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    for name in GOLDEN:
+        (GOLDEN_DIR / f"{name}.py").write_text(kernel_source(name))
+        print("wrote", GOLDEN_DIR / f"{name}.py")

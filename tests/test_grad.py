@@ -1,0 +1,523 @@
+"""Gradients: reverse mode in index notation against float64 torch autograd.
+
+Every case runs a compiled program under torch autograd (Program.__call__ goes
+through compiler/autograd.py when an input requires grad) and compares the
+.grad of each input with torch autograd of the same function written by hand
+in torch, in float64.  The reference backend runs in float64; the Triton
+backend runs its kernels under the interpreter on CPU (conftest), in float32,
+on tiny ragged sizes."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compiler
+from compiler.algebra import BUILTINS
+from compiler.check import check
+from compiler.cli import main
+from compiler.errors import CheckError
+from compiler.ir import Access, Call, format_expr, format_program
+from compiler.ops import BOOL, OPS
+from compiler.parse import parse
+from compiler.passes import run_pipeline
+from compiler.passes.differentiate import REDUCTIONS, differentiate
+
+pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
+
+BACKENDS = ["reference", "triton"]
+DTYPE = {"reference": torch.float64, "triton": torch.float32}
+TOL = {"reference": {"rtol": 1e-9, "atol": 1e-9}, "triton": {"rtol": 2e-4, "atol": 2e-4}}
+
+
+@pytest.fixture(autouse=True)
+def _cache(private_cache):
+    """Generated modules go to a temporary folder."""
+
+
+def randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed * 1009 + sum(shape) + len(shape))
+    return torch.randn(shape, generator=g, dtype=torch.float64) * scale
+
+
+def check_gradients(source, reference, inputs, wrt, backend, outputs=None, seed=1):
+    """Run `source` under autograd with the inputs in `wrt` requiring grad, and
+    compare outputs and .grad with `reference` (a torch function of the same
+    keyword inputs, float64, returning one tensor or a tuple in statement order)."""
+    program = compiler.compile(source, backend=backend, outputs=outputs)
+    dtype = DTYPE[backend]
+    ours = {n: (v.to(dtype, copy=True).requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
+            for n, v in inputs.items()}
+    theirs = {n: (v.clone().requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
+              for n, v in inputs.items()}
+    got = program(**ours)
+    got = got if isinstance(got, tuple) else (got,)
+    want = reference(**theirs)
+    want = want if isinstance(want, tuple) else (want,)
+    tol = TOL[backend]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.detach().double(), w.detach(), **tol)
+    flowing = [k for k, w in enumerate(want) if w.requires_grad]      # outputs that depend on a wrt input
+    upstream = [randn(*want[k].shape, seed=seed + k) for k in flowing]
+    torch.autograd.backward([got[k] for k in flowing], [u.to(dtype) for u in upstream])
+    torch.autograd.backward([want[k] for k in flowing], upstream)
+    for name in inputs:
+        if name in wrt:
+            assert ours[name].grad is not None, name
+            assert ours[name].grad.dtype == ours[name].dtype and ours[name].grad.shape == ours[name].shape
+            expected = theirs[name].grad                 # None: torch's graph does not reach it
+            expected = torch.zeros_like(theirs[name]) if expected is None else expected
+            torch.testing.assert_close(ours[name].grad.double(), expected, **tol, msg=name)
+        elif isinstance(ours[name], torch.Tensor):
+            assert ours[name].grad is None, name
+    return program
+
+
+# ---------------------------------------------------------------- the corpus
+def _attention(Q, K, V, scale, mask=None, bias=0.0):
+    s = Q @ K.transpose(-1, -2) * scale + bias
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    return torch.softmax(s, dim=-1) @ V
+
+
+def _causal(n, m):
+    return torch.arange(m)[None, :] <= torch.arange(n)[:, None]
+
+
+def _layernorm(X, G, B):
+    mu = X.mean(-1, keepdim=True)
+    var = ((X - mu) ** 2).mean(-1, keepdim=True)
+    return (X - mu) * torch.rsqrt(var + 1e-5) * G + B
+
+
+CORPUS = {
+    "matmul": ("C[i,j] = A[i,k] * B[k,j]",
+               lambda A, B: A @ B,
+               lambda: {"A": randn(5, 3), "B": randn(3, 7)}, ("A", "B")),
+    "attention": ("O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]",
+                  lambda Q, K, V, scale: _attention(Q, K, V, scale),
+                  lambda: {"Q": randn(5, 3), "K": randn(7, 3), "V": randn(7, 2), "scale": 0.6},
+                  ("Q", "K", "V")),
+    "causal": ("O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]",
+               lambda Q, K, V, scale: _attention(Q, K, V, scale, _causal(5, 5)),
+               lambda: {"Q": randn(5, 3), "K": randn(5, 3), "V": randn(5, 2), "scale": 0.6},
+               ("Q", "K", "V")),
+    "softcap": ("O[i,j] = softmax[m](c * tanh(Q[i,k] * K[m,k] / c)) * V[m,j]",
+                lambda Q, K, V, c: torch.softmax(c * torch.tanh(Q @ K.T / c), -1) @ V,
+                lambda: {"Q": randn(5, 3), "K": randn(7, 3), "V": randn(7, 2), "c": 1.5},
+                ("Q", "K", "V")),
+    "bias": ("O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale + Bias[i,m]) * V[m,j]",
+             lambda Q, K, V, Bias, scale: _attention(Q, K, V, scale, bias=Bias),
+             lambda: {"Q": randn(5, 3), "K": randn(7, 3), "V": randn(7, 2), "Bias": randn(5, 7), "scale": 0.6},
+             ("Q", "K", "V", "Bias")),
+    "alibi": ("O[h,i,j] = softmax[m](Q[h,i,k] * K[h,m,k] * scale - A[h] * abs(i - m)) * V[h,m,j]",
+              lambda Q, K, V, A, scale: _attention(
+                  Q, K, V, scale, bias=-A[:, None, None] * (torch.arange(5)[:, None] - torch.arange(7)[None]).abs()),
+              lambda: {"Q": randn(2, 5, 3), "K": randn(2, 7, 3), "V": randn(2, 7, 2), "A": randn(2).abs(),
+                       "scale": 0.6},
+              ("Q", "K", "V", "A")),
+    "gqa": ("O[g,r,i,j] = softmax[m](Q[g,r,i,k] * K[g,m,k] * scale) * V[g,m,j]",
+            lambda Q, K, V, scale: _attention(Q, K[:, None], V[:, None], scale),
+            lambda: {"Q": randn(2, 3, 5, 3), "K": randn(2, 7, 3), "V": randn(2, 7, 2), "scale": 0.6},
+            ("Q", "K", "V")),
+    "sink": ("O[h,i,j] = sum[m](exp(sum[k](Q[h,i,k] * K[h,m,k]) * scale) * V[h,m,j]) / "
+             "(sum[m](exp(sum[k](Q[h,i,k] * K[h,m,k]) * scale)) + exp(S[h]))",
+             lambda Q, K, V, S, scale: (torch.exp(Q @ K.transpose(-1, -2) * scale) @ V) / (
+                 torch.exp(Q @ K.transpose(-1, -2) * scale).sum(-1, keepdim=True) + torch.exp(S)[:, None, None]),
+             lambda: {"Q": randn(2, 5, 3), "K": randn(2, 7, 3), "V": randn(2, 7, 2), "S": randn(2), "scale": 0.6},
+             ("Q", "K", "V", "S")),
+    "output_and_lse": ("S[i,m] = Q[i,k] * K[m,k] * scale\n"
+                       "O[i,j] = softmax[m](S[i,m]) * V[m,j]\n"
+                       "L[i] = logsumexp[m](S[i,m])",
+                       lambda Q, K, V, scale: (_attention(Q, K, V, scale), torch.logsumexp(Q @ K.T * scale, -1)),
+                       lambda: {"Q": randn(5, 3), "K": randn(7, 3), "V": randn(7, 2), "scale": 0.6},
+                       ("Q", "K", "V")),
+    "softmax": ("P[i,j] = softmax[j](X[i,j])",
+                lambda X: torch.softmax(X, -1),
+                lambda: {"X": randn(3, 7)}, ("X",)),
+    "logsumexp": ("L[i] = logsumexp[j](X[i,j])",
+                  lambda X: torch.logsumexp(X, -1),
+                  lambda: {"X": randn(3, 7)}, ("X",)),
+    "layernorm": ("mu[i] = mean[k](X[i,k])\n"
+                  "var[i] = mean[k]((X[i,k] - mu[i]) ** 2)\n"
+                  "Y[i,k] = (X[i,k] - mu[i]) * rsqrt(var[i] + 1e-5) * G[k] + B[k]",
+                  _layernorm,
+                  lambda: {"X": randn(3, 7), "G": randn(7), "B": randn(7)}, ("X", "G", "B")),
+    "rmsnorm": ("Y[i,k] = X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps) * G[k]",
+                lambda X, G, eps: X * torch.rsqrt((X ** 2).mean(-1, keepdim=True) + eps) * G,
+                lambda: {"X": randn(3, 7), "G": randn(7), "eps": 1e-6}, ("X", "G")),
+    "cross_entropy": ("L[i] = logsumexp[v](sum[k](H[i,k] * W[v,k])) - sum[v, k](Y[i,v] * H[i,k] * W[v,k])",
+                      lambda H, W, Y: torch.nn.functional.cross_entropy(H @ W.T, Y, reduction="none"),
+                      lambda: {"H": randn(5, 3), "W": randn(11, 3),
+                               "Y": torch.nn.functional.one_hot(torch.tensor([0, 3, 10, 3, 1]), 11).double()},
+                      ("H", "W")),
+    "elementwise_chain": ("Y[i,j] = silu(X[i,j]) * sigmoid(G[j]) + tanh(X[i,j] / 2) ** 2 - log(1 + exp(G[j]))",
+                          lambda X, G: (torch.nn.functional.silu(X) * torch.sigmoid(G) + torch.tanh(X / 2) ** 2
+                                        - torch.log(1 + torch.exp(G))),
+                          lambda: {"X": randn(3, 7), "G": randn(7)}, ("X", "G")),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_corpus_gradients_match_torch(case, backend):
+    source, reference, make, wrt = CORPUS[case]
+    check_gradients(source, reference, make(), wrt, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_on_triton(dtype):
+    # storage in half precision, folds in float32: errors of the order of the inputs' rounding
+    source, reference, make, wrt = CORPUS["causal"]
+    program = compiler.compile(source, backend="triton")
+    inputs = {k: (v.to(dtype).double() if isinstance(v, torch.Tensor) else v) for k, v in make().items()}
+    ours = {k: (v.to(dtype).requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    theirs = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    upstream = randn(5, 2, seed=9).to(dtype)
+    program(**ours).backward(upstream)
+    reference(**theirs).backward(upstream.double())
+    for name in wrt:
+        assert ours[name].grad.dtype == dtype
+        torch.testing.assert_close(ours[name].grad.double(), theirs[name].grad, rtol=2e-2, atol=2e-2)
+
+
+def test_gradient_programs_of_the_corpus_print_parse_back_and_compile():
+    for case, (source, _, _, wrt) in CORPUS.items():
+        backward = differentiate(check(parse(source)), wrt)
+        text = format_program(backward)
+        again = check(parse(text), outputs=backward.outputs)
+        assert format_program(again) == text, case
+        assert again.outputs == tuple(f"d{x}" for x in wrt), case
+        run_pipeline(again)
+
+
+def test_attention_backward_is_the_flash_attention_algebra():
+    # dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = dS K, dK = dS^T Q, dV = P^T dO
+    backward = differentiate(check(parse(CORPUS["attention"][0])), ("Q", "K", "V"))
+    p = "softmax[m](sum[k](Q[i, k] * K[m, k]) * scale)"
+    assert format_program(backward) == (
+        "dO_1[i, m] = sum[j](dO[i, j] * V[m, j])\n"
+        f"dO_2[i, m] = {p} * (dO_1[i, m] - sum[m]({p} * dO_1[i, m])) * scale\n"
+        "dQ[i, k] = sum[m](dO_2[i, m] * K[m, k])\n"
+        "dK[m, k] = sum[i](dO_2[i, m] * Q[i, k])\n"
+        f"dV[m, j] = sum[i](dO[i, j] * {p})\n")
+
+
+# ---------------------------------------------------------------- the ops table's adjoint column
+def _positive(n, seed):
+    return randn(n, seed=seed).abs() + 0.3
+
+
+def _elementwise_case(op, seed=0, prefix=""):
+    """(term of the language, its torch meaning over the inputs, the inputs, the inputs with a gradient)
+    for one differentiable row of the ops table."""
+    n = 7
+    x, w = f"{prefix}X", f"{prefix}W"
+    if op == "where":
+        term = f"where({prefix}C[i] > 0, {x}[i], {w}[i])"
+        inputs = {f"{prefix}C": randn(n, seed=seed + 2), x: randn(n, seed=seed), w: randn(n, seed=seed + 1)}
+        return term, lambda v: torch.where(v[f"{prefix}C"] > 0, v[x], v[w]), inputs, (x, w)
+    arity = OPS[op].arity
+    term = format_expr(Call(op, tuple(Access(name, ("i",)) for name in (x, w)[:arity])))
+    if op in ("log", "log2", "sqrt", "rsqrt", "pow"):
+        first = _positive(n, seed)                       # inside the domain
+    else:
+        first = randn(n, seed=seed)
+        first[0] = 0.0                                   # abs and relu at 0: subgradient 0
+    inputs = {x: first}
+    if arity == 2:
+        inputs[w] = randn(n, seed=seed + 1)
+        inputs[w][1:3] = first[1:3]                      # ties of max and min share the gradient
+    names = tuple(inputs)
+    return term, lambda v: OPS[op].torch(*(v[k] for k in names)), inputs, names
+
+
+DIFFERENTIABLE = sorted(op for op, row in OPS.items() if row.adjoint is not None)
+
+
+def test_every_row_without_an_adjoint_is_a_predicate():
+    for op, row in OPS.items():
+        if row.adjoint is None:
+            assert row.result(("bool",) * row.arity) == BOOL or row.result(("float",) * row.arity) == BOOL, op
+
+
+@pytest.mark.parametrize("op", DIFFERENTIABLE)
+def test_adjoint_column_matches_torch(op):
+    term, meaning, inputs, wrt = _elementwise_case(op)
+    check_gradients(f"Y[i] = {term}", lambda **v: meaning(v), inputs, wrt, "reference")
+
+
+def test_adjoint_column_on_triton():
+    # every differentiable row in one program: each input's gradient comes from its own row
+    terms, meanings, inputs, wrt = [], [], {}, []
+    for k, op in enumerate(DIFFERENTIABLE):
+        term, meaning, ins, names = _elementwise_case(op, seed=k, prefix=f"{op}_")
+        terms.append(term)
+        meanings.append(meaning)
+        inputs.update(ins)
+        wrt.extend(names)
+    check_gradients("Y[i] = " + " + ".join(terms), lambda **v: sum(m(v) for m in meanings), inputs, tuple(wrt),
+                    "triton")
+
+
+def test_predicates_and_index_values_carry_no_gradient():
+    source = "Y[i] = where(X[i] > W[i], 1.0, 0.0) * Z[i] + X[i] * i"
+    program = check_gradients(source, lambda X, W, Z: (X > W).double() * Z + X * torch.arange(5),
+                              {"X": randn(5), "W": randn(5, seed=1), "Z": randn(5, seed=2)}, ("X", "W", "Z"),
+                              "reference")
+    backward = program._gradient(("X", "W", "Z")).text
+    assert "dW[i] = 0.0 * W[i] ** 0\n" in backward
+
+
+# ---------------------------------------------------------------- reductions
+def test_every_builtin_reduction_has_an_adjoint():
+    assert set(REDUCTIONS) == set(BUILTINS)
+
+
+def _ties():
+    x = randn(4, 6)
+    x[0, 1] = x[0, 4] = x[0].max() + 1.0          # a tied maximum
+    x[1, 0] = x[1, 2] = x[1, 5] = x[1].min() - 1  # a three-way tied minimum
+    x[2] = 0.5                                    # a constant row: everything ties
+    return x
+
+
+def _zeros():
+    x = randn(4, 5) + 0.1
+    x[1, 2] = 0.0                                 # one zero: only it gets a gradient
+    x[2, 0] = x[2, 3] = 0.0                       # two zeros: none does
+    return x
+
+
+REDUCTION_CASES = {
+    "max_min_ties": ("Y[i] = max[k](X[i,k]) + 2 * min[k](X[i,k])",
+                     lambda X: X.amax(-1) + 2 * X.amin(-1), lambda: {"X": _ties()}, ("X",)),
+    "prod_zeros": ("Y[i] = prod[k](X[i,k])", lambda X: X.prod(-1), lambda: {"X": _zeros()}, ("X",)),
+    "sum_broadcast": ("Y[i] = sum[k](X[i,k]) * s + mean[k](X[i,k])",
+                      lambda X, s: X.sum(-1) * s + X.mean(-1), lambda: {"X": randn(3, 5), "s": 1.5}, ("X",)),
+    # argmax and argmin apart: together they cost factorise seconds
+    "argmax": ("Y[i] = argmax[k](X[i,k], P[i,k]) * 2",
+               lambda X, P: P.gather(1, X.argmax(1, keepdim=True))[:, 0] * 2,
+               lambda: {"X": _ties(), "P": randn(4, 6, seed=3)}, ("P",)),
+    "argmin": ("Y[i] = argmin[k](X[i,k], P[i,k])",
+               lambda X, P: P.gather(1, X.argmin(1, keepdim=True))[:, 0],
+               lambda: {"X": _ties(), "P": randn(4, 6, seed=3)}, ("P",)),
+    "diagonal": ("d[i] = S[i,i] * W[i]\nt = S[i,i]",
+                 lambda S, W: (torch.diagonal(S) * W, torch.diagonal(S).sum()),
+                 lambda: {"S": randn(5, 5), "W": randn(5, seed=1)}, ("S", "W")),
+    "scalar_tensor": ("Y[i] = X[i] * s + t", lambda X, s, t: X * s + t,
+                      lambda: {"X": randn(5), "s": torch.tensor(0.7, dtype=torch.float64),
+                               "t": torch.tensor(-0.2, dtype=torch.float64)}, ("X", "s")),
+    "shadowed": ("Y[i] = sum[k](A[i,k] * sum[k](B[k]))", lambda A, B: (A * B.sum()).sum(-1),
+                 lambda: {"A": randn(3, 4), "B": randn(4, seed=1)}, ("A", "B")),
+    "self_product": ("S[i,m] = X[i,k] * X[m,k]\nY[i] = logsumexp[m](S[i,m])",
+                     lambda X: torch.logsumexp(X @ X.T, -1), lambda: {"X": randn(5, 3)}, ("X",)),
+    "transpose": ("Y[i,j] = X[j,i] * X[i,j]", lambda X: X.T * X, lambda: {"X": randn(4, 4)}, ("X",)),
+    # m has its extent from W only, which dX does not read: dX reads it as prod[n_1](W[m, n_1] ** 0)
+    "extent_elsewhere": ("Y[i] = sum[m](where(m <= i, 1.0, 0.0)) * X[i]\nZ[m, n] = W[m, n] * 2",
+                         lambda X, W: ((torch.arange(6)[None] <= torch.arange(6)[:, None]).sum(1) * X, W * 2),
+                         lambda: {"X": randn(6), "W": randn(6, 2, seed=1)}, ("X",)),
+    "several_indices": ("P[i,m,n] = softmax[m,n](X[i,m,n])\nL[i] = logsumexp[m,n](X[i,m,n]) + mean[m,n](X[i,m,n] ** 2)",
+                        lambda X: (torch.softmax(X.flatten(1), -1).view(X.shape),
+                                   torch.logsumexp(X.flatten(1), -1) + (X ** 2).mean((1, 2))),
+                        lambda: {"X": randn(2, 3, 5)}, ("X",)),
+    "one": ("O[i,j] = softmax[m](Q[i,k] * K[m,k]) * V[m,j]", lambda Q, K, V: _attention(Q, K, V, 1.0),
+            lambda: {"Q": randn(1, 1), "K": randn(1, 1), "V": randn(1, 1)}, ("Q", "K", "V")),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(REDUCTION_CASES))
+def test_reductions_and_reads(case, backend):
+    source, reference, make, wrt = REDUCTION_CASES[case]
+    check_gradients(source, reference, make(), wrt, backend)
+
+
+def test_intermediate_outputs_take_both_gradients():
+    source = "P[i,m] = softmax[m](X[i,m])\nO[i,j] = P[i,m] * V[m,j]"
+    reference = lambda X, V: (torch.softmax(X, -1), torch.softmax(X, -1) @ V)
+    check_gradients(source, reference, {"X": randn(4, 6), "V": randn(6, 3)}, ("X", "V"), "reference",
+                    outputs=["O", "P"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_output_backward_does_not_reach_gets_zeros(backend):
+    source, _, make, _ = CORPUS["output_and_lse"]
+    program = compiler.compile(source, backend=backend)
+    inputs = {k: (v.to(DTYPE[backend]).requires_grad_() if isinstance(v, torch.Tensor) else v)
+              for k, v in make().items()}
+    out, _ = program(**inputs)
+    out.sum().backward()
+    ref = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in make().items()}
+    _attention(ref["Q"], ref["K"], ref["V"], ref["scale"]).sum().backward()
+    for name in ("Q", "K", "V"):
+        torch.testing.assert_close(inputs[name].grad.double(), ref[name].grad, **TOL[backend])
+
+
+# ---------------------------------------------------------------- autograd
+def test_only_inputs_that_require_grad_get_one_and_the_program_is_compiled_per_set():
+    source, reference, make, _ = CORPUS["attention"]
+    program = check_gradients(source, reference, make(), ("K",), "reference")
+    check_gradients(source, reference, make(), ("V", "Q"), "reference")
+    assert list(program._gradients) == [("K",)]
+    inputs = {k: (v.requires_grad_() if k == "K" else v) for k, v in make().items()}
+    program(**inputs).sum().backward()
+    assert list(program._gradients) == [("K",)]          # compiled once, reused
+
+
+def test_second_derivatives():
+    program = compiler.compile("Y[i] = tanh(X[i]) * W[i]", backend="reference")
+    x, w = randn(4).requires_grad_(), randn(4, seed=1).requires_grad_()
+    dx, = torch.autograd.grad(program(X=x, W=w).sum(), x, create_graph=True)
+    (dx * dx).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    dx2, = torch.autograd.grad((torch.tanh(x2) * w2).sum(), x2, create_graph=True)
+    (dx2 * dx2).sum().backward()
+    torch.testing.assert_close(dx, dx2)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_no_grad_and_no_input_requiring_grad_save_nothing():
+    program = compiler.compile(CORPUS["attention"][0], backend="reference")
+    inputs = CORPUS["attention"][2]()
+    out = program(**inputs)
+    assert out.grad_fn is None and not out.requires_grad
+    with torch.no_grad():
+        needing = {k: (v.requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        out = program(**needing)
+    assert out.grad_fn is None and not out.requires_grad
+    assert program._gradients == {} and program._ops == {}        # no custom op, no gradient program
+
+
+def test_a_python_number_gets_no_gradient_a_zero_d_tensor_does():
+    program = compiler.compile("Y[i] = X[i] * s * t", backend="reference")
+    x, s = randn(4).requires_grad_(), torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    program(X=x, s=s, t=3.0).sum().backward()
+    torch.testing.assert_close(s.grad, (x * 3.0).sum().detach())
+    torch.testing.assert_close(x.grad, torch.full((4,), 6.0, dtype=torch.float64))
+
+
+def test_int_and_predicate_outputs_are_not_differentiable():
+    source = "M[i] = X[i] > 0\nN[i] = sum[k](where(X[k] > X[i], 1, 0))\nY[i] = where(M[i], X[i], 0.0)"
+    program = compiler.compile(source, backend="reference", outputs=["M", "N", "Y"])
+    x = randn(5).requires_grad_()
+    m, n, y = program(X=x)
+    assert not m.requires_grad and not n.requires_grad and y.grad_fn is not None
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, (x > 0).double())
+
+
+# ---------------------------------------------------------------- compiler.grad
+def test_grad_api_matmul():
+    backward = compiler.grad("C[i,j] = A[i,k] * B[k,j]", backend="reference")
+    assert (backward.inputs, backward.wrt, backward.outputs) == (("A", "B", "dC"), ("A", "B"), ("dA", "dB"))
+    a, b, dc = randn(3, 4), randn(4, 5, seed=1), randn(3, 5, seed=2)
+    da, db = backward(A=a, B=b, dC=dc)
+    torch.testing.assert_close(da, dc @ b.T)
+    torch.testing.assert_close(db, a.T @ dc)
+    assert "writes dA" in str(backward.plan(A=a, B=b, dC=dc))
+
+
+def test_grad_api_order_defaults_and_unread_inputs():
+    source = CORPUS["attention"][0]
+    assert compiler.grad(source, backend="reference").wrt == ("Q", "K", "V")      # 0-d scale only when named
+    backward = compiler.grad(source, wrt=["scale", "V"], backend="reference")
+    assert backward.outputs == ("dscale", "dV")
+    inputs = CORPUS["attention"][2]()
+    dscale, dv = backward(**inputs, dO=randn(5, 2))
+    assert dscale.shape == () and dv.shape == (7, 2)
+    only_v = compiler.grad(source, wrt="V", backend="reference")
+    assert {i.name for i in only_v.checked.inputs} == {"Q", "K", "scale", "dO"}
+    only_v(**inputs, dO=randn(5, 2))                    # V is accepted although dV does not read it
+
+
+def test_a_taken_name_takes_a_suffix():
+    backward = compiler.grad("C[i] = A[i] * dC[i]\ndA[i] = C[i] * 2", backend="reference")
+    assert backward.upstream == {"dA": "ddA"} and backward.outputs == ("dA_1", "ddC")
+    backward = compiler.grad("C[i] = A[i] * dC[i]", wrt=["A"], backend="reference")
+    assert backward.upstream == {"C": "dC_1"} and backward.text == "dA[i] = dC_1[i] * dC[i]\n"
+    a, dc, up = randn(3), randn(3, seed=1), randn(3, seed=2)
+    torch.testing.assert_close(backward(A=a, dC=dc, dC_1=up), up * dc)
+
+
+def test_grad_errors():
+    with pytest.raises(CheckError, match="not an input of the program; did you mean 'Q'"):
+        compiler.grad(CORPUS["attention"][0], wrt=["q"])
+    with pytest.raises(CheckError, match="'S' is a statement, not an input"):
+        compiler.grad(CORPUS["output_and_lse"][0], wrt=["S"])
+    with pytest.raises(CheckError, match="no tensor input"):
+        compiler.grad("y = a * b")
+
+
+def test_a_user_summary_on_the_path_has_no_derivative_off_it_is_fine():
+    squares = compiler.summary("squares", fields=("s",), identity=(0.0,), lift=lambda x: x * x,
+                               combine=lambda a, b: a.s + b.s, finalize=None, commutative=True)
+    source = "Y[i] = squares[k](X[i,k]) * W[i]"
+    with pytest.raises(CheckError) as caught:
+        compiler.grad(source, wrt=["X"], summaries=[squares])
+    assert "'squares[...]' has no derivative" in str(caught.value)
+    assert "1 | Y[i] = squares[k](X[i,k]) * W[i]\n  |        ^^^^^^^^^^^^^^^^^^" in str(caught.value)
+    backward = compiler.grad(source, wrt=["W"], summaries=[squares], backend="reference")
+    x, w, dy = randn(3, 4), randn(3, seed=1), randn(3, seed=2)
+    torch.testing.assert_close(backward(X=x, W=w, dY=dy), dy * (x ** 2).sum(-1))
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_grad_prints_a_program_that_parses_back(capsys):
+    source = CORPUS["layernorm"][0]
+    assert main(["grad", "-e", source, "--wrt", "X", "--wrt", "G"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out == format_program(differentiate(check(parse(source)), ("X", "G")))
+    again = check(parse(out))
+    assert format_program(again) == out and again.outputs == ("dX", "dG")
+
+
+def test_cli_grad_does_not_import_torch():
+    code = ("import sys\nfrom compiler.cli import main\n"
+            f"assert main(['grad', '-e', {CORPUS['attention'][0]!r}]) == 0\n"
+            "heavy = sorted(m for m in ('torch', 'triton') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cli_grad_errors_exit_2_in_one_line(capsys):
+    assert main(["grad", "-e", "C[i,j] = A[i,k] * B[k,j]", "--wrt", "X"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "cannot differentiate with respect to 'X'" in err
+
+
+# ---------------------------------------------------------------- torch custom ops and torch.compile
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_program_is_a_custom_op_that_opcheck_accepts(backend):
+    source, _, make, _ = CORPUS["output_and_lse"]
+    program = compiler.compile(source, backend=backend)
+    inputs = {k: (v.to(DTYPE[backend]).requires_grad_() if isinstance(v, torch.Tensor) else v)
+              for k, v in make().items()}
+    program(**inputs)
+    op = program._ops[("Tensor", "Tensor", "float", "Tensor")]
+    args = tuple(inputs[i.name] for i in program.checked.inputs)
+    assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_traces_a_program_in_one_graph(backend):
+    source, reference, make, _ = CORPUS["causal"]
+    program = compiler.compile(source, backend=backend)
+    dtype = DTYPE[backend]
+
+    def loss(q, k, v, scale):
+        return (program(Q=q, K=k, V=v, scale=scale) ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")   # fullgraph: a break is an error
+    inputs = make()
+    ours = [inputs[n].to(dtype, copy=True).requires_grad_() for n in ("Q", "K", "V")]
+    theirs = [inputs[n].clone().requires_grad_() for n in ("Q", "K", "V")]
+    compiled(*ours, inputs["scale"]).backward()
+    (reference(*theirs, inputs["scale"]) ** 2).sum().backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad.double(), b.grad, **TOL[backend])
