@@ -29,6 +29,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
 BACKENDS = ["reference", "triton"]
 DTYPE = {"reference": torch.float64, "triton": torch.float32}
 TOL = {"reference": {"rtol": 1e-9, "atol": 1e-9}, "triton": {"rtol": 2e-4, "atol": 2e-4}}
+# the Triton backend runs compiled kernels on the GPU machine, the interpreter on CPU
+DEVICE = {"reference": "cpu", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +48,8 @@ def check_gradients(source, reference, inputs, wrt, backend, outputs=None, seed=
     compare outputs and .grad with `reference` (a torch function of the same
     keyword inputs, float64, returning one tensor or a tuple in statement order)."""
     program = compiler.compile(source, backend=backend, outputs=outputs)
-    dtype = DTYPE[backend]
-    ours = {n: (v.to(dtype, copy=True).requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
+    dtype, device = DTYPE[backend], DEVICE[backend]
+    ours = {n: (v.to(device, dtype, copy=True).requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
             for n, v in inputs.items()}
     theirs = {n: (v.clone().requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
               for n, v in inputs.items()}
@@ -57,10 +59,10 @@ def check_gradients(source, reference, inputs, wrt, backend, outputs=None, seed=
     want = want if isinstance(want, tuple) else (want,)
     tol = TOL[backend]
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.detach().double(), w.detach(), **tol)
+        torch.testing.assert_close(g.detach().double().cpu(), w.detach(), **tol)
     flowing = [k for k, w in enumerate(want) if w.requires_grad]      # outputs that depend on a wrt input
     upstream = [randn(*want[k].shape, seed=seed + k) for k in flowing]
-    torch.autograd.backward([got[k] for k in flowing], [u.to(dtype) for u in upstream])
+    torch.autograd.backward([got[k] for k in flowing], [u.to(device, dtype) for u in upstream])
     torch.autograd.backward([want[k] for k in flowing], upstream)
     for name in inputs:
         if name in wrt:
@@ -68,7 +70,7 @@ def check_gradients(source, reference, inputs, wrt, backend, outputs=None, seed=
             assert ours[name].grad.dtype == ours[name].dtype and ours[name].grad.shape == ours[name].shape
             expected = theirs[name].grad                 # None: torch's graph does not reach it
             expected = torch.zeros_like(theirs[name]) if expected is None else expected
-            torch.testing.assert_close(ours[name].grad.double(), expected, **tol, msg=name)
+            torch.testing.assert_close(ours[name].grad.double().cpu(), expected, **tol, msg=name)
         elif isinstance(ours[name], torch.Tensor):
             assert ours[name].grad is None, name
     return program
@@ -173,14 +175,16 @@ def test_half_precision_gradients_on_triton(dtype):
     source, reference, make, wrt = CORPUS["causal"]
     program = compiler.compile(source, backend="triton")
     inputs = {k: (v.to(dtype).double() if isinstance(v, torch.Tensor) else v) for k, v in make().items()}
-    ours = {k: (v.to(dtype).requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    device = DEVICE["triton"]
+    ours = {k: (v.to(device, dtype).requires_grad_() if isinstance(v, torch.Tensor) else v)
+            for k, v in inputs.items()}
     theirs = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     upstream = randn(5, 2, seed=9).to(dtype)
-    program(**ours).backward(upstream)
+    program(**ours).backward(upstream.to(device))
     reference(**theirs).backward(upstream.double())
     for name in wrt:
         assert ours[name].grad.dtype == dtype
-        torch.testing.assert_close(ours[name].grad.double(), theirs[name].grad, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(ours[name].grad.double().cpu(), theirs[name].grad, rtol=2e-2, atol=2e-2)
 
 
 def test_gradient_programs_of_the_corpus_print_parse_back_and_compile():
@@ -346,14 +350,14 @@ def test_intermediate_outputs_take_both_gradients():
 def test_an_output_backward_does_not_reach_gets_zeros(backend):
     source, _, make, _ = CORPUS["output_and_lse"]
     program = compiler.compile(source, backend=backend)
-    inputs = {k: (v.to(DTYPE[backend]).requires_grad_() if isinstance(v, torch.Tensor) else v)
+    inputs = {k: (v.to(DEVICE[backend], DTYPE[backend]).requires_grad_() if isinstance(v, torch.Tensor) else v)
               for k, v in make().items()}
     out, _ = program(**inputs)
     out.sum().backward()
     ref = {k: (v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in make().items()}
     _attention(ref["Q"], ref["K"], ref["V"], ref["scale"]).sum().backward()
     for name in ("Q", "K", "V"):
-        torch.testing.assert_close(inputs[name].grad.double(), ref[name].grad, **TOL[backend])
+        torch.testing.assert_close(inputs[name].grad.double().cpu(), ref[name].grad, **TOL[backend])
 
 
 # ---------------------------------------------------------------- autograd
@@ -496,7 +500,7 @@ def test_cli_grad_errors_exit_2_in_one_line(capsys):
 def test_each_program_is_a_custom_op_that_opcheck_accepts(backend):
     source, _, make, _ = CORPUS["output_and_lse"]
     program = compiler.compile(source, backend=backend)
-    inputs = {k: (v.to(DTYPE[backend]).requires_grad_() if isinstance(v, torch.Tensor) else v)
+    inputs = {k: (v.to(DEVICE[backend], DTYPE[backend]).requires_grad_() if isinstance(v, torch.Tensor) else v)
               for k, v in make().items()}
     program(**inputs)
     op = program._ops[("Tensor", "Tensor", "float", "Tensor")]
@@ -515,9 +519,9 @@ def test_torch_compile_traces_a_program_in_one_graph(backend):
 
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")   # fullgraph: a break is an error
     inputs = make()
-    ours = [inputs[n].to(dtype, copy=True).requires_grad_() for n in ("Q", "K", "V")]
+    ours = [inputs[n].to(DEVICE[backend], dtype, copy=True).requires_grad_() for n in ("Q", "K", "V")]
     theirs = [inputs[n].clone().requires_grad_() for n in ("Q", "K", "V")]
     compiled(*ours, inputs["scale"]).backward()
     (reference(*theirs, inputs["scale"]) ** 2).sum().backward()
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a.grad.double(), b.grad, **TOL[backend])
+        torch.testing.assert_close(a.grad.double().cpu(), b.grad, **TOL[backend])
