@@ -1,8 +1,26 @@
-"""Kernel plans: what would launch, in order, and which intermediates would be
-materialised in global memory."""
+"""Kernel plans: what would launch, in order, the loops each kernel streams,
+and which intermediates would be materialised in global memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A loop of a kernel: over `indices` (tiles of them), carrying the running
+    states of `folds` (summary names), with the loops nested inside it.  An
+    epilogue loop carries no fold; a merge kernel's loop runs over the partial
+    states (`indices` is empty).  A loop whose extent fits one tile runs once."""
+
+    indices: tuple[str, ...]
+    folds: tuple[str, ...]
+    inner: tuple["Loop", ...] = ()
+
+    def __str__(self) -> str:
+        over = ", ".join(self.indices) if self.indices else "partial states"
+        carries = f": {', '.join(self.folds)}" if self.folds else " (epilogue)"
+        nested = f" {{ {'; '.join(str(loop) for loop in self.inner)} }}" if self.inner else ""
+        return f"loop {over}{carries}{nested}"
 
 
 @dataclass(frozen=True)
@@ -10,6 +28,7 @@ class Kernel:
     name: str
     writes: tuple[str, ...]     # statement results it stores
     why: str                    # one line: why this is a separate kernel / what it does
+    loops: tuple[Loop, ...] = ()  # streamed loops in program order, each with those nested inside
 
 
 @dataclass(frozen=True)

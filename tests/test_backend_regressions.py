@@ -109,12 +109,20 @@ def test_outputs_of_different_rank_sharing_a_fold(src, outputs, dtype):
     assert "def launch(" in backend.source_for(binding, sm_count=132)
 
 
-def test_row_logsumexp_kernel_folds_only_what_it_reads():
-    ref = compiler.compile(ATTENTION_LSE, backend="reference", outputs=["O", "L"])
-    _, backend, binding = assert_matches_oracle(ATTENTION_LSE, inputs_for(ref, {"i": 3, "m": 5}), ["O", "L"])
-    source = backend.source
-    lse = source[source.index("def einfold_L("):source.index("def launch(")]
-    assert "V_ptr" not in lse and "tl.dot(" in lse              # (r, l) only: V is not read
+def test_row_logsumexp_joins_the_attention_kernel_in_either_order():
+    # the row statistic L[i] projects the fold the output O[i, j] streams: one kernel, one
+    # pass over m, whichever statement the text gives first; L is stored by the programs
+    # of the first tile of j
+    scores, output, statistic = ATTENTION_LSE.split("\n")
+    plans = []
+    for src in (ATTENTION_LSE, f"{scores}\n{statistic}\n{output}"):
+        ref = compiler.compile(src, backend="reference", outputs=["O", "L"])
+        _, backend, binding = assert_matches_oracle(src, inputs_for(ref, {"i": 3, "m": 5, "j": 37}), ["O", "L"])
+        (kernel,) = backend.plan(binding).kernels
+        assert set(kernel.writes) == {"O", "L"}
+        assert backend.source.count("for start_m in range(") == 1
+        plans.append(str(backend.plan(binding)))
+    assert plans[0] == plans[1]
 
 
 # ---------------------------------------------------------------- 2. a reduced index renamed along a chain

@@ -615,3 +615,22 @@ def test_gpu_strided_inputs_and_forced_split():
                                                                                      "einfold_O_merge"]
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v_t.double(), scale=0.125)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_plan_lists_each_kernels_loops_in_nesting_order():
+    from compiler.schedule import Loop
+    attention = compiler.compile("O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]\n"
+                                 "L[i] = logsumexp[m](Q[i,k] * K[m,k] * scale)", outputs=["O", "L"])
+    small = {"Q": torch.randn(5, 4), "K": torch.randn(7, 4), "V": torch.randn(7, 3), "scale": 0.5}
+    (kernel,) = attention.plan(**small).kernels         # both outputs from one fold, in one kernel
+    (loop,) = kernel.loops
+    assert loop.indices == ("m",) and len(loop.folds) == 1 and loop.folds[0].startswith("fold")
+    assert loop.inner == (Loop(("k",), ("sum",)),)      # the scores' contraction, inside the loop over m
+    layernorm = compiler.compile("mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)\n"
+                                 "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + 1e-5)")
+    (kernel,) = layernorm.plan(X=torch.randn(4, 9)).kernels
+    assert [str(loop) for loop in kernel.loops] == [f"loop j: {kernel.loops[0].folds[0]}", "loop j (epilogue)"]
+    split = compiler.compile(attention.text, outputs=["O"], split=4)
+    partial, merge = split.plan(**{**small, "K": torch.randn(700, 4), "V": torch.randn(700, 3)}).kernels
+    assert [loop.indices for loop in partial.loops] == [("m",)]
+    assert [(loop.indices, loop.folds) for loop in merge.loops] == [((), partial.loops[0].folds)]

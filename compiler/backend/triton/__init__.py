@@ -22,9 +22,10 @@ from __future__ import annotations
 def outline(program, outputs: tuple[str, ...], *, split: int | None = None):
     """The kernels for any sizes (sizes then choose tiles and automatic splits)."""
     from ...schedule import Kernel, Plan
-    from .analysis import form
+    from .analysis import form, loops
     kernels = form(program, tuple(outputs), split).kernels
-    return Plan("triton", tuple(Kernel(k.name, tuple(s.name for s in k.statements), k.why) for k in kernels),
+    return Plan("triton", tuple(Kernel(k.name, tuple(s.name for s in k.statements), k.why, loops(k))
+                                for k in kernels),
                 tuple(b for k in kernels for b in k.buffers))
 
 

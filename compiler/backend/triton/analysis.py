@@ -45,6 +45,7 @@ from ...ir import (
     with_children,
 )
 from ...passes.fuse import rename_indices
+from ...schedule import Loop
 
 
 @cache
@@ -405,19 +406,24 @@ class Former:
     def run(self) -> Structure:
         defs = {s.name: s for s in self.program.statements}
         non_outputs = {n: s for n, s in defs.items() if n not in self.outputs}
-        for s in self.program.statements:
-            if s.name not in self.outputs:
-                continue
+        for s in self._widest_first(non_outputs):
             last = self.kernels[-1] if self.kernels else None
             joined = None
             if last is not None and not last.buffers:
                 group_defs = {**non_outputs, **{t.name: t for t in last.statements}}
-                expr = narrow_projections(inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,)),
-                                          s.indices)
+                wide = inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,))
+                expr = narrow_projections(wide, s.indices)
                 grid, _ = _grid_of(expr, s.indices)
+                folds = top_folds(wide, s.indices)
                 if grid == last.grid and (s.indices == last.grid or s.indices == last.lhs or
                                           (last.lhs == last.grid and s.indices[:len(grid)] == grid)):
                     joined = replace(s, expr=expr)
+                elif set(s.indices) < set(last.grid) and folds and set(folds) <= set(last.program_folds):
+                    # fewer indices than the kernel's grid, and only folds the kernel already
+                    # streams (attention's row logsumexp beside its output): it projects those
+                    # folds' states, and the programs of the first tile of each missing grid
+                    # index store it
+                    joined = replace(s, expr=wide)
             if joined is not None:
                 self._join(last, joined)
             else:
@@ -434,6 +440,27 @@ class Former:
                     own.separate = f"; a kernel of its own: {because}"
                     own.why += own.separate
         return Structure(self.kernels, self.fresh_names, self.buffer_indices)
+
+    def _widest_first(self, non_outputs: dict[str, Assign]) -> list[Assign]:
+        """The output statements in an order that respects what reads what, taking
+        the one with the most indices first among those ready: a row statistic then
+        joins the kernel of the row tile's output whichever comes first in the text."""
+        def needs(e: Expr, seen: frozenset = frozenset()) -> set[str]:
+            out = set()
+            for name in reads(e) - seen:
+                out |= {name} if name not in non_outputs else needs(non_outputs[name].expr, seen | {name})
+            return out
+
+        pending = [s for s in self.program.statements if s.name in self.outputs]
+        depends = {s.name: needs(s.expr) for s in pending}
+        ordered = []
+        while pending:
+            waiting = {t.name for t in pending}
+            ready = [s for s in pending if not (depends[s.name] - {s.name}) & waiting] or pending[:1]
+            pick = max(ready, key=lambda s: len(s.indices))        # the first of the widest
+            ordered.append(pick)
+            pending.remove(pick)
+        return ordered
 
     # ------------------------------------------------------------
     def _join(self, k: KernelSpec, s: Assign) -> None:
@@ -520,6 +547,27 @@ def _why(grid, epilogue, folds, n_statements) -> str:
     if n_statements > 1:
         parts.append(f"{n_statements} statements share it")
     return "; ".join(parts)
+
+
+def loops(spec: KernelSpec) -> tuple[Loop, ...]:
+    """The streamed loops of a kernel, in program order: one per set of reduced
+    indices of its top folds (folds over the same indices share it), each with
+    the loops of the folds inside its folds' arguments; then the epilogue."""
+    return (*_fold_loops([f for s in spec.statements for f in top_folds(s.expr, s.indices)]),
+            *((Loop(spec.epilogue, ()),) if spec.epilogue else ()))
+
+
+def _fold_loops(folds: list[Reduce]) -> tuple[Loop, ...]:
+    by_indices: dict[tuple[str, ...], list[Reduce]] = {}
+    for f in folds:
+        if f not in by_indices.setdefault(f.indices, []):
+            by_indices[f.indices].append(f)
+    out = []
+    for indices, group in by_indices.items():
+        inner = [n.fold for f in group for a in f.args for n in top_folds(a, tuple(free(a)))]
+        names = tuple(dict.fromkeys(f.summary.name for f in group))
+        out.append(Loop(indices, names, _fold_loops(inner)))
+    return tuple(out)
 
 
 def form(program: Program, outputs: tuple[str, ...], split: int | None) -> Structure:

@@ -630,7 +630,13 @@ class KernelEmitter:
         # tl.cast, not .to(): a scalar input stored as is may be a plain Python number
         line = f"tl.store({address}, tl.cast({value}, {ptr}.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
         scope.lines.append(f"# {name}[{', '.join(indices)}]")
-        scope.lines.append(line)
+        # a statement over fewer indices than the grid (a row statistic beside a row
+        # tile's output) is stored once: by the programs of the first tile of the others
+        first = [f"pid_{scope.env[g].var} == 0" for g in self.spec.grid if g not in indices]
+        if first:
+            scope.lines += [f"if {' and '.join(first)}:", f"    {line}"]
+        else:
+            scope.lines.append(line)
 
     # ------------------------------------------------------------ reductions
     def reduce(self, R: Reduce, scope: Scope) -> Value:
@@ -1345,7 +1351,7 @@ class KernelEmitter:
         else:
             full = set(spec.grid) | set(spec.epilogue)
             for st in spec.statements:
-                if set(st.indices) == set(spec.grid):
+                if set(st.indices) <= set(spec.grid):
                     self.store(st.name, st.indices, self.value(st.expr, root), root)
                     writes.append(st.name)
             if spec.epilogue:

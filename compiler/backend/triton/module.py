@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ...ir import Program
-from ...schedule import Kernel, Plan
-from .analysis import KernelSpec, Structure
+from ...schedule import Kernel, Loop, Plan
+from .analysis import KernelSpec, Structure, loops
 from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
 from .ops import HELPERS
 from .tuning import binding, candidates, decorator
@@ -117,12 +117,16 @@ class ModuleBuilder:
                 # launch-bound, where the autotuner's per-call host cost showed (decode at
                 # L = 8k: 0.044 ms -> 0.080 ms, H200)
                 self.kernels += [(partial, n_split), (merge, n_split)]
+                streamed = loops(spec)
+                merged = Loop((), tuple(dict.fromkeys(f.summary.name for f in spec.program_folds)))
                 plan_kernels.append(Kernel(partial.name, partial.writes,
                                            f"{partial.why}; the program folds split over {n_split} programs per "
-                                           f"tile ({why}), each writing its summary state"))
+                                           f"tile ({why}), each writing its summary state",
+                                           tuple(loop for loop in streamed if loop.folds)))
                 plan_kernels.append(Kernel(merge.name, merge.writes,
                                            f"merges the {n_split} partial states in order with the combine, "
-                                           f"finalizes and stores"))
+                                           f"finalizes and stores",
+                                           (merged, *(loop for loop in streamed if not loop.folds))))
                 buffers += [b for b, _, _ in partial.buffers]
             else:
                 if why:
@@ -130,7 +134,8 @@ class ModuleBuilder:
                 self.kernels.append((code, 1))
                 if not self.sig.interpret:
                     self._tune(code)
-                plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else "")))
+                plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else ""),
+                                           loops(spec)))
             buffers += list(spec.buffers)
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)))
 

@@ -34,7 +34,7 @@ def _natural(t, r):
 
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4)], key=['n_j', 'n_i', 'n_m', 'n_k'])
 @triton.jit
-def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, V_ptr, V_s0, V_s1, O_ptr, O_s0, O_s1, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
+def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, V_ptr, V_s0, V_s1, O_ptr, O_s0, O_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
     pid = pid // tl.cdiv(n_j, BLOCK_j)
@@ -82,64 +82,21 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
     t19 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
     # O[i, j]
     tl.store(O_ptr + offs_i[:, None].to(tl.int64) * O_s0 + offs_j[None, :].to(tl.int64) * O_s1, tl.cast(t19, O_ptr.dtype.element_ty), mask=mask_i[:, None])
-
-
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4)], key=['n_i', 'n_m', 'n_k'])
-@triton.jit
-def einfold_L(n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_i = pid
-    offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
-    mask_i = offs_i < n_i
-    # fold 0: fold1_r_l_u[m] over tiles of m
-    offs_k = tl.arange(0, BLOCK_k)
-    mask_k = offs_k < n_k
-    x_Q1 = tl.load(Q_ptr + offs_i[:, None].to(tl.int64) * Q_s0 + offs_k[None, :].to(tl.int64) * Q_s1, mask=mask_i[:, None], other=0.0)
-    f0_r = tl.full([BLOCK_i], -float("inf"), tl.float32)
-    f0_l = tl.zeros([BLOCK_i], tl.float32)
-    for start_m in range(0, n_m, BLOCK_m):
-        offs_m = start_m + tl.arange(0, BLOCK_m)
-        mask_m = offs_m < n_m
-        # fold 1: sum[k] (whole)
-        x_K0 = tl.load(K_ptr + offs_m[:, None].to(tl.int64) * K_s0 + offs_k[None, :].to(tl.int64) * K_s1, mask=mask_m[:, None], other=0.0)
-        op2 = x_Q1
-        op3 = tl.trans(x_K0)
-        t4 = tl.dot(op2, op3, input_precision="ieee")
-        t5 = (scale_val * t4)
-        # r: running max (the leader); the fields l are repaired when it moves
-        # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t6 = tl.max(tl.where(mask_m[None, :], t5, -float("inf")), 1)
-        r_new7 = tl.maximum(f0_r, t6)
-        # a leader still at the identity has no mass yet: use the finite stand-in 0
-        r_use8 = tl.where(r_new7 == -float("inf"), 0.0, r_new7)
-        # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a9 = _base2(r_use8)
-        r210 = r_use8 * a9
-        alpha11 = tl.exp2(f0_r * _base2(f0_r) - r210)
-        w12 = tl.exp2(tl.fma(t5, a9[:, None], -r210[:, None]))
-        p13 = tl.where(mask_m[None, :], w12, 0.0)
-        t14 = tl.sum(p13, 1)
-        f0_l = f0_l * alpha11 + t14
-        f0_r = r_new7
-    t15 = tl.abs(f0_r)
-    t16 = (t15 < float("inf"))
-    t17 = tl.log(_natural(f0_l, f0_r))
-    t18 = (f0_r + t17)
-    t19 = tl.where(t16, t18, f0_r)
+    t20 = tl.abs(f0_r)
+    t21 = (t20 < float("inf"))
+    t22 = tl.log(_natural(f0_l, f0_r))
+    t23 = (f0_r + t22)
+    t24 = tl.where(t21, t23, f0_r)
     # L[i]
-    tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t19, L_ptr.dtype.element_ty), mask=mask_i)
+    if pid_j == 0:
+        tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t24, L_ptr.dtype.element_ty), mask=mask_i)
 
 
 def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
-    # einfold_O: one program per (i, j) tile; folds fold1_r_l_u[m] streamed over their indices [grid (i/64, j/64)]
+    # einfold_O: one program per (i, j) tile; folds fold1_r_l_u[m] streamed over their indices; 2 statements share it [grid (i/64, j/64)]
     grid = lambda META: (triton.cdiv(n["j"], META["BLOCK_j"]) * triton.cdiv(n["i"], META["BLOCK_i"]),)
     if n["j"] > 0 and n["i"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
-            n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], t["K"].stride(0), t["K"].stride(1), t["Q"], t["Q"].stride(0), t["Q"].stride(1), t["V"], t["V"].stride(0), t["V"].stride(1), t["O"], t["O"].stride(0), t["O"].stride(1))
-    # einfold_L: one program per (i) tile; folds fold1_r_l_u[m] streamed over their indices; a kernel of its own: its grid (i) or output indices differ from einfold_O's [grid (i/64)]
-    grid = lambda META: (triton.cdiv(n["i"], META["BLOCK_i"]),)
-    if n["i"] > 0:                       # an empty output launches nothing
-        einfold_L[grid](
-            n["i"], n["m"], float(t["scale"]), n["k"], t["K"], t["K"].stride(0), t["K"].stride(1), t["Q"], t["Q"].stride(0), t["Q"].stride(1), t["L"], t["L"].stride(0))
+            n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], t["K"].stride(0), t["K"].stride(1), t["Q"], t["Q"].stride(0), t["Q"].stride(1), t["V"], t["V"].stride(0), t["V"].stride(1), t["O"], t["O"].stride(0), t["O"].stride(1), t["L"], t["L"].stride(0))
