@@ -286,6 +286,10 @@ def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
 
 
 # ---------------------------------------------------------------- the kernel emitter
+# values named after their role in a fold (see temp)
+ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty"})
+
+
 class KernelEmitter:
     def __init__(self, ctx: ModuleContext, spec: KernelSpec, mode: str = "full", split: int = 1):
         self.ctx = ctx
@@ -331,6 +335,10 @@ class KernelEmitter:
         return name
 
     def temp(self, stem: str = "t") -> str:
+        """A fresh variable: a role's own name (`alpha`, `p`, `r_new`; `_2`, ... on a
+        clash), or a numbered `t`, `op` or `x_<tensor>` for anonymous values."""
+        if stem in ROLE_STEMS:
+            return self.local(stem)
         return self.local(f"{stem}{next(self.temp_ids)}")
 
     def axis_var(self, name: str) -> str:

@@ -67,25 +67,25 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
         # r: running max (the leader); the fields l, u are repaired when it moves
         # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
         t7 = tl.max(t5, 1)
-        r_new8 = tl.maximum(f0_r, t7)
+        r_new = tl.maximum(f0_r, t7)
         # a leader still at the identity has no mass yet: use the finite stand-in 0
-        r_use9 = tl.where(r_new8 == -float("inf"), 0.0, r_new8)
+        r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a10 = _base2(r_use9)
-        r211 = r_use9 * a10
-        alpha12 = tl.exp2(f0_r * _base2(f0_r) - r211)
-        w13 = tl.exp2(tl.fma(t5, a10[:, None], -r211[:, None]))
-        p14 = w13
-        t15 = tl.sum(p14, 1)
-        f0_l = f0_l * alpha12 + t15
-        op16 = p14.to(tl.bfloat16)
-        op17 = tl.trans(x_V6)
-        t18 = tl.dot(op16, op17)
-        f0_u = f0_u * alpha12[:, None] + t18
-        f0_r = r_new8
-    t19 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
+        a = _base2(r_use)
+        r2 = r_use * a
+        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
+        w = tl.exp2(tl.fma(t5, a[:, None], -r2[:, None]))
+        p = w
+        t8 = tl.sum(p, 1)
+        f0_l = f0_l * alpha + t8
+        op9 = p.to(tl.bfloat16)
+        op10 = tl.trans(x_V6)
+        t11 = tl.dot(op9, op10)
+        f0_u = f0_u * alpha[:, None] + t11
+        f0_r = r_new
+    t12 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
     # O[b, h, i, j]
-    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(t19, O_ptr.dtype.element_ty))
+    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(t12, O_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -47,25 +47,25 @@ def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, B
         # r: running max (the leader); the fields l are repaired when it moves
         # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
         t1 = tl.max(x_X0, 1)
-        r_new2 = tl.maximum(f0_r, t1)
+        r_new = tl.maximum(f0_r, t1)
         # a leader still at the identity has no mass yet: use the finite stand-in 0
-        r_use3 = tl.where(r_new2 == -float("inf"), 0.0, r_new2)
+        r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a4 = _base2(r_use3)
-        r25 = r_use3 * a4
-        alpha6 = tl.exp2(f0_r * _base2(f0_r) - r25)
-        w7 = tl.exp2(tl.fma(x_X0, a4[:, None], -r25[:, None]))
-        p8 = w7
-        t9 = tl.sum(p8, 1)
-        f0_l = f0_l * alpha6 + t9
-        f0_r = r_new2
-    t10 = tl.abs(f0_r)
-    t11 = (t10 < float("inf"))
-    t12 = tl.log(_natural(f0_l, f0_r))
-    t13 = (f0_r + t12)
-    t14 = tl.where(t11, t13, f0_r)
+        a = _base2(r_use)
+        r2 = r_use * a
+        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
+        w = tl.exp2(tl.fma(x_X0, a[:, None], -r2[:, None]))
+        p = w
+        t2 = tl.sum(p, 1)
+        f0_l = f0_l * alpha + t2
+        f0_r = r_new
+    t3 = tl.abs(f0_r)
+    t4 = (t3 < float("inf"))
+    t5 = tl.log(_natural(f0_l, f0_r))
+    t6 = (f0_r + t5)
+    t7 = tl.where(t4, t6, f0_r)
     # L[i]
-    tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t14, L_ptr.dtype.element_ty))
+    tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t7, L_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -67,20 +67,20 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
         # r: running max (the leader); the fields l, u are repaired when it moves
         # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
         t5 = tl.max(t3, 0)
-        r_new6 = tl.maximum(f0_r, t5)
+        r_new = tl.maximum(f0_r, t5)
         # a leader still at the identity has no mass yet: use the finite stand-in 0
-        r_use7 = tl.where(r_new6 == -float("inf"), 0.0, r_new6)
+        r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a8 = _base2(r_use7)
-        r29 = r_use7 * a8
-        alpha10 = tl.exp2(f0_r * _base2(f0_r) - r29)
-        w11 = tl.exp2(tl.fma(t3, a8, -r29))
-        p12 = w11
-        t13 = tl.sum(p12, 0)
-        f0_l = f0_l * alpha10 + t13
-        t14 = tl.sum(p12[None, :] * x_V4.to(tl.float32), 1)
-        f0_u = f0_u * alpha10 + t14
-        f0_r = r_new6
+        a = _base2(r_use)
+        r2 = r_use * a
+        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
+        w = tl.exp2(tl.fma(t3, a, -r2))
+        p = w
+        t6 = tl.sum(p, 0)
+        f0_l = f0_l * alpha + t6
+        t7 = tl.sum(p[None, :] * x_V4.to(tl.float32), 1)
+        f0_u = f0_u * alpha + t7
+        f0_r = r_new
     tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(f0_l, f0_r))
     tl.store(einfold_O_state0_u_ptr + split_id.to(tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, _natural(f0_u, f0_r))
     tl.store(einfold_O_state0_r_ptr + split_id.to(tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, f0_r)
@@ -109,21 +109,21 @@ def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold
         part_r_0 = tl.load(einfold_O_state0_r_ptr + tl.cast(split, tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3)
         part_l_1 = tl.load(einfold_O_state0_l_ptr + tl.cast(split, tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3)
         part_u_2 = tl.load(einfold_O_state0_u_ptr + tl.cast(split, tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4)
-        r_new3 = tl.maximum(f0_r, part_r_0)
+        r_new = tl.maximum(f0_r, part_r_0)
         # the derived merge: rescale both sides to the common leader (finite stand-in 0 while it is the identity)
-        r_use4 = tl.where(r_new3 == -float("inf"), 0.0, r_new3)
-        t5 = (f0_r - r_use4)
+        r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
+        t3 = (f0_r - r_use)
+        t4 = tl.exp(t3)
+        t5 = (part_r_0 - r_use)
         t6 = tl.exp(t5)
-        t7 = (part_r_0 - r_use4)
-        t8 = tl.exp(t7)
-        t9 = f0_l * t6 + part_l_1 * t8
-        t10 = f0_u * t6 + part_u_2 * t8
-        f0_r = r_new3
-        f0_l = t9
-        f0_u = t10
-    t11 = (f0_u / f0_l)
+        t7 = f0_l * t4 + part_l_1 * t6
+        t8 = f0_u * t4 + part_u_2 * t6
+        f0_r = r_new
+        f0_l = t7
+        f0_u = t8
+    t9 = (f0_u / f0_l)
     # O[b, h, i, j]
-    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + idx_i.to(tl.int64) * O_s2 + offs_j.to(tl.int64) * O_s3, tl.cast(t11, O_ptr.dtype.element_ty))
+    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + idx_i.to(tl.int64) * O_s2 + offs_j.to(tl.int64) * O_s3, tl.cast(t9, O_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):
