@@ -13,6 +13,15 @@ first use, with
   require grad), itself through its own op, and gives a gradient to exactly the
   tensor inputs that require grad (numbers get none).
 
+The op runs the program's saving forward (`Program._saving`): besides the
+program's outputs it returns the statistics its gradient programs read, the
+row logsumexp of each softmax, written by the softmax's own kernel.  They are
+non-differentiable outputs that `call_op` drops: the user sees the program's
+outputs only, and the backward reads `exp(x - L)` instead of recomputing each
+softmax (`compiler.grad(..., saved=True)`).  A backward that builds a graph
+(`create_graph=True`) recomputes instead: the statistic is a constant to the
+gradient program, and the second derivative has to see that it depends on x.
+
 A plain call (no grad needed, not compiling) does not go through the op.
 """
 from __future__ import annotations
@@ -46,7 +55,11 @@ def call_op(program, inputs: dict):
                  for n, v in ((n, inputs[n]) for n in names))
     kinds = tuple("Tensor" if isinstance(a, torch.Tensor) else "float" for a in args)
     namespace, _, name = _op_name(program, kinds).partition("::")
-    return getattr(getattr(torch.ops, namespace), name)(*args)      # a tensor, or a tuple for several
+    results = getattr(getattr(torch.ops, namespace), name)(*args)   # a tensor, or a tuple for several
+    if len(program._saving.outputs) == len(program.outputs):
+        return results
+    shown = results[:len(program.outputs)]                          # the saved statistics stay inside
+    return shown[0] if len(shown) == 1 else shown
 
 
 def _fits(value) -> bool:
@@ -66,14 +79,16 @@ def _op_name(program, kinds: tuple[str, ...]) -> str:
 
 def _make_op(program, kinds: tuple[str, ...]):
     names = tuple(i.name for i in program.checked.inputs)
-    statements = {s.name: s for s in program.checked.statements}
-    outputs = tuple(statements[o] for o in program.outputs)
+    forward = program._saving               # the program, plus its statistics as outputs
+    statements = {s.name: s for s in forward.checked.statements}
+    outputs = tuple(statements[o] for o in forward.outputs)
+    shown = len(program.outputs)            # outputs[shown:] are the saved statistics
     # positional parameter names: an input may be called anything, a schema's may not
     params = ", ".join(f"{kind} x{k}" for k, kind in enumerate(kinds))
     results = "Tensor" if len(outputs) == 1 else f"({', '.join('Tensor' for _ in outputs)})"
 
     def implementation(*args):
-        results = program._run(dict(zip(names, args)))
+        results = forward._run(dict(zip(names, args)))
         results = results if isinstance(results, tuple) else (results,)
         # an op's outputs may not alias its inputs (an output that is an input, unchanged)
         stored = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
@@ -86,7 +101,7 @@ def _make_op(program, kinds: tuple[str, ...]):
 
     @op.register_fake
     def _(*args):
-        binding = program.binder(dict(zip(names, args)))
+        binding = forward.binder(dict(zip(names, args)))
         shaped = tuple(torch.empty([binding.extents[i] for i in s.indices],
                                    dtype=_DTYPES.get(s.dtype, binding.dtype), device=binding.device)
                        for s in outputs)
@@ -94,17 +109,23 @@ def _make_op(program, kinds: tuple[str, ...]):
 
     def setup_context(ctx, inputs, output):
         ctx.numbers = {n: v for n, v in zip(names, inputs) if not isinstance(v, torch.Tensor)}
-        ctx.save_for_backward(*(v for v in inputs if isinstance(v, torch.Tensor)))
         output = output if isinstance(output, tuple | list) else (output,)
-        ctx.outputs = tuple((o.shape, o.dtype, o.device) for o in output)
+        ctx.mark_non_differentiable(*output[shown:])
+        tensors = tuple(v for v in inputs if isinstance(v, torch.Tensor))
+        ctx.save_for_backward(*tensors, *output[shown:])
+        ctx.outputs = tuple((o.shape, o.dtype, o.device) for o in output[:shown])
 
     def backward(ctx, *upstream):
         saved = iter(ctx.saved_tensors)
         inputs = {n: ctx.numbers[n] if n in ctx.numbers else next(saved) for n in names}
+        statistics = dict(zip(forward.outputs[shown:], saved))
         wrt = tuple(n for n, needed in zip(names, ctx.needs_input_grad) if needed)
         if not wrt:
             return (None,) * len(names)
-        gradient = program._gradient(wrt)
+        # with create_graph the gradient must stay differentiable through the
+        # statistics: recompute them (see the module's docstring)
+        gradient = program._gradient(wrt, saved=bool(statistics) and not torch.is_grad_enabled())
+        inputs.update({k: v for k, v in statistics.items() if k in gradient.inputs})
         for s, g, (shape, dtype, device) in zip(outputs, upstream, ctx.outputs):
             if s.dtype == FLOAT:    # an output backward() did not reach has no upstream gradient: zeros
                 g = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()

@@ -116,11 +116,11 @@ def cmd_ir(args) -> int:
 
 def cmd_grad(args) -> int:
     from .check import check
-    from .grad import _checked_wrt
+    from .grad import _checked_wrt, derive
     from .parse import parse
-    from .passes.differentiate import differentiate
     program = check(parse(_read_program(args)), outputs=tuple(args.output) if args.output else None)
-    print(format_program(differentiate(program, _checked_wrt(args.wrt, program))), end="")
+    backward, _ = derive(program, _checked_wrt(args.wrt, program), None, args.saved)
+    print(format_program(backward), end="")
     return 0
 
 
@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", action="append", metavar="NAME",
                    help="a statement the gradients flow from; repeat for several (default: the program's "
                         "outputs)")
+    p.add_argument("--saved", action="store_true",
+                   help="read each softmax as exp(x - lse_<Statement>[...]) from the row logsumexp the forward "
+                        "saves (an extra input), as the backward under torch autograd does, instead of "
+                        "recomputing it")
     p.set_defaults(run=cmd_grad)
 
     p = _command(sub, "run", "run on random inputs and report the error against the float64 oracle",

@@ -3,7 +3,7 @@ to the single-pass form, with every derived summary's merge and law status."""
 from __future__ import annotations
 
 from .algebra import Summary
-from .ir import Const, Expr, Reduce, Var, format_expr, format_program, transform, walk
+from .ir import Const, Expr, Reduce, Var, format_expr, format_program, format_statement, transform, walk
 from .passes import PIPELINE
 
 
@@ -84,4 +84,28 @@ def explain(program) -> str:
     out.append(f"outputs: {', '.join(program.outputs)}")
     out.append("plan (for any sizes; the sizes of a call choose tiles and splits: Program.plan(**inputs)):")
     out += _indent(str(plan))
+    out += _backward(program.checked)
     return "\n".join(out) + "\n"
+
+
+def _backward(checked) -> list[str]:
+    """The gradient program a call under torch autograd runs (with respect to
+    every tensor input), and what the forward saves for it; nothing for a
+    program without one (no tensor input, no float output, a summary without
+    a derivative on every path)."""
+    from .errors import EinfoldError
+    from .grad import _checked_wrt, derive
+    try:
+        wrt = _checked_wrt(None, checked)
+        backward, found = derive(checked, wrt, None, True)
+    except EinfoldError:
+        return []
+    out = ["", f"backward (einfold grad --saved: the gradients of {', '.join(wrt)}):",
+           *_indent(format_program(backward))]
+    if found.saved:
+        out.append("saved by the forward (extra outputs that share the softmax's fold):")
+        out += [f"  {format_statement(s)}" for s in found.saved]
+    if found.unsaved:
+        out.append("recomputed by the backward:")
+        out += [f"  {why}" for why in found.unsaved]
+    return out

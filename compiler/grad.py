@@ -14,7 +14,7 @@ from .errors import CheckError
 from .ir import format_program
 from .ops import FLOAT
 from .parse import parse
-from .passes.differentiate import differentiate
+from .passes.differentiate import Statistics, differentiate, read_saved, statistics
 from .program import Program, _check_options, _check_source, _checked_outputs, _checked_user_summaries
 
 
@@ -32,18 +32,26 @@ class GradientProgram(Program):
         upstream: the name of each float output's upstream gradient input
             (`{"O": "dO"}`).
         inputs: the names a call takes: the forward inputs, then the upstream
-            gradients.
+            gradients, then (`saved=True`) the saved statistics.
+        saved: the statistics it reads instead of recomputing them
+            (`grad(..., saved=True)`), as the statements that compute them from
+            the forward inputs (`lse_O[i] = logsumexp[m](...)`); empty
+            otherwise.
+        unsaved: for each softmax it recomputes although the forward has it
+            (`saved=True`), why its statistic cannot be saved.
 
     A name that the forward program uses already takes the first free suffix:
     the upstream gradient of `O` in a program with an input `dO` is `dO_1`.
     """
 
     def __init__(self, source: str, *, wrt: tuple[str, ...], upstream: dict[str, str],
-                 inputs: tuple[str, ...], **kwargs):
+                 inputs: tuple[str, ...], statistics: Statistics = Statistics((), ()), **kwargs):
         super().__init__(source, **kwargs)
         self.wrt = wrt
         self.upstream = upstream
         self.inputs = inputs
+        self.saved = statistics.saved
+        self.unsaved = statistics.unsaved
 
     def _read(self, inputs: dict) -> dict:
         declared = {i.name for i in self.checked.inputs}
@@ -57,7 +65,7 @@ class GradientProgram(Program):
 
 
 def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[str] | str | None = None,
-         backend: str = "auto", **options) -> GradientProgram:
+         backend: str = "auto", saved: bool = False, **options) -> GradientProgram:
     """Compile the gradient program of `source`.
 
     Args:
@@ -68,12 +76,18 @@ def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[
         outputs: the forward outputs the gradients flow from (default: the
             program's outputs); an int or predicate output carries none.
         backend: as for `compile`: `"auto"`, `"triton"` or `"reference"`.
+        saved: read each softmax it needs as `exp(x - L)` from its saved
+            statistic `L = logsumexp[I](x)`, an extra input `lse_<Statement>`
+            (the program's `saved` gives the statements that compute them from
+            the forward inputs), instead of recomputing its normaliser: the
+            backward that a call under torch autograd runs. Default: recompute.
         **options: as for `compile` (`summaries=`, `split=`).
 
     Returns:
         A `GradientProgram`: call it with the forward inputs plus `d<O>`, the
         upstream gradient of each float output O (indexed like O); it returns
-        `d<X>` for each X in `wrt`, in that order (one tensor for one input).
+        `d<X>` for each X in `wrt`, in that order (one tensor for one input);
+        with `saved=True` also the statistics named in its `saved`.
         A name the program uses already takes a suffix (`dO_1`); the
         program's `upstream` and `outputs` say which.
 
@@ -96,13 +110,40 @@ def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[
     names = _checked_wrt(wrt, forward)
     statements = {s.name: s for s in forward.statements}
     flowing = tuple(o for o in forward.outputs if statements[o].dtype == FLOAT)
-    backward = differentiate(forward, names, flowing)
+    backward, found = derive(forward, names, flowing, saved)
     upstream = dict(zip(flowing, (i.name for i in backward.inputs[len(forward.inputs):])))
     if summaries:
         options["summaries"] = tuple(summaries.values())
     return GradientProgram(format_program(backward), wrt=names, upstream=upstream,
-                           inputs=tuple(i.name for i in backward.inputs), outputs=backward.outputs,
-                           backend=backend, **options)
+                           inputs=tuple(i.name for i in backward.inputs), statistics=found,
+                           outputs=backward.outputs, backend=backend, **options)
+
+
+def derive(forward, wrt: tuple[str, ...], outputs: tuple[str, ...], saved: bool):
+    """The gradient program of `forward` (checked IR), reading the saved
+    statistics where `saved`, and those statistics."""
+    if not isinstance(saved, bool):
+        raise CheckError(f"saved= takes True or False, not {type(saved).__name__} {saved!r}")
+    backward = differentiate(forward, wrt, outputs)
+    if not saved:
+        return backward, Statistics((), ())
+    found = statistics(forward, backward)
+    return read_saved(backward, found.saved), found
+
+
+def saving_forward(forward) -> Statistics:
+    """What the forward (checked IR) saves for any of its gradient programs: the
+    statistics the backward with respect to every input reads (none where a
+    summary without a derivative is on a path: that backward recomputes)."""
+    statements = {s.name: s for s in forward.statements}
+    flowing = tuple(o for o in forward.outputs if statements[o].dtype == FLOAT)
+    wrt = tuple(i.name for i in forward.inputs)
+    if not flowing or not wrt:
+        return Statistics((), ())
+    try:
+        return statistics(forward, differentiate(forward, wrt, flowing))
+    except CheckError:
+        return Statistics((), ())
 
 
 def _checked_wrt(wrt, forward) -> tuple[str, ...]:

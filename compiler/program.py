@@ -65,7 +65,8 @@ class Program:
         if summaries:
             self._options["summaries"] = tuple(summaries.values())
         self._runners: dict[tuple, object] = {}
-        self._gradients: dict[tuple[str, ...], Program] = {}      # wrt -> compiled gradient program
+        # (wrt, saved statistics read or recomputed) -> compiled gradient program
+        self._gradients: dict[tuple[tuple[str, ...], bool], Program] = {}
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
 
     @cached_property
@@ -132,14 +133,30 @@ class Program:
         values = tuple(results[name] for name in self.outputs)
         return values[0] if len(values) == 1 else values
 
-    def _gradient(self, wrt: tuple[str, ...]) -> Program:
-        """The gradient program for inputs `wrt` (compiled on first use, then kept)."""
-        program = self._gradients.get(wrt)
+    def _gradient(self, wrt: tuple[str, ...], saved: bool = False) -> Program:
+        """The gradient program for inputs `wrt`, reading the statistics that
+        `_saving` saves where `saved` (compiled on first use, then kept)."""
+        program = self._gradients.get((wrt, saved))
         if program is None:
             from .grad import grad
-            program = self._gradients[wrt] = grad(self.text, wrt=wrt, outputs=self.outputs,
-                                                  backend=self.backend_name, **self._options)
+            program = self._gradients[wrt, saved] = grad(self.text, wrt=wrt, outputs=self.outputs,
+                                                         backend=self.backend_name, saved=saved, **self._options)
         return program
+
+    @cached_property
+    def _saving(self) -> Program:
+        """The forward that a call under autograd runs: this program plus one
+        output `lse_<Statement>[rows] = logsumexp[I](x)` per softmax[I](x) that
+        its gradient programs read (the statistic shares the softmax's fold:
+        same kernels); this program itself when there is none."""
+        from .grad import saving_forward
+        from .ir import format_statement
+        found = deep(lambda: saving_forward(self.checked), what="the program", source=self.text)
+        if not found.saved:
+            return self
+        text = self.text.rstrip() + "\n" + "".join(format_statement(s) + "\n" for s in found.saved)
+        return Program(text, outputs=(*self.outputs, *(s.name for s in found.saved)), backend=self.backend_name,
+                       **self._options)
 
     def _positional_error(self, args: tuple) -> None:
         names = ", ".join(i.name for i in self.checked.inputs)

@@ -365,10 +365,10 @@ def test_only_inputs_that_require_grad_get_one_and_the_program_is_compiled_per_s
     source, reference, make, _ = CORPUS["attention"]
     program = check_gradients(source, reference, make(), ("K",), "reference")
     check_gradients(source, reference, make(), ("V", "Q"), "reference")
-    assert list(program._gradients) == [("K",)]
+    assert list(program._gradients) == [(("K",), True)]        # reading the saved statistics
     inputs = {k: (v.requires_grad_() if k == "K" else v) for k, v in make().items()}
     program(**inputs).sum().backward()
-    assert list(program._gradients) == [("K",)]          # compiled once, reused
+    assert list(program._gradients) == [(("K",), True)]        # compiled once, reused
 
 
 def test_second_derivatives():
@@ -525,3 +525,136 @@ def test_torch_compile_traces_a_program_in_one_graph(backend):
     (reference(*theirs, inputs["scale"]) ** 2).sum().backward()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad.double().cpu(), b.grad, **TOL[backend])
+
+
+# ---------------------------------------------------------------- saved statistics
+# Rows 0 and 1 see no key (m <= i - 2): every logit -inf, the softmax NaN, its gradient NaN.
+MASKED = ("O[i,j] = softmax[m](where(m <= i - 2, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]",
+          lambda Q, K, V, scale: _attention(Q, K, V, scale, torch.arange(5)[None, :] <= torch.arange(5)[:, None] - 2),
+          lambda: {"Q": randn(5, 3), "K": randn(5, 3), "V": randn(5, 2), "scale": 0.6}, ("Q", "K", "V"))
+SAVED = {"attention": CORPUS["attention"], "masked": MASKED, "softcap": CORPUS["softcap"],
+         "output_and_lse": CORPUS["output_and_lse"]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(SAVED))
+def test_backward_with_saved_statistics_matches_torch(case, backend):
+    source, reference, make, wrt = SAVED[case]
+    backward = compiler.grad(source, wrt=wrt, backend=backend, saved=True)
+    assert [s.name for s in backward.saved] == ["lse_O"] and "softmax" not in backward.text
+    inputs = make()
+    forward = compiler.compile(source, backend="reference")
+    values = dict(zip(forward._saving.outputs, forward._saving(**inputs)))    # float64 statistics
+    theirs = {n: (v.clone().requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v) for n, v in inputs.items()}
+    want = reference(**theirs)
+    want = want if isinstance(want, tuple) else (want,)
+    upstream = {backward.upstream[o]: randn(*w.shape, seed=3 + k) for k, (o, w) in enumerate(zip(forward.outputs, want))}
+    torch.autograd.backward(want, tuple(upstream.values()))
+    dtype, device = DTYPE[backend], DEVICE[backend]
+    given = {**inputs, **upstream, "lse_O": values["lse_O"]}
+    given = {n: v.to(device, dtype) if isinstance(v, torch.Tensor) else v for n, v in given.items()}
+    got = dict(zip(wrt, backward(**given)))
+    recomputed = compiler.grad(source, wrt=wrt, backend=backend)
+    again = dict(zip(wrt, recomputed(**{n: v for n, v in given.items() if n != "lse_O"})))
+    for name in wrt:
+        torch.testing.assert_close(got[name].double().cpu(), theirs[name].grad, **TOL[backend], equal_nan=True)
+        # NaN exactly where the recomputing backward has it (the masked rows)
+        assert torch.equal(got[name].isnan(), again[name].isnan()), name
+    if case == "masked":
+        # as torch: the masked rows' dQ is 0 (where() sends nothing to a masked logit), dV is NaN
+        assert values["lse_O"][:2].isneginf().all() and (got["Q"][:2] == 0).all() and got["V"].isnan().all()
+
+
+def _normalisers_in_loops(loops, outer=()):
+    """(loop index, fold) for each fold with a normaliser field `l` (the sum of the
+    weights alone) inside a loop over another index."""
+    found = []
+    for loop in loops:
+        if outer:
+            found += [(loop.indices, f) for f in loop.folds if "l" in f.split("_")[1:]]
+        found += _normalisers_in_loops(loop.inner, (*outer, *loop.indices))
+    return found
+
+
+def test_saved_statistics_cost_the_forward_no_kernel_and_the_backward_no_normaliser():
+    sizes = {"Q": randn(70, 16), "K": randn(90, 16), "V": randn(90, 8), "scale": 0.25}
+    for case in ("attention", "masked", "softcap"):
+        program = compiler.compile(SAVED[case][0], backend="triton")
+        assert program._saving is not program
+        inputs = {n: sizes[n] for n in ("Q", "K", "V")} | {i.name: 0.25 for i in program.checked.inputs if i.rank == 0}
+        assert len(program._saving.plan(**inputs).kernels) == len(program.plan(**inputs).kernels) == 1, case
+    lse = compiler.compile(CORPUS["output_and_lse"][0], backend="triton")
+    assert len(lse._saving.plan(**sizes).kernels) == len(lse.plan(**sizes).kernels)
+    # the recomputing backward folds row i's normaliser over m inside the loops over i of dK and dV
+    do, row = randn(70, 8), randn(70)
+    recomputing = compiler.grad(CORPUS["attention"][0], backend="triton").plan(**sizes, dO=do)
+    assert {k.name for k in recomputing.kernels if _normalisers_in_loops(k.loops)} == {"einfold_dK", "einfold_dV"}
+    saving = compiler.grad(CORPUS["attention"][0], backend="triton", saved=True).plan(**sizes, dO=do, lse_O=row)
+    assert [k.name for k in saving.kernels] == ["einfold_dQ", "einfold_dK", "einfold_dV"]
+    assert not any(_normalisers_in_loops(k.loops) for k in saving.kernels)
+    assert not any("_l_" in f or f.endswith("_l") for k in saving.kernels for f in _all_folds(k.loops))
+
+
+def _all_folds(loops):
+    return [f for loop in loops for f in (*loop.folds, *_all_folds(loop.inner))]
+
+
+def test_statistics_are_saved_per_distinct_softmax_and_explained_where_not():
+    backward = compiler.grad("S[i,m] = X[i,k] * W[m,k]\nP[i,m] = softmax[m](S[i,m])\n"
+                             "L[i] = logsumexp[m](X[i,k] * W[m,k])\nO[i,j] = P[i,m] * V[m,j] + L[i]",
+                             backend="reference", saved=True)
+    # one statistic per distinct softmax of the checked program (the passes fold them as one)
+    assert [format_program_statement(s) for s in backward.saved] == [
+        "lse_P[i] = logsumexp[m](S[i, m])", "lse_L[i] = logsumexp[m](sum[k](X[i, k] * W[m, k]))"]
+    assert "softmax" not in backward.text and backward.unsaved == ()
+    nested = "Y[i] = sum[k](softmax[m](X[i,m] * W[k,m]) * Z[k,m])"
+    backward = compiler.grad(nested, backend="reference", saved=True)
+    assert backward.saved == () and "softmax[m]" in backward.text
+    assert backward.unsaved == ("softmax[m](...) in Y varies over k, which Y[i] folds over: its statistic "
+                                "would be a tensor the forward does not write",)
+    assert compiler.compile(nested)._saving.outputs == ("Y",)
+    text = compiler.compile(nested, backend="reference").explain()
+    assert "recomputed by the backward:\n  softmax[m](...) in Y varies over k" in text
+
+
+def format_program_statement(s):
+    from compiler.ir import format_statement
+    return format_statement(s)
+
+
+def test_a_backward_that_builds_a_graph_recomputes():
+    # the saved statistic is a constant to the gradient program: second derivatives recompute
+    program = compiler.compile("L[i] = logsumexp[j](X[i,j] * W[j])", backend="reference")
+    x, w = randn(3, 4).requires_grad_(), randn(4, seed=1).requires_grad_()
+    dx, = torch.autograd.grad(program(X=x, W=w).sum(), x, create_graph=True)
+    (dx * dx).sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    dx2, = torch.autograd.grad(torch.logsumexp(x2 * w2, -1).sum(), x2, create_graph=True)
+    (dx2 * dx2).sum().backward()
+    torch.testing.assert_close(dx, dx2)
+    torch.testing.assert_close(w.grad, w2.grad)
+    assert set(program._gradients) == {(("X", "W"), False)}
+
+
+def test_cli_grad_saved_prints_a_program_that_parses_back(capsys):
+    source = CORPUS["attention"][0]
+    assert main(["grad", "-e", source, "--saved"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out == compiler.grad(source, backend="reference", saved=True).text
+    assert "lse_O[i]" in out and "softmax" not in out
+    again = check(parse(out))
+    assert format_program(again) == out and again.outputs == ("dQ", "dK", "dV")
+    assert [i.name for i in again.inputs][-1] == "lse_O"
+    assert main(["grad", "-e", source]) == 0
+    assert "softmax[m]" in capsys.readouterr()[0]
+
+
+def test_explain_ends_with_the_backward_and_its_saved_statistics():
+    text = compiler.compile(CORPUS["attention"][0], backend="reference").explain()
+    backward = compiler.grad(CORPUS["attention"][0], backend="reference", saved=True).text
+    tail = ("backward (einfold grad --saved: the gradients of Q, K, V):\n"
+            + "".join(f"  {line}\n" for line in backward.splitlines())
+            + "saved by the forward (extra outputs that share the softmax's fold):\n"
+            "  lse_O[i] = logsumexp[m](sum[k](Q[i, k] * K[m, k]) * scale)\n")
+    assert text.endswith(tail)
+    assert "backward" not in compiler.compile("N[i] = sum[k](where(X[i,k] > 0, 1, 0))").explain()

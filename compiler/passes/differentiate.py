@@ -32,6 +32,7 @@ everywhere (also at inf and NaN) and costs nothing once compiled.
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -43,7 +44,7 @@ from ..algebra import BUILTINS, COMPOSITES
 from ..algebra.user import Sym, fn
 from ..config import deep
 from ..errors import CheckError
-from ..ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce, Var,
+from ..ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce, Var, bound_indices,
                   children, free_indices, walk, with_children)
 from ..ops import BOOL, FLOAT, OPS
 from .fuse import rename_indices
@@ -533,3 +534,148 @@ def _place_anchor(statements: list[Assign], ix: str, ones: Expr) -> list[Assign]
             return with_children(e, (Call("mul", (first, ones)), *rest))
         return [*statements[:k], replace(s, expr=anchor(s.expr)), *statements[k + 1:]]
     raise AssertionError(f"index '{ix}' is used but neither on a left side nor bound")
+
+
+# ---------------------------------------------------------------- saved statistics
+# The softmax rule (and the logsumexp rule, whose adjoint is g * softmax) reads the
+# probabilities p = softmax[I](x), which the gradient program would recompute,
+# normaliser and all, wherever it reads them: inside the kernels of dK and dV of
+# attention that is one fold over m per (m tile, i), cubic work.  The forward
+# already folds that normaliser: saving L = logsumexp[I](x) as an extra output of
+# its kernel, the backward reads p = exp(x - L), an elementwise term.
+STATISTIC = "logsumexp"
+_SAVED_FROM = ("softmax", "logsumexp")      # composites whose statistic is logsumexp[I](x)
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """What the forward saves for the backward, and what it cannot save.
+
+    Attributes:
+        saved: one statement per statistic, in the forward's names
+            (`lse_O[i] = logsumexp[m](x)`): appended to the forward program,
+            it is an extra output that shares the fold of the softmax.
+        unsaved: one line per softmax the backward recomputes although the
+            forward has it, saying why."""
+
+    saved: tuple[Assign, ...]
+    unsaved: tuple[str, ...]
+
+
+def _alpha(node: Composite) -> tuple[Expr, tuple[str, ...]]:
+    """`node` (a softmax or logsumexp) up to a consistent renaming of its indices:
+    the reduced indices become #0, #1, ..., the other free indices #k, ... in the
+    order they first appear, bound ones ~0, ~1, ...  Returns the renamed pair
+    (reduced indices, argument), as one Composite, and the original names of the
+    free placeholders, in placeholder order."""
+    free: dict[str, str] = {i: f"#{k}" for k, i in enumerate(node.indices)}
+    bound = itertools.count()
+
+    def name(i: str, scope: dict[str, str]) -> str:
+        if i in scope:
+            return scope[i]
+        if i not in free:
+            free[i] = f"#{len(free)}"
+        return free[i]
+
+    def rename(e: Expr, scope: dict[str, str]) -> Expr:
+        if isinstance(e, Access):
+            return replace(e, indices=tuple(name(i, scope) for i in e.indices), span=None)
+        if isinstance(e, Index | Extent):
+            return replace(e, name=name(e.name, scope), span=None)
+        if isinstance(e, Reduce | Composite) and bound_indices(e):
+            inner = {**scope, **{i: f"~{next(bound)}" for i in e.indices}}
+            e = replace(e, indices=tuple(inner[i] for i in e.indices), span=None)
+            return with_children(e, tuple(rename(c, inner) for c in children(e)))
+        if isinstance(e, Composite):           # a softmax inside: its indices are free in it
+            e = replace(e, indices=tuple(name(i, scope) for i in e.indices), span=None)
+        elif isinstance(e, Call | Reduce):
+            e = replace(e, span=None)
+        return with_children(e, tuple(rename(c, scope) for c in children(e)))
+
+    key = Composite(STATISTIC, tuple(free[i] for i in node.indices), rename(node.arg, {}))
+    return key, tuple(free)
+
+
+def _candidates(program: Program) -> list[tuple[Composite, Assign, str | None]]:
+    """Every softmax and logsumexp of the forward, with its statement and, where
+    its statistic cannot be an output of that statement's kernel, why."""
+    found: list[tuple[Composite, Assign, str | None]] = []
+
+    def visit(e: Expr, st: Assign, enclosing: frozenset[str]) -> None:
+        if isinstance(e, Composite) and e.op in _SAVED_FROM:
+            rows = [i for i in free_indices(e) if i not in e.indices]
+            folded = sorted(set(rows) & enclosing | set(rows) - set(st.indices))
+            why = None
+            if folded:
+                why = (f"{e.op}[{', '.join(e.indices)}](...) in {st.name} varies over {', '.join(folded)}, "
+                       f"which {st.name}[{', '.join(st.indices)}] folds over: its statistic would be a tensor "
+                       f"the forward does not write")
+            found.append((e, st, why))
+        inner = enclosing | set(bound_indices(e)) if isinstance(e, Reduce | Composite) else enclosing
+        for c in children(e):
+            visit(c, st, inner)
+
+    for st in program.statements:
+        visit(st.expr, st, frozenset())
+    return found
+
+
+def statistics(program: Program, backward: Program) -> Statistics:
+    """The statistics the forward `program` (checked IR) can save for the
+    gradient program `backward` (from `differentiate`, recomputing): one
+    `lse_<Statement>[rows] = logsumexp[I](x)` per distinct softmax[I](x) that
+    the backward reads, up to a renaming of indices."""
+    wanted = {_alpha(n)[0] for s in backward.statements for n in walk(s.expr)
+              if isinstance(n, Composite) and n.op == "softmax"}
+    taken = {i.name for i in program.inputs} | {s.name for s in program.statements}
+    names = _Names(taken, dict(program.extents))
+    saved: dict[Expr, Assign] = {}
+    unsaved: dict[Expr, str] = {}
+    for node, st, why in _candidates(program):
+        key = _alpha(node)[0]
+        if key in saved:
+            continue
+        if why is not None:
+            unsaved.setdefault(key, why)
+            continue
+        unsaved.pop(key, None)
+        # named whether or not this backward reads it, so that every gradient
+        # program of `program` (any wrt) names a statistic alike
+        rows = tuple(i for i in st.indices if i in free_indices(node) and i not in node.indices)
+        saved[key] = Assign(names.tensor(f"lse_{st.name}"), rows, Composite(STATISTIC, node.indices, node.arg),
+                            FLOAT)
+    return Statistics(tuple(a for k, a in saved.items() if k in wanted),
+                      tuple(why for k, why in unsaved.items() if k in wanted))
+
+
+def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
+    """`backward` reading exp(x - L[rows]) wherever it would recompute a softmax
+    whose statistic L is in `saved` (inputs of the result, after the others).
+
+    exp(x - L) is the softmax: L >= x, so it never overflows, and at a row
+    whose every logit is -inf (L = -inf) it is exp(-inf + inf) = NaN, as the
+    recomputed softmax (0/0) is.  A row holding +inf has L = +inf: exp(x - L) is
+    0 at its finite logits and NaN at the infinite ones, where the softmax is
+    NaN throughout; its gradient is NaN either way."""
+    by_key = {}
+    for st in saved:
+        key, order = _alpha(Composite("softmax", st.expr.indices, st.expr.arg))
+        by_key[key] = (st, order)
+    used: dict[str, None] = {}
+
+    def rewrite(e: Expr) -> Expr:
+        if isinstance(e, Composite) and e.op == "softmax":
+            key, order = _alpha(e)
+            hit = by_key.get(key)
+            if hit is not None:
+                st, theirs = hit
+                to_ours = dict(zip(theirs, order))
+                used[st.name] = None
+                read = Access(st.name, tuple(to_ours[i] for i in st.indices))
+                return Call("exp", (Call("sub", (rewrite(e.arg), read)),))
+        return with_children(e, tuple(rewrite(c) for c in children(e)))
+
+    statements = tuple(replace(s, expr=rewrite(s.expr)) for s in backward.statements)
+    inputs = tuple(Input(st.name, len(st.indices)) for st in saved if st.name in used)
+    return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs))
