@@ -111,6 +111,10 @@ def cmd_ir(args) -> int:
     final = run_pipeline(program, observe=observe)
     if wanted is None:
         print(format_program(final), end="")
+    if wanted in ("all", "schedule"):
+        from .backend import outline
+        print("# after schedule")            # the Triton backend's kernels and loops, for any sizes
+        print(outline("triton", final, program.outputs))
     return 0
 
 
@@ -229,9 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "ir", "print the IR after the passes, or after a given pass",
                  f'einfold ir -e "{ATTENTION}"',
                  f'einfold ir --print-after all -e "{ATTENTION}"')
-    p.add_argument("--print-after", metavar="PASS", choices=["all", *(name for name, _ in PIPELINE)],
-                   help="print the IR after this pass, or after every stage with 'all' "
-                        f"(passes: {', '.join(name for name, _ in PIPELINE)})")
+    p.add_argument("--print-after", metavar="PASS", choices=["all", *(name for name, _ in PIPELINE), "schedule"],
+                   help="print the IR after this pass, or the schedule (kernels and their loops), or after "
+                        f"every stage with 'all' (passes: {', '.join(name for name, _ in PIPELINE)})")
     p.set_defaults(run=cmd_ir)
 
     p = _command(sub, "grad", "print the gradient program: the forward inputs and an upstream gradient "

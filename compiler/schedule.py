@@ -10,17 +10,21 @@ class Loop:
     """A loop of a kernel: over `indices` (tiles of them), carrying the running
     states of `folds` (summary names), with the loops nested inside it.  An
     epilogue loop carries no fold; a merge kernel's loop runs over the partial
-    states (`indices` is empty).  A loop whose extent fits one tile runs once."""
+    states (`indices` is empty).  A loop whose extent fits one tile runs once; a
+    bound from a predicate (`m <= i`) lets it skip the tiles where the predicate
+    fails everywhere."""
 
     indices: tuple[str, ...]
     folds: tuple[str, ...]
     inner: tuple["Loop", ...] = ()
+    bounds: tuple[str, ...] = ()    # relations from index predicates that bound it (`m <= i`)
 
     def __str__(self) -> str:
         over = ", ".join(self.indices) if self.indices else "partial states"
+        bounded = f" [bounds: {', '.join(self.bounds)}]" if self.bounds else ""
         carries = f": {', '.join(self.folds)}" if self.folds else " (epilogue)"
         nested = f" {{ {'; '.join(str(loop) for loop in self.inner)} }}" if self.inner else ""
-        return f"loop {over}{carries}{nested}"
+        return f"loop {over}{bounded}{carries}{nested}"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Plan:
 
     def __str__(self) -> str:
         lines = [f"backend {self.backend}: {len(self.kernels)} kernel(s)"]
-        lines += [f"  {k.name}: writes {', '.join(k.writes)}  # {k.why}" for k in self.kernels]
+        for k in self.kernels:
+            lines.append(f"  {k.name}: writes {', '.join(k.writes)}  # {k.why}")
+            lines += [f"    {loop}" for loop in k.loops]
         lines.append(f"  intermediate buffers: {', '.join(self.buffers) or 'none'}")
         return "\n".join(lines)

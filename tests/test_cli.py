@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from compiler.backend import outline
 from compiler.check import check
 from compiler.cli import main
 from compiler.ir import format_program
@@ -57,13 +58,21 @@ def test_ir_print_after_all(capsys):
     code, out, err = run_cli(capsys, "ir", "-e", ATTENTION, "--print-after", "all")
     assert code == 0 and err == ""
     headers = re.findall(r"^# after (\S+)$", out, flags=re.M)
-    assert headers == ["check"] + [name for name, _ in PIPELINE]
+    assert headers == ["check"] + [name for name, _ in PIPELINE] + ["schedule"]
     sections = re.split(r"^# after \S+\n", out, flags=re.M)[1:]
     assert sections[0] == ATTENTION_CANONICAL
     program = check(parse(ATTENTION))
     for (name, pass_), text in zip(PIPELINE, sections[1:]):
         program = pass_(program)
         assert text == format_program(program), name
+    assert sections[-1] == str(outline("triton", program, program.outputs)) + "\n"
+
+
+def test_ir_print_after_schedule_shows_kernels_loops_and_bounds(capsys):
+    causal = "O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]"
+    code, out, err = run_cli(capsys, "ir", "-e", causal, "--print-after", "schedule")
+    assert code == 0 and err == "" and out.startswith("# after schedule\nbackend triton: 1 kernel(s)\n")
+    assert "    loop m [bounds: m <= i]: fold1_r_l_u { loop k: sum }\n" in out
 
 
 def test_ir_print_after_one_pass(capsys):

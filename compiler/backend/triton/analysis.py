@@ -566,7 +566,10 @@ def _fold_loops(folds: list[Reduce]) -> tuple[Loop, ...]:
     for indices, group in by_indices.items():
         inner = [n.fold for f in group for a in f.args for n in top_folds(a, tuple(free(a)))]
         names = tuple(dict.fromkeys(f.summary.name for f in group))
-        out.append(Loop(indices, names, _fold_loops(inner)))
+        symbols = {"lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+        bounds = tuple(dict.fromkeys(f"{index} {symbols.get(op, op)} {other}" for f in group
+                                     for index, relations in index_bounds(f).items() for op, other in relations))
+        out.append(Loop(indices, names, _fold_loops(inner), bounds))
     return tuple(out)
 
 
