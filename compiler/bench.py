@@ -135,6 +135,44 @@ def decode_cases(compile_, quick: bool) -> list[Case]:
     return cases
 
 
+def _grad_of(forward):
+    """The backward alone, as FlashAttention's benchmarks time it: the forward runs
+    once per input set (its graph kept), each call runs torch.autograd.grad of the
+    output against the fixed upstream gradient dO and returns dQ (the error column
+    compares dQ; tests/test_grad.py checks every gradient)."""
+    kept = {}
+
+    def run(x):
+        if kept.get("inputs") is not x:            # a new input set: run its forward once
+            kept.update(inputs=x, output=forward(x))
+        return torch.autograd.grad(kept["output"], (x["Q"], x["K"], x["V"]), x["dO"], retain_graph=True)[0]
+    return run
+
+
+def backward_cases(compile_, quick: bool) -> list[Case]:
+    """Attention backward (bf16, B*S = 16k tokens, H*d = 2048), causal and not,
+    against SDPA's FLASH_ATTENTION and cuDNN backends; work = 2.5x the forward's FLOPs."""
+    cases = []
+    shapes = [(64, 1024), (128, 4096)] if quick else [(d, s) for d in (64, 128) for s in (1024, 4096, 16384)]
+    for d, s in shapes:
+        b, h = 16384 // s, 2048 // d
+        for causal in (False, True):
+            def make(b=b, h=h, s=s, d=d):
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                               for _ in range(4))
+                return {"Q": q.requires_grad_(), "K": k.requires_grad_(), "V": v.requires_grad_(),
+                        "scale": 1 / math.sqrt(d), "dO": do}
+            program = compile_(CAUSAL if causal else ATTENTION)
+            ours = _grad_of(lambda x, p=program: p(Q=x["Q"], K=x["K"], V=x["V"], scale=x["scale"]))
+            baselines = {f"sdpa_{n.lower()}": _grad_of(_sdpa(n, causal))
+                         for n in ("FLASH_ATTENTION", "CUDNN_ATTENTION")}
+            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+            cases.append(Case("backward", f"B{b} H{h} S{s} d{d}{' causal' if causal else ''}", flops,
+                              "TFLOP/s", make, ours, baselines))
+    return cases
+
+
 def _torch_layernorm(x):
     X = x["X"].float()
     mu = X.mean(-1, keepdim=True)
@@ -185,7 +223,7 @@ def matmul_cases(compile_, quick: bool) -> list[Case]:
 
 
 GROUPS = {"attention": attention_cases, "decode": decode_cases, "memory": memory_cases,
-          "matmul": matmul_cases}
+          "matmul": matmul_cases, "backward": backward_cases}
 
 
 def copy_bandwidth() -> float:
