@@ -112,20 +112,22 @@ def _make_op(program, kinds: tuple[str, ...]):
         output = output if isinstance(output, tuple | list) else (output,)
         ctx.mark_non_differentiable(*output[shown:])
         tensors = tuple(v for v in inputs if isinstance(v, torch.Tensor))
-        ctx.save_for_backward(*tensors, *output[shown:])
+        # the outputs too: the saved backward reads them (rowsum(dO * O) for a softmax)
+        ctx.save_for_backward(*tensors, *output[shown:], *output[:shown])
         ctx.outputs = tuple((o.shape, o.dtype, o.device) for o in output[:shown])
 
     def backward(ctx, *upstream):
         saved = iter(ctx.saved_tensors)
         inputs = {n: ctx.numbers[n] if n in ctx.numbers else next(saved) for n in names}
         statistics = dict(zip(forward.outputs[shown:], saved))
+        produced = dict(zip(forward.outputs[:shown], saved))
         wrt = tuple(n for n, needed in zip(names, ctx.needs_input_grad) if needed)
         if not wrt:
             return (None,) * len(names)
         # with create_graph the gradient must stay differentiable through the
         # statistics: recompute them (see the module's docstring)
         gradient = program._gradient(wrt, saved=bool(statistics) and not torch.is_grad_enabled())
-        inputs.update({k: v for k, v in statistics.items() if k in gradient.inputs})
+        inputs.update({k: v for k, v in {**produced, **statistics}.items() if k in gradient.inputs})
         for s, g, (shape, dtype, device) in zip(outputs, upstream, ctx.outputs):
             if s.dtype == FLOAT:    # an output backward() did not reach has no upstream gradient: zeros
                 g = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()

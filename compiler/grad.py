@@ -14,7 +14,7 @@ from .errors import CheckError
 from .ir import format_program
 from .ops import FLOAT
 from .parse import parse
-from .passes.differentiate import Statistics, differentiate, read_saved, statistics
+from .passes.differentiate import Statistics, differentiate, read_outputs, read_saved, statistics
 from .program import Program, _check_options, _check_source, _checked_outputs, _checked_user_summaries
 
 
@@ -121,13 +121,15 @@ def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[
 
 def derive(forward, wrt: tuple[str, ...], outputs: tuple[str, ...], saved: bool):
     """The gradient program of `forward` (checked IR), reading the saved
-    statistics where `saved`, and those statistics."""
+    statistics and the forward outputs it would otherwise fold again (the
+    softmax adjoint's rowsum(dO * O)) where `saved`, and those statistics."""
     if not isinstance(saved, bool):
         raise CheckError(f"saved= takes True or False, not {type(saved).__name__} {saved!r}")
     backward = differentiate(forward, wrt, outputs)
     if not saved:
         return backward, Statistics((), ())
     found = statistics(forward, backward)
+    backward, _ = read_outputs(backward, forward)      # before the softmaxes become exp(x - L)
     return read_saved(backward, found.saved), found
 
 

@@ -551,11 +551,13 @@ def test_backward_with_saved_statistics_matches_torch(case, backend):
     upstream = {backward.upstream[o]: randn(*w.shape, seed=3 + k) for k, (o, w) in enumerate(zip(forward.outputs, want))}
     torch.autograd.backward(want, tuple(upstream.values()))
     dtype, device = DTYPE[backend], DEVICE[backend]
-    given = {**inputs, **upstream, "lse_O": values["lse_O"]}
+    # the saved statistic, and the forward output whose rowsum(dO * O) the softmax's adjoint reads
+    assert sorted(n for n in backward.inputs if n in values) == ["O", "lse_O"] or case == "output_and_lse"
+    given = {**inputs, **upstream, **{n: values[n] for n in backward.inputs if n in values}}
     given = {n: v.to(device, dtype) if isinstance(v, torch.Tensor) else v for n, v in given.items()}
     got = dict(zip(wrt, backward(**given)))
     recomputed = compiler.grad(source, wrt=wrt, backend=backend)
-    again = dict(zip(wrt, recomputed(**{n: v for n, v in given.items() if n != "lse_O"})))
+    again = dict(zip(wrt, recomputed(**{n: v for n, v in given.items() if n in recomputed.inputs})))
     for name in wrt:
         torch.testing.assert_close(got[name].double().cpu(), theirs[name].grad, **TOL[backend], equal_nan=True)
         # NaN exactly where the recomputing backward has it (the masked rows)
@@ -589,10 +591,20 @@ def test_saved_statistics_cost_the_forward_no_kernel_and_the_backward_no_normali
     do, row = randn(70, 8), randn(70)
     recomputing = compiler.grad(CORPUS["attention"][0], backend="triton").plan(**sizes, dO=do)
     assert {k.name for k in recomputing.kernels if _normalisers_in_loops(k.loops)} == {"einfold_dK", "einfold_dV"}
-    saving = compiler.grad(CORPUS["attention"][0], backend="triton", saved=True).plan(**sizes, dO=do, lse_O=row)
+    saving = compiler.grad(CORPUS["attention"][0], backend="triton", saved=True).plan(**sizes, dO=do, lse_O=row,
+                                                                                   O=randn(70, 8))
     assert [k.name for k in saving.kernels] == ["einfold_dQ", "einfold_dK", "einfold_dV"]
     assert not any(_normalisers_in_loops(k.loops) for k in saving.kernels)
     assert not any("_l_" in f or f.endswith("_l") for k in saving.kernels for f in _all_folds(k.loops))
+    # FlashAttention's D = rowsum(dO * O) read from the output: dK and dV fold nothing over m
+    # inside their loop over i (the recomputing backward refolds row i over m there)
+    assert "sum[j](dO[i, j] * O[i, j])" in compiler.grad(CORPUS["attention"][0], saved=True).text
+    assert not any(_over("m", k.loops) for k in saving.kernels if k.name in ("einfold_dK", "einfold_dV"))
+    assert all(_over("m", k.loops) for k in recomputing.kernels if k.name in ("einfold_dK", "einfold_dV"))
+
+
+def _over(index, loops):
+    return any(index in loop.indices or _over(index, loop.inner) for loop in loops)
 
 
 def _all_folds(loops):
@@ -644,7 +656,7 @@ def test_cli_grad_saved_prints_a_program_that_parses_back(capsys):
     assert "lse_O[i]" in out and "softmax" not in out
     again = check(parse(out))
     assert format_program(again) == out and again.outputs == ("dQ", "dK", "dV")
-    assert [i.name for i in again.inputs][-1] == "lse_O"
+    assert {i.name for i in again.inputs[-2:]} == {"lse_O", "O"}       # the statistic and the output
     assert main(["grad", "-e", source]) == 0
     assert "softmax[m]" in capsys.readouterr()[0]
 

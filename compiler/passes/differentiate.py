@@ -45,7 +45,7 @@ from ..algebra.user import Sym, fn
 from ..config import deep
 from ..errors import CheckError
 from ..ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce, Var, bound_indices,
-                  children, free_indices, walk, with_children)
+                  children, free_indices, transform, walk, with_children)
 from ..ops import BOOL, FLOAT, OPS
 from .fuse import rename_indices
 
@@ -679,3 +679,67 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
     statements = tuple(replace(s, expr=rewrite(s.expr)) for s in backward.statements)
     inputs = tuple(Input(st.name, len(st.indices)) for st in saved if st.name in used)
     return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs))
+
+
+def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[str, ...]]:
+    """`backward` reading a forward output where it would fold that output again.
+
+    A sum sum_I(p * T) whose factor T is a statement T = sum_J(B * C), with B
+    free of I, is sum_J(B * sum_I(p * C)) with the sums exchanged; where
+    sum_I(p * C) is the expression of a forward output Y (up to index names),
+    it is sum_J(B * Y).  In the softmax's adjoint p * (g - sum_m(p * g)), with
+    g = sum_j(dO * V) and the output O = sum_m(p * V), that is FlashAttention's
+    D = rowsum(dO * O): linearity of the expectation under p, for any output
+    that is a p-weighted sum, found without refolding over m.  Returns the
+    program and the outputs it now reads (inputs of the result, after the
+    others; a name the backward already defines is read from its statement)."""
+    from .canonicalise import order_operands
+    from .stabilise import factors, product
+    found: dict[Expr, tuple[Assign, tuple[str, ...]]] = {}
+    for st in forward.statements:
+        if st.name in forward.outputs and st.dtype == FLOAT:
+            key, order = _shape_of(order_operands(st.expr))
+            found.setdefault(key, (st, order))
+    defs = {s.name: s for s in backward.statements}
+    taken = {i.name for i in backward.inputs} | set(defs)
+    used: dict[str, Assign] = {}
+
+    def exchanged(e: Expr) -> Expr:
+        if not (isinstance(e, Reduce) and e.summary == SUM and e.result is None):
+            return e
+        numerator, denominator = factors(e.args[0])
+        for k, f in enumerate(numerator):
+            inner = defs[f.tensor].expr if isinstance(f, Access) and f.tensor in defs else None
+            if not (isinstance(inner, Reduce) and inner.summary == SUM and inner.result is None):
+                continue
+            inner = rename_indices(inner, dict(zip(defs[f.tensor].indices, f.indices)), lambda i: f"{i}_")
+            rest = numerator[:k] + numerator[k + 1:]
+            outside = set(e.indices) | {i for g in (*rest, *denominator) for i in free_indices(g)}
+            if set(inner.indices) & outside:
+                continue                       # exchanging the sums would capture an index
+            b_factors, b_denominator = factors(inner.args[0])
+            weights = [g for g in b_factors if not set(free_indices(g)) & set(e.indices)]
+            varying = [g for g in b_factors if set(free_indices(g)) & set(e.indices)]
+            if b_denominator or not weights or not varying:
+                continue
+            candidate = Reduce(SUM, e.indices, (product(rest + varying, denominator),))
+            key, order = _shape_of(order_operands(candidate))
+            hit = found.get(key)
+            if hit is None:
+                continue
+            st, theirs = hit
+            to_ours = dict(zip(theirs, order))
+            used[st.name] = st
+            return Reduce(SUM, inner.indices, (product(weights + [Access(st.name, tuple(
+                to_ours[i] for i in st.indices))], []),))
+        return e
+
+    statements = tuple(replace(s, expr=transform(s.expr, exchanged)) for s in backward.statements)
+    inputs = tuple(Input(st.name, len(st.indices)) for name, st in used.items() if name not in taken)
+    return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs)), tuple(used)
+
+
+def _shape_of(e: Expr) -> tuple[Expr, tuple[str, ...]]:
+    """`e` up to a consistent renaming of its indices, and the original names of
+    its free indices in placeholder order."""
+    return _alpha(Composite(STATISTIC, (), e))
