@@ -255,8 +255,8 @@ LAYERNORM = "mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2); Y[i,j
 
 
 @pytest.mark.parametrize("source", [ATTENTION, LAYERNORM], ids=["attention", "layernorm"])
-@pytest.mark.parametrize("command", [["parse"], ["ir", "--print-after", "all"], ["explain"]])
-def test_parse_ir_and_explain_do_not_import_torch(command, source):
+@pytest.mark.parametrize("command", [["parse"], ["ir", "--print-after", "all"], ["explain"], ["grad"]])
+def test_parse_ir_explain_and_grad_do_not_import_torch(command, source):
     # They start quickly because neither torch nor Triton's runtime is imported (torch
     # alone takes several seconds cold); the law sampler behind layernorm's derived
     # summary evaluates with numpy.
