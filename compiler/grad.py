@@ -32,7 +32,8 @@ class GradientProgram(Program):
         upstream: the name of each float output's upstream gradient input
             (`{"O": "dO"}`).
         inputs: the names a call takes: the forward inputs, then the upstream
-            gradients, then (`saved=True`) the saved statistics.
+            gradients, then (`saved=True`) the forward outputs it reads and the
+            saved statistics.
         saved: the statistics it reads instead of recomputing them
             (`grad(..., saved=True)`), as the statements that compute them from
             the forward inputs (`lse_O[i] = logsumexp[m](...)`); empty
@@ -79,15 +80,18 @@ def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[
         saved: read each softmax it needs as `exp(x - L)` from its saved
             statistic `L = logsumexp[I](x)`, an extra input `lse_<Statement>`
             (the program's `saved` gives the statements that compute them from
-            the forward inputs), instead of recomputing its normaliser: the
-            backward that a call under torch autograd runs. Default: recompute.
+            the forward inputs), instead of recomputing its normaliser, and
+            read a forward output (an extra input named like it) where it would
+            fold that output again (a softmax's rowsum(dO * O)): the backward
+            that a call under torch autograd runs. Default: recompute.
         **options: as for `compile` (`summaries=`, `split=`).
 
     Returns:
         A `GradientProgram`: call it with the forward inputs plus `d<O>`, the
         upstream gradient of each float output O (indexed like O); it returns
         `d<X>` for each X in `wrt`, in that order (one tensor for one input);
-        with `saved=True` also the statistics named in its `saved`.
+        with `saved=True` it also takes the statistics named in its `saved` and
+        the forward outputs its `inputs` name.
         A name the program uses already takes a suffix (`dO_1`); the
         program's `upstream` and `outputs` say which.
 

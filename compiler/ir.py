@@ -243,6 +243,11 @@ def postorder(e: Expr, unique: bool = False) -> Iterator[Expr]:
             stack.extend((c, False) for c in reversed(kids))
 
 
+def reads(e: Expr) -> set[str]:
+    """The names of the tensors (inputs or statements) `e` reads."""
+    return {n.tensor for n in walk(e) if isinstance(n, Access)}
+
+
 def bound_indices(e: Expr) -> tuple[str, ...]:
     """Indices a node binds in its arguments and removes from its result."""
     if isinstance(e, Reduce):

@@ -592,6 +592,27 @@ def test_saved_statistics_cost_the_forward_no_kernel_and_the_backward_no_normali
     assert all(_over("m", k.loops) for k in recomputing.kernels if k.name in ("einfold_dK", "einfold_dV"))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_saved_backward_plan_does_not_depend_on_spelling(causal):
+    # renamed indices and commuted factors: the same kernels with the same loops and
+    # folds (index names aside), and both read the output for rowsum(dO * O)
+    def shape(plan):
+        def loop(x):
+            return len(x.indices), x.folds, tuple(loop(y) for y in x.inner), len(x.bounds)
+        return [(k.name, tuple(loop(x) for x in k.loops)) for k in plan.kernels]
+
+    first = "where(m <= i, Q[i,k] * K[m,k] * scale, -inf)" if causal else "Q[i,k] * K[m,k] * scale"
+    second = "where(z <= x, scale * K[z,w] * Q[x,w], -inf)" if causal else "scale * K[z,w] * Q[x,w]"
+    sizes = {"Q": randn(7, 4), "K": randn(7, 4), "V": randn(7, 3), "scale": 0.5, "dO": randn(7, 3),
+             "lse_O": randn(7), "O": randn(7, 3)}
+    plans = []
+    for source in (f"O[i,j] = softmax[m]({first}) * V[m,j]", f"O[x,y] = softmax[z]({second}) * V[z,y]"):
+        backward = compiler.grad(source, wrt=("Q", "K", "V"), backend="triton", saved=True)
+        assert {"O", "lse_O"} <= set(backward.inputs)
+        plans.append(shape(backward.plan(**sizes)))
+    assert plans[0] == plans[1]
+
+
 def _over(index, loops):
     return any(index in loop.indices or _over(index, loop.inner) for loop in loops)
 

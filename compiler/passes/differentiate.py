@@ -45,9 +45,11 @@ from ..algebra.user import Sym, fn
 from ..config import deep
 from ..errors import CheckError
 from ..ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce, Var, bound_indices,
-                  children, free_indices, transform, walk, with_children)
+                  children, free_indices, reads, transform, walk, with_children)
 from ..ops import BOOL, FLOAT, OPS
-from .fuse import rename_indices
+from .canonicalise import order_operands
+from .fuse import FreshNames, rename_indices
+from .stabilise import factors, product, signed_sum
 
 SUM = BUILTINS["sum"]
 
@@ -191,14 +193,7 @@ def _simplify(e: Expr, given: set[int]) -> Expr:
 
 # ---------------------------------------------------------------- the driver
 def _add(terms: list[Expr]) -> Expr:
-    out = terms[0]
-    for t in terms[1:]:
-        out = Call("add", (out, t))
-    return out
-
-
-def _reads(e: Expr) -> set[str]:
-    return {n.tensor for n in walk(e) if isinstance(n, Access)}
+    return signed_sum([(1, t) for t in terms])
 
 
 def _subscripts(e: Expr) -> set[str]:
@@ -452,7 +447,7 @@ def _needed(statements: list[Assign], wanted: set[str]) -> tuple[Assign, ...]:
     for s in reversed(statements):
         if s.name in wanted:
             kept.append(s)
-            wanted |= _reads(s.expr)
+            wanted |= reads(s.expr)
     return tuple(reversed(kept))
 
 
@@ -542,7 +537,9 @@ def _place_anchor(statements: list[Assign], ix: str, ones: Expr) -> list[Assign]
 # normaliser and all, wherever it reads them: inside the kernels of dK and dV of
 # attention that is one fold over m per (m tile, i), cubic work.  The forward
 # already folds that normaliser: saving L = logsumexp[I](x) as an extra output of
-# its kernel, the backward reads p = exp(x - L), an elementwise term.
+# its kernel, the backward reads p = exp(x - L), an elementwise term.  What is
+# left of the softmax rule's row term, sum[m](p * g), read_outputs (below) takes
+# from a forward output.
 STATISTIC = "logsumexp"
 _SAVED_FROM = ("softmax", "logsumexp")      # composites whose statistic is logsumexp[I](x)
 
@@ -563,7 +560,8 @@ class Statistics:
 
 
 def _alpha(node: Composite) -> tuple[Expr, tuple[str, ...]]:
-    """`node` (a softmax or logsumexp) up to a consistent renaming of its indices:
+    """`node` (a softmax or logsumexp; or any expression wrapped as a composite
+    over no index, see `_shape_of`) up to a consistent renaming of its indices:
     the reduced indices become #0, #1, ..., the other free indices #k, ... in the
     order they first appear, bound ones ~0, ~1, ...  Returns the renamed pair
     (reduced indices, argument), as one Composite, and the original names of the
@@ -693,8 +691,6 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
     that is a p-weighted sum, found without refolding over m.  Returns the
     program and the outputs it now reads (inputs of the result, after the
     others; a name the backward already defines is read from its statement)."""
-    from .canonicalise import order_operands
-    from .stabilise import factors, product
     found: dict[Expr, tuple[Assign, tuple[str, ...]]] = {}
     for st in forward.statements:
         if st.name in forward.outputs and st.dtype == FLOAT:
@@ -703,6 +699,7 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
     defs = {s.name: s for s in backward.statements}
     taken = {i.name for i in backward.inputs} | set(defs)
     used: dict[str, Assign] = {}
+    names = FreshNames(dict(backward.extents))     # for a bound index the renaming would capture
 
     def exchanged(e: Expr) -> Expr:
         if not (isinstance(e, Reduce) and e.summary == SUM and e.result is None):
@@ -712,7 +709,7 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
             inner = defs[f.tensor].expr if isinstance(f, Access) and f.tensor in defs else None
             if not (isinstance(inner, Reduce) and inner.summary == SUM and inner.result is None):
                 continue
-            inner = rename_indices(inner, dict(zip(defs[f.tensor].indices, f.indices)), lambda i: f"{i}_")
+            inner = rename_indices(inner, dict(zip(defs[f.tensor].indices, f.indices)), names.fresh)
             rest = numerator[:k] + numerator[k + 1:]
             outside = set(e.indices) | {i for g in (*rest, *denominator) for i in free_indices(g)}
             if set(inner.indices) & outside:
@@ -736,7 +733,8 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
 
     statements = tuple(replace(s, expr=transform(s.expr, exchanged)) for s in backward.statements)
     inputs = tuple(Input(st.name, len(st.indices)) for name, st in used.items() if name not in taken)
-    return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs)), tuple(used)
+    return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs),
+                   extents=tuple(sorted(names.extents.items()))), tuple(used)
 
 
 def _shape_of(e: Expr) -> tuple[Expr, tuple[str, ...]]:

@@ -41,9 +41,11 @@ from ...ir import (
     Var,
     children,
     free_indices,
+    reads,
     walk,
     with_children,
 )
+from ...ops import OPS
 from ...passes.fuse import rename_indices
 from ...schedule import Loop
 
@@ -181,10 +183,6 @@ def replace_folds(e: Expr, table: dict[Reduce, Access]) -> Expr:
         inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
         return with_children(node, tuple(visit(c, inner) for c in children(node)))
     return visit(e, frozenset())
-
-
-def reads(e: Expr) -> set[str]:
-    return {n.tensor for n in walk(e) if isinstance(n, Access)}
 
 
 def contraction_names(e: Expr) -> set[str]:
@@ -566,8 +564,7 @@ def _fold_loops(folds: list[Reduce]) -> tuple[Loop, ...]:
     for indices, group in by_indices.items():
         inner = [n.fold for f in group for a in f.args for n in top_folds(a, tuple(free(a)))]
         names = tuple(dict.fromkeys(f.summary.name for f in group))
-        symbols = {"lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-        bounds = tuple(dict.fromkeys(f"{index} {symbols.get(op, op)} {other}" for f in group
+        bounds = tuple(dict.fromkeys(f"{index} {OPS[op].symbol} {other}" for f in group
                                      for index, relations in index_bounds(f).items() for op, other in relations))
         out.append(Loop(indices, names, _fold_loops(inner), bounds))
     return tuple(out)
