@@ -725,7 +725,7 @@ def test_gpu_bf16_gradients_are_as_accurate_as_torch(case):
     program = compiler.compile(source, backend="triton")
 
     def gradients(fn, dtype):
-        given = {n: (v.to(dtype).requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
+        given = {n: (v.detach().to(dtype, copy=True).requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
                  for n, v in inputs.items()}
         out = fn(**given)
         upstream = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
