@@ -648,10 +648,12 @@ def statistics(program: Program, backward: Program) -> Statistics:
 
 
 def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
-    """`backward` reading exp(x - L[rows]) wherever it would recompute a softmax
-    whose statistic L is in `saved` (inputs of the result, after the others).
+    """`backward` reading exp(min(x - L[rows], 0)) wherever it would recompute a
+    softmax whose statistic L is in `saved` (inputs of the result, after the others).
 
-    exp(x - L) is the softmax: L >= x, so it never overflows, and at a row
+    exp(x - L) is the softmax: L >= x, so it never overflows.  The clamp at 0 says
+    so to the stabiliser, which then adds no running max (it cannot know what L
+    is), and absorbs L's rounding where x is the row's maximum.  At a row
     whose every logit is -inf (L = -inf) it is exp(-inf + inf) = NaN, as the
     recomputed softmax (0/0) is.  A row holding +inf has L = +inf: exp(x - L) is
     0 at its finite logits and NaN at the infinite ones, where the softmax is
@@ -671,7 +673,7 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
                 to_ours = dict(zip(theirs, order))
                 used[st.name] = None
                 read = Access(st.name, tuple(to_ours[i] for i in st.indices))
-                return Call("exp", (Call("sub", (rewrite(e.arg), read)),))
+                return Call("exp", (Call("minimum", (Call("sub", (rewrite(e.arg), read)), Const(0))),))
         return with_children(e, tuple(rewrite(c) for c in children(e)))
 
     statements = tuple(replace(s, expr=rewrite(s.expr)) for s in backward.statements)

@@ -479,9 +479,11 @@ def _groups(statements) -> list[_Group]:
 
 def _connected(members: list[Reduce]) -> list[list[Reduce]]:
     """Split reductions into parts worth one fold: two belong together when one
-    reads the other, or when one varies over a subset of the other's indices
-    (the normaliser l over i and the numerator u over i, j); reductions over
-    unrelated index sets would only multiply each other's work."""
+    reads the other (the normaliser l over i and the numerator u over i, j both
+    read the running max), or when they vary over the same indices (a mean and a
+    mean of squares).  Independent reductions over different index sets would
+    only multiply each other's work: in one fold, a row sum D[i] beside a
+    contraction G[i,m] is lifted to the [i, m] tile (and is no longer a tl.dot)."""
     parent = list(range(len(members)))
 
     def find(k: int) -> int:
@@ -493,7 +495,7 @@ def _connected(members: list[Reduce]) -> list[list[Reduce]]:
     for a, ma in enumerate(members):
         for b, mb in enumerate(members[:a]):
             fa, fb = set(free_indices(ma)), set(free_indices(mb))
-            if ma in set(walk(mb)) or mb in set(walk(ma)) or fa <= fb or fb <= fa:
+            if ma in set(walk(mb)) or mb in set(walk(ma)) or fa == fb:
                 parent[find(a)] = find(b)
     parts: dict[int, list[Reduce]] = {}
     for k, m in enumerate(members):

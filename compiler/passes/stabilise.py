@@ -7,7 +7,8 @@ Rewrites of sum[I](body), then one symbolic simplification:
 1. pull out: factors of the body that do not vary over I leave the sum
    (sum_m c * f(m) = c * sum_m f(m)); this exposes the m-invariant
    normaliser of a softmax that the Einstein sum put inside;
-2. shift: if the body has factors exp(x) with x varying over I, with
+2. shift: if the body has factors exp(x) with x varying over I (and not
+   clamped to at most 0, exp(min(x, c <= 0)): nothing to overflow there), with
    M = max[I](x):  sum_I exp(x) * f  =  exp(M) * sum_I exp(x - M) * f,
    so no exponential inside the sum exceeds 1 (no overflow at logits of 1e4);
 3. simplify with sympy, reductions kept as opaque symbols (sums of exponentials
@@ -103,14 +104,26 @@ def split_sums_of_exponentials(e: Expr) -> Expr:
 
 
 def _has_varying_exp(e: Expr, indices) -> bool:
-    return any(isinstance(n, Call) and n.op == "exp" and _varies(n, indices) for n in walk(e))
+    return any(_unbounded_exp(n, indices) for n in walk(e))
+
+
+def _unbounded_exp(e: Expr, indices) -> bool:
+    """An exponential varying over `indices` that could overflow: its exponent is
+    not clamped to at most 0 (exp(min(x, c)) with a constant c <= 0 is at most 1,
+    as the saved backward writes the softmax, exp(min(x - lse, 0)))."""
+    return isinstance(e, Call) and e.op == "exp" and _varies(e, indices) and not _clamped(e.args[0])
+
+
+def _clamped(x: Expr) -> bool:
+    return (isinstance(x, Call) and x.op == "minimum"
+            and any(isinstance(a, Const) and a.value <= 0 for a in x.args))
 
 
 def shift_exponentials(e: Expr) -> Expr:
     if not _is_sum(e):
         return e
     num, den = factors(e.args[0])
-    exps = [f for f in num if isinstance(f, Call) and f.op == "exp" and _varies(f, e.indices)]
+    exps = [f for f in num if _unbounded_exp(f, e.indices)]
     if not exps:
         return e
     rest = [f for f in num if not any(f is x for x in exps)]

@@ -42,6 +42,7 @@ from ...ir import (
     children,
     free_indices,
     reads,
+    transform,
     walk,
     with_children,
 )
@@ -295,25 +296,68 @@ def exact_identity(summary, fields: tuple[str, ...]) -> bool:
 
 def index_bounds(fold: Reduce) -> dict[str, list[tuple[str, str]]]:
     """Per bound index b of `fold`: relations (op, i) with another index i such that
-    elements where `b op i` fails contribute nothing (the argument is
-    where(..., x, c) and c acts as the identity).  A loop over b may skip the tiles
-    where the relation fails everywhere (a causal mask's upper triangle)."""
+    elements where `b op i` fails contribute nothing.  Where the relation fails,
+    every where(...) with it among its conjuncts selects its else branch, wherever
+    it sits in an argument (the argument itself, a factor of a product, inside an
+    exponential); the argument must then be a constant that acts as the identity,
+    for any finite value of everything else (checked numerically).  So
+    where(m <= i, x, -inf) under a softmax's max, K * where(m <= i, g, 0) under a
+    sum and exp(min(where(m <= i, x, -inf) - L, 0)) * dO under a sum all bound m.
+    A loop over b may skip the tiles where the relation fails everywhere (a causal
+    mask's upper triangle)."""
     out: dict[str, list[tuple[str, str]]] = {}
-    for k, arg in enumerate(fold.args):
-        if not (isinstance(arg, Call) and arg.op == "where"):
+    relations = {(c.op, c.args[0].name, c.args[1].name): c for arg in fold.args for w in walk(arg)
+                 if isinstance(w, Call) and w.op == "where" for c in _conjuncts(w.args[0])
+                 if isinstance(c, Call) and c.op in _FLIP and all(isinstance(a, Index) for a in c.args)}
+    for (op, left, right), c in relations.items():
+        if left in fold.indices and right not in fold.indices:
+            index, relation = left, (op, right)
+        elif right in fold.indices and left not in fold.indices:
+            index, relation = right, (_FLIP[op], left)
+        else:
             continue
-        masked = constant(arg.args[2])
-        if masked is None or not acts_as_identity(fold.summary, k, masked):
+        if relation in out.get(index, []):
             continue
-        for c in _conjuncts(arg.args[0]):
-            if not (isinstance(c, Call) and c.op in _FLIP and all(isinstance(a, Index) for a in c.args)):
-                continue
-            left, right = c.args[0].name, c.args[1].name
-            if left in fold.indices and right not in fold.indices:
-                out.setdefault(left, []).append((c.op, right))
-            elif right in fold.indices and left not in fold.indices:
-                out.setdefault(right, []).append((_FLIP[c.op], left))
+        if all(_vanishes(fold, k, arg, c) for k, arg in enumerate(fold.args) if _masks(arg, c)) and \
+                any(_masks(arg, c) for arg in fold.args):
+            out.setdefault(index, []).append(relation)
     return out
+
+
+def _masks(arg: Expr, relation: Expr) -> bool:
+    return any(_selects_by(w, relation) for w in walk(arg))
+
+
+def _selects_by(e: Expr, relation: Expr) -> bool:
+    return isinstance(e, Call) and e.op == "where" and relation in _conjuncts(e.args[0])
+
+
+def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
+    """Whether argument k of `fold` acts as the identity wherever `relation` fails:
+    its masks take their else branches, the rest stands for random finite values."""
+    import torch
+
+    from ...algebra.formula import evaluate
+    leaves: dict[Expr, Var] = {}
+
+    def failing(e: Expr) -> Expr | None:
+        if _selects_by(e, relation):
+            return failing(e.args[2])
+        if not any(_selects_by(w, relation) for w in walk(e)):
+            constant_part = all(isinstance(n, Const | Call) for n in walk(e))
+            return e if constant_part else leaves.setdefault(e, Var(f"v{len(leaves)}"))
+        if not isinstance(e, Call):
+            return None                       # a mask inside a reduction or an access: unknown
+        parts = [failing(a) for a in e.args]
+        return None if None in parts else Call(e.op, tuple(parts))
+
+    masked = failing(arg)
+    if masked is None:
+        return False
+    g = torch.Generator().manual_seed(2)
+    env = {v.name: torch.randn(16, generator=g, dtype=torch.float64) * 3 for v in leaves.values()}
+    values = evaluate(masked, env).expand(16)
+    return bool(torch.all(values == values[0])) and acts_as_identity(fold.summary, k, float(values[0]))
 
 
 def assume_relation(fold: Reduce, index: str, op: str, other: str) -> Reduce:
@@ -324,13 +368,15 @@ def assume_relation(fold: Reduce, index: str, op: str, other: str) -> Reduce:
         if not (isinstance(arg, Call) and arg.op == "where"):
             return arg
         kept = [c for c in _conjuncts(arg.args[0]) if not _is_relation(c, index, op, other)]
+        if len(kept) == len(_conjuncts(arg.args[0])):
+            return arg
         if not kept:
             return arg.args[1]
         condition = kept[0]
         for c in kept[1:]:
             condition = Call("and", (condition, c))
         return Call("where", (condition, arg.args[1], arg.args[2]))
-    return replace(fold, args=tuple(rewrite(a) for a in fold.args))
+    return replace(fold, args=tuple(transform(a, rewrite) for a in fold.args))
 
 
 def _is_relation(c: Expr, index: str, op: str, other: str) -> bool:

@@ -65,8 +65,10 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {
     "neg": ("(-{0})", None),
     "not": ("(~{0})", None),
     "where": ("tl.where({0}, {1}, {2})", None),
-    "maximum": ("tl.maximum({0}, {1})", None),
-    "minimum": ("tl.minimum({0}, {1})", None),
+    # NaN in either operand gives NaN, as torch.maximum / torch.minimum (the hardware's
+    # fmax / fmin would return the other operand)
+    "maximum": ("tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", None),
+    "minimum": ("tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", None),
     "gelu": ("(0.5 * {0} * (1.0 + tl.erf({0} * 0.7071067811865476)))", None),
     "silu": ("({0} * tl.sigmoid({0}))", None),
     "relu": ("tl.where({0} < 0.0, 0.0, {0})", None),          # NaN stays NaN, as in torch
