@@ -102,8 +102,10 @@ def _make_op(program, kinds: tuple[str, ...]):
     @op.register_fake
     def _(*args):
         binding = forward.binder(dict(zip(names, args)))
+        wide = forward.schedule_options.get("float32_outputs", ())
         shaped = tuple(torch.empty([binding.extents[i] for i in s.indices],
-                                   dtype=_DTYPES.get(s.dtype, binding.dtype), device=binding.device)
+                                   dtype=_DTYPES.get(s.dtype) or binding.float_dtype(s.name in wide),
+                                   device=binding.device)
                        for s in outputs)
         return shaped[0] if len(shaped) == 1 else shaped
 

@@ -25,6 +25,11 @@ class Binding:
     dtype: torch.dtype               # dtype of float results
     device: torch.device
 
+    def float_dtype(self, wide: bool = False) -> torch.dtype:
+        """The dtype of a float result; at least float32 for a `wide` one (an
+        output named in float32_outputs=)."""
+        return torch.promote_types(self.dtype, torch.float32) if wide else self.dtype
+
 
 def _dims(n: int) -> str:
     return f"{n} dimension{'s' * (n != 1)}"
@@ -35,8 +40,12 @@ class Binder:
     inputs (which dimension of which access fixes which extent) is worked out
     once here, so that a call costs a few checks per input."""
 
-    def __init__(self, program: Program, extents_of: Program | None = None):
+    def __init__(self, program: Program, extents_of: Program | None = None, statistics: frozenset = frozenset()):
         self.program = program
+        # inputs that do not set the dtype of float results: a gradient program's saved
+        # statistics, kept in float32 beside bf16 tensors, leave its results (and its
+        # tensor-core operands) in bf16
+        self.statistics = statistics
         self.declared = {i.name: i for i in program.inputs}
         symbols = dict(program.extents)
         # (tensor, dimension, extent symbol, index name, access) for every input access
@@ -67,7 +76,7 @@ class Binder:
                     raise BindError(f"input '{name}' has {_dims(value.dim())} but the program "
                                     f"reads it with {decl.rank} ind{'ex' if decl.rank == 1 else 'ices'}",
                                     src, decl.span)
-                if decl.rank:                   # 0-d tensors, like numbers, do not set the dtype
+                if decl.rank and name not in self.statistics:   # nor do 0-d tensors, like numbers
                     tensor_dtypes.append(value.dtype)
                 devices.add(value.device)
             elif isinstance(value, Real) and not isinstance(value, bool):

@@ -19,8 +19,10 @@ from .passes import run_pipeline
 from .schedule import Plan
 
 # summaries: user summaries usable by name; split: force a split count for every
-# reduction (a schedule option: the Triton backend splits, the oracle has no schedule)
-SCHEDULE_OPTIONS = ("split",)
+# reduction (a schedule option: the Triton backend splits, the oracle has no schedule);
+# float32_outputs: float outputs stored in float32 whatever the inputs' dtype (the
+# saving forward's statistics: a bf16 logsumexp would be off by up to 1/128 of itself)
+SCHEDULE_OPTIONS = ("split", "float32_outputs")
 KNOWN_OPTIONS = ("summaries", *SCHEDULE_OPTIONS)
 
 
@@ -50,6 +52,9 @@ class Program:
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
             raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
         wanted = _checked_outputs(outputs)
+        wide = options.get("float32_outputs", ())
+        if isinstance(wide, str) or not all(isinstance(n, str) for n in wide):
+            raise EinfoldError(f"float32_outputs= takes a list of output names, not {wide!r}")
         self.text = source
         syntax = parse(source)          # iterative; enforces config's size limits
         # Checking and the passes recurse over expressions: deep() reruns them on a
@@ -59,6 +64,11 @@ class Program:
             lambda: _front_end(syntax, wanted, summaries), what="the program", source=source,
             span=where.span if where is not None else None)
         self.outputs = self.checked.outputs
+        if set(wide) - set(self.outputs):
+            raise EinfoldError(f"float32_outputs= names {', '.join(sorted(set(wide) - set(self.outputs)))}, "
+                               f"which {'is' if len(set(wide) - set(self.outputs)) == 1 else 'are'} not among "
+                               f"the outputs ({', '.join(self.outputs)})")
+        options = {**options, "float32_outputs": tuple(wide)} if wide else options
         self.schedule_options = {k: v for k, v in options.items() if k in SCHEDULE_OPTIONS}
         # what a gradient program of this one is compiled with (summaries already checked)
         self._options = dict(self.schedule_options)
@@ -156,7 +166,7 @@ class Program:
             return self
         text = self.text.rstrip() + "\n" + "".join(format_statement(s) + "\n" for s in found.saved)
         return Program(text, outputs=(*self.outputs, *(s.name for s in found.saved)), backend=self.backend_name,
-                       **self._options)
+                       **{**self._options, "float32_outputs": tuple(s.name for s in found.saved)})
 
     def _positional_error(self, args: tuple) -> None:
         names = ", ".join(i.name for i in self.checked.inputs)

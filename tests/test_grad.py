@@ -743,3 +743,32 @@ def test_gpu_bf16_gradients_are_as_accurate_as_torch(case):
         assert ours[name].isfinite().all(), name
         assert error(ours[name], oracle[name]) <= 1.5 * error(theirs[name], oracle[name]) + 1e-4, \
             (name, error(ours[name], oracle[name]), error(theirs[name], oracle[name]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_statistics_are_saved_in_float32_and_do_not_promote_the_backward(backend):
+    # a bf16 logsumexp is off by up to 1/128 of itself: exp(x - lse) would carry that error
+    source, _, make, wrt = CORPUS["attention"]
+    program = compiler.compile(source, backend=backend)
+    inputs = {n: v.to(DEVICE[backend], torch.bfloat16) if isinstance(v, torch.Tensor) else v
+              for n, v in make().items()}
+    out, lse = program._saving(**inputs)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    backward = compiler.grad(source, wrt=wrt, backend=backend, saved=True)
+    given = {**inputs, "dO": torch.ones_like(out), "O": out, "lse_O": lse}
+    assert all(g.dtype == torch.bfloat16 for g in backward(**given))
+    ours = {n: v.clone().requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v for n, v in inputs.items()}
+    program(**ours).sum().backward()
+    assert all(ours[n].grad.dtype == torch.bfloat16 for n in wrt)
+
+
+def test_float32_outputs_option():
+    program = compiler.compile("L[i] = logsumexp[j](X[i,j])\nY[i,j] = X[i,j] - L[i]", backend="reference",
+                               outputs=["L", "Y"], float32_outputs=["L"])
+    L, Y = program(X=torch.ones(2, 3, dtype=torch.float16))
+    assert (L.dtype, Y.dtype) == (torch.float32, torch.float16)
+    assert program(X=torch.ones(2, 3, dtype=torch.float64))[0].dtype == torch.float64   # at least float32
+    with pytest.raises(compiler.EinfoldError, match="float32_outputs= names Z, which is not among the outputs"):
+        compiler.compile("L[i] = logsumexp[j](X[i,j])", float32_outputs=["Z"])
+    with pytest.raises(compiler.EinfoldError, match="takes a list of output names"):
+        compiler.compile("L[i] = logsumexp[j](X[i,j])", float32_outputs="L")

@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 class OracleBackend:
     name = "reference"
 
-    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None):
+    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None,
+                 float32_outputs: tuple[str, ...] = ()):
         # `split` is a schedule option; the oracle evaluates without a schedule.
         self.program = program
         self.outputs = outputs
+        self.float32_outputs = tuple(float32_outputs)
 
     @property
     def source(self) -> str:
@@ -32,7 +34,8 @@ class OracleBackend:
         results = reference.run(self.program, binding.values, binding.extents, self.outputs)
         out = {}
         for name, value in results.items():
-            dtype = binding.dtype if self.program.statement(name).dtype == FLOAT else value.dtype
+            dtype = binding.float_dtype(name in self.float32_outputs) if self.program.statement(name).dtype == FLOAT \
+                else value.dtype
             out[name] = value.to(device=binding.device, dtype=dtype)
         return out
 

@@ -85,12 +85,14 @@ def _sm_count(device: torch.device) -> int | None:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None):
+    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None,
+                 float32_outputs: tuple[str, ...] = ()):
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
             raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
         self.program = program
         self.outputs = tuple(outputs)
         self.split = split
+        self.float32_outputs = tuple(float32_outputs)
         self.structure = form(program, self.outputs, split)
         self._sources: dict[Signature, Built] = {}                  # generated once per signature
         self._built: dict[Signature, tuple[Built, object]] = {}     # ... and its loaded launcher
@@ -187,9 +189,10 @@ class TritonBackend:
         return run
 
     def _output_specs(self, binding: Binding) -> list[tuple[str, list[int], torch.dtype]]:
-        kinds = {"float": binding.dtype, "int": torch.int64, "bool": torch.bool}
+        kinds = {"int": torch.int64, "bool": torch.bool}
         return [(name, [binding.extents[i] for i in self.program.statement(name).indices],
-                 kinds[self.program.statement(name).dtype]) for name in self.outputs]
+                 kinds.get(self.program.statement(name).dtype) or binding.float_dtype(name in self.float32_outputs))
+                for name in self.outputs]
 
     def launch_overhead_probe(self, inputs: dict, calls: int = 200) -> float:
         """Microseconds of host time per call of the generated launcher alone (the
