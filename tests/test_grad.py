@@ -684,7 +684,8 @@ def test_explain_ends_with_the_backward_and_its_saved_statistics():
 
 # ---------------------------------------------------------------- on the GPU, at real sizes
 # bf16 storage, ragged lengths; each gradient's relative error against float64 torch
-# autograd must be no worse than the same torch code's in bf16 (eager, on the GPU).
+# autograd must be no worse than the same torch code's in bf16 (eager, on the GPU), or
+# within bf16's own storage precision (2^-8 relative: one rounding of the result).
 def _gpu_cases():
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=torch.float64) * scale
@@ -738,10 +739,14 @@ def test_gpu_bf16_gradients_are_as_accurate_as_torch(case):
 
     def error(x, want):
         return float((x - want).norm() / want.norm())
-    assert error(our_out, oracle_out) <= 1.5 * error(torch_out, oracle_out) + 1e-4
+
+    def bound(torch_error):
+        return max(1.5 * torch_error, 2.0 ** -8)
+    assert error(our_out, oracle_out) <= bound(error(torch_out, oracle_out)), \
+        ("output", error(our_out, oracle_out), error(torch_out, oracle_out))
     for name in wrt:
         assert ours[name].isfinite().all(), name
-        assert error(ours[name], oracle[name]) <= 1.5 * error(theirs[name], oracle[name]) + 1e-4, \
+        assert error(ours[name], oracle[name]) <= bound(error(theirs[name], oracle[name])), \
             (name, error(ours[name], oracle[name]), error(theirs[name], oracle[name]))
 
 
