@@ -777,3 +777,23 @@ def test_float32_outputs_option():
         compiler.compile("L[i] = logsumexp[j](X[i,j])", float32_outputs=["Z"])
     with pytest.raises(compiler.EinfoldError, match="takes a list of output names"):
         compiler.compile("L[i] = logsumexp[j](X[i,j])", float32_outputs="L")
+
+
+def test_the_saved_backward_is_plain_sums_with_causal_bounds():
+    # exp(min(x - lse, 0)) is at most 1: no running max, every fold a plain sum
+    # (tl.dot of the recomputed tile), and the causal mask bounds each loop
+    source = CORPUS["causal"][0]
+    backward = compiler.grad(source, backend="triton", saved=True)
+    sizes = {"Q": randn(70, 16), "K": randn(70, 16), "V": randn(70, 8), "scale": 0.25, "dO": randn(70, 8),
+             "lse_O": randn(70), "O": randn(70, 8)}
+    plan = backward.plan(**sizes)
+    assert all(f == "sum" for k in plan.kernels for f in _all_folds(k.loops))
+    bounds = {k.name: [b for loop in k.loops for b in loop.bounds] for k in plan.kernels}
+    assert bounds == {"einfold_dQ": ["m <= i"], "einfold_dK": ["i >= m"], "einfold_dV": ["i >= m"]}
+
+
+def test_min_and_max_propagate_nan_on_triton():
+    program = compiler.compile("Y[i] = min(X[i], 0) + max(X[i], -1)", backend="triton")
+    x = torch.tensor([float("nan"), 2.0, -3.0])
+    y = program(X=x)
+    assert y[0].isnan() and y[1:].tolist() == [2.0, -4.0]

@@ -318,8 +318,8 @@ def index_bounds(fold: Reduce) -> dict[str, list[tuple[str, str]]]:
             continue
         if relation in out.get(index, []):
             continue
-        if all(_vanishes(fold, k, arg, c) for k, arg in enumerate(fold.args) if _masks(arg, c)) and \
-                any(_masks(arg, c) for arg in fold.args):
+        # one argument that acts as the identity there suffices, whatever the others are
+        if any(_masks(arg, c) and _vanishes(fold, k, arg, c) for k, arg in enumerate(fold.args)):
             out.setdefault(index, []).append(relation)
     return out
 
