@@ -7,7 +7,6 @@ the normal pipeline: the gradient program is an ordinary einfold program.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import cached_property
 
 from .check import check
 from .config import deep
@@ -54,13 +53,9 @@ class GradientProgram(Program):
         self.inputs = inputs
         self.saved = statistics.saved
         self.unsaved = statistics.unsaved
-
-    @cached_property
-    def binder(self):
-        """As a Program's, but the saved statistics (float32 with bf16 inputs, as the
-        saving forward stores them) do not promote the results' dtype."""
-        from .bind import Binder
-        return Binder(self.checked, extents_of=self.factorised, statistics=frozenset(s.name for s in self.saved))
+        # the saved statistics (float32 beside bf16 inputs, as the saving forward stores
+        # them) leave the gradients and their tensor-core operands in bf16
+        self.statistic_inputs = frozenset(s.name for s in self.saved)
 
     def _read(self, inputs: dict) -> dict:
         declared = {i.name for i in self.checked.inputs}

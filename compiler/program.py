@@ -21,7 +21,7 @@ from .schedule import Plan
 # summaries: user summaries usable by name; split: force a split count for every
 # reduction (a schedule option: the Triton backend splits, the oracle has no schedule);
 # float32_outputs: float outputs stored in float32 whatever the inputs' dtype (the
-# saving forward's statistics: a bf16 logsumexp would be off by up to 1/128 of itself)
+# saving forward's statistics: a bf16 logsumexp would be off by up to 1/256 of itself)
 SCHEDULE_OPTIONS = ("split", "float32_outputs")
 KNOWN_OPTIONS = ("summaries", *SCHEDULE_OPTIONS)
 
@@ -87,11 +87,14 @@ class Program:
         return deep(lambda: backend_class(self.factorised, self.outputs, **self.schedule_options),
                     what="the program", source=self.text)
 
+    # inputs that do not set the dtype of float results (a gradient program's statistics)
+    statistic_inputs: frozenset = frozenset()
+
     @cached_property
     def binder(self):
         """Checks inputs at call time (made on first use: it needs torch)."""
         from .bind import Binder
-        return Binder(self.checked, extents_of=self.factorised)
+        return Binder(self.checked, extents_of=self.factorised, statistics=self.statistic_inputs)
 
     def __call__(self, *args, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run the program on `inputs`, one keyword per input name.

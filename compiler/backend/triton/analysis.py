@@ -344,8 +344,7 @@ def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
         if _selects_by(e, relation):
             return failing(e.args[2])
         if not any(_selects_by(w, relation) for w in walk(e)):
-            constant_part = all(isinstance(n, Const | Call) for n in walk(e))
-            return e if constant_part else leaves.setdefault(e, Var(f"v{len(leaves)}"))
+            return e if constant(e) is not None else leaves.setdefault(e, Var(f"v{len(leaves)}"))
         if not isinstance(e, Call):
             return None                       # a mask inside a reduction or an access: unknown
         parts = [failing(a) for a in e.args]
