@@ -135,17 +135,18 @@ def decode_cases(compile_, quick: bool) -> list[Case]:
     return cases
 
 
-def _grad_of(forward):
+def _grad_of(forward, wrt=("Q", "K", "V")):
     """The backward alone, as FlashAttention's benchmarks time it: the forward runs
     once per input set (its graph kept), each call runs torch.autograd.grad of the
-    output against the fixed upstream gradient dO and returns dQ (the error column
-    compares dQ; tests/test_grad.py checks every gradient)."""
+    output with respect to the inputs `wrt` against the fixed upstream gradient dO
+    and returns the first of them, dQ (the error column compares dQ;
+    tests/test_grad.py checks every gradient)."""
     kept = {}
 
     def run(x):
         if kept.get("inputs") is not x:            # a new input set: run its forward once
             kept.update(inputs=x, output=forward(x))
-        return torch.autograd.grad(kept["output"], (x["Q"], x["K"], x["V"]), x["dO"], retain_graph=True)[0]
+        return torch.autograd.grad(kept["output"], [x[n] for n in wrt], x["dO"], retain_graph=True)[0]
     return run
 
 
@@ -170,6 +171,153 @@ def backward_cases(compile_, quick: bool) -> list[Case]:
             flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
             cases.append(Case("backward", f"B{b} H{h} S{s} d{d}{' causal' if causal else ''}", flops,
                               "TFLOP/s", make, ours, baselines))
+    return cases
+
+
+# ---------------------------------------------------------------- training
+# The backward of training workloads. The sources are tests/test_grad.py's corpus,
+# attention on [b,h,i,k]; tests/test_bench_training.py checks their gradients, and
+# the baselines below, against float64 torch.
+LOGITS = {"softcap": "cap * tanh(Q[b,h,i,k] * K[b,h,m,k] * scale / cap)",
+          "alibi": "Q[b,h,i,k] * K[b,h,m,k] * scale - A[h] * abs(i - m)"}
+LAYERNORM_AFFINE = ("mu[i] = mean[k](X[i,k])\nvar[i] = mean[k]((X[i,k] - mu[i]) ** 2)\n"
+                    "Y[i,k] = (X[i,k] - mu[i]) * rsqrt(var[i] + 1e-5) * G[k] + B[k]")
+RMSNORM = "Y[i,k] = X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps) * G[k]"
+CROSS_ENTROPY = "L[i] = logsumexp[v](sum[k](H[i,k] * W[v,k])) - sum[v, k](Y[i,v] * H[i,k] * W[v,k])"
+
+
+def training_attention(variant: str, causal: bool) -> str:
+    logits = f"where(m <= i, {LOGITS[variant]}, -inf)" if causal else LOGITS[variant]
+    return f"O[b,h,i,j] = softmax[m]({logits}) * V[b,h,m,j]"
+
+
+# FlexAttention's score_mod(score, b, h, q_idx, kv_idx) gets score = q.k * scale,
+# so each of these is the logits above (a function of the inputs: ALiBi's captures
+# the slopes, and FlexAttention's backward scatters their gradient).
+def softcap_mod(x):
+    cap = x["cap"]
+    return lambda score, b, h, i, m: cap * torch.tanh(score / cap)
+
+
+def alibi_mod(x):
+    slopes = x["A"]
+    # the distance in the score's dtype: a bf16 product slope * |i - m| would round
+    # the bias by up to 4 at distances near 4096
+    return lambda score, b, h, i, m: score - slopes[h] * (i - m).abs().to(score.dtype)
+
+
+SCORE_MODS = {"softcap": softcap_mod, "alibi": alibi_mod}
+
+
+def causal_mask(b, h, i, m):
+    return m <= i
+
+
+def _flex(variant: str, causal: bool, s: int):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # one graph per case, as FlexAttention's benchmarks compile it (the full group's 8
+    # cases are within dynamo's default limit of 8 graphs per function)
+    attend = torch.compile(flex_attention, dynamic=False)
+    block_mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if causal else None
+
+    def run(x):
+        return attend(x["Q"], x["K"], x["V"], score_mod=SCORE_MODS[variant](x), block_mask=block_mask,
+                      scale=x["scale"])
+    return run
+
+
+def torch_layernorm(x):
+    return torch.nn.functional.layer_norm(x["X"], x["X"].shape[-1:], x["G"], x["B"], eps=1e-5)
+
+
+def torch_rmsnorm(x):
+    X = x["X"].to(torch.promote_types(x["X"].dtype, torch.float32))   # float32 math for bf16 storage
+    return (X * torch.rsqrt((X * X).mean(-1, keepdim=True) + x["eps"]) * x["G"]).to(x["X"].dtype)
+
+
+def torch_cross_entropy(x):
+    return torch.nn.functional.cross_entropy(x["H"] @ x["W"].T, x["labels"], reduction="none")
+
+
+def _inputs_of(program):
+    """A program called on the inputs it reads from a case's dict."""
+    return lambda x: program(**{i.name: x[i.name] for i in program.checked.inputs})
+
+
+def _step(forward, wrt, upstream):
+    """Forward and backward, as a training step runs a layer: each call runs the
+    forward and torch.autograd.grad of its output with respect to `wrt` against
+    the fixed upstream gradient, and returns the first gradient (dX, dH)."""
+    def run(x):
+        return torch.autograd.grad(forward(x), [x[n] for n in wrt], x[upstream])[0]
+    return run
+
+
+def training_cases(compile_, quick: bool) -> list[Case]:
+    """bf16. Attention backward with softcap (cap 30) and ALiBi (bf16 slopes, their
+    gradient included), causal and not, B*S = 16k tokens, H*d = 2048, d = 128,
+    against FlexAttention, timed as `backward` times it; work = 2.5x the forward's
+    FLOPs. Then forward + backward of layernorm, RMSNorm (GB/s of X, dY, Y, dX and
+    the weights and their gradients) and fused cross-entropy (TFLOP/s of its three
+    matmuls) against the same torch code, torch.compile'd and eager."""
+    cases = []
+    d = 128
+    for s in ((4096,) if quick else (1024, 4096)):
+        b, h = 16384 // s, 2048 // d
+        for variant in ("softcap", "alibi"):
+            wrt = ("Q", "K", "V", "A") if variant == "alibi" else ("Q", "K", "V")
+            for causal in (False, True):
+                def make(b=b, h=h, s=s, variant=variant):
+                    g = torch.Generator(device="cuda").manual_seed(0)
+                    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                                   for _ in range(4))
+                    x = {"Q": q.requires_grad_(), "K": k.requires_grad_(), "V": v.requires_grad_(),
+                         "scale": 1 / math.sqrt(d), "dO": do}
+                    if variant == "softcap":
+                        x["cap"] = 30.0
+                    else:                          # ALiBi's slopes 2^(-8 (h+1) / H)
+                        slopes = 2.0 ** (-8 * torch.arange(1, h + 1, device="cuda") / h)
+                        x["A"] = slopes.bfloat16().requires_grad_()
+                    return x
+                program = compile_(training_attention(variant, causal))
+                flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+                cases.append(Case("training", f"{variant} B{b} H{h} S{s} d{d}{' causal' if causal else ''}",
+                                  flops, "TFLOP/s", make, _grad_of(_inputs_of(program), wrt),
+                                  {"flex_attention": _grad_of(_flex(variant, causal, s), wrt)}))
+
+    n, features = (8192, 4096) if quick else (16384, 4096)
+    norms = {"layernorm": (LAYERNORM_AFFINE, torch_layernorm, ("X", "G", "B")),
+             "rmsnorm": (RMSNORM, torch_rmsnorm, ("X", "G"))}
+    for name, (source, fn, wrt) in norms.items():
+        def make(wrt=wrt):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            x = {key: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                 for key, shape in (("X", (n, features)), ("dY", (n, features)), ("G", (features,)),
+                                     ("B", (features,)))}
+            for w in wrt:
+                x[w].requires_grad_()
+            return {**x, "eps": 1e-6}
+        # read X, dY, write Y, dX; read each weight, write its gradient
+        nbytes = 2 * (4 * n * features + 2 * (len(wrt) - 1) * features)
+        cases.append(Case("training", f"{name} {n}x{features}", nbytes, "GB/s", make,
+                          _step(_inputs_of(compile_(source)), wrt, "dY"),
+                          {"torch.compile": _step(torch.compile(fn), wrt, "dY"),
+                           "torch eager": _step(fn, wrt, "dY")}))
+
+    tokens, hidden, vocab = (2048, 1024, 16000) if quick else (4096, 2048, 32000)
+
+    def make():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h, w, dl = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                    for shape in ((tokens, hidden), (vocab, hidden), (tokens,)))
+        labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+        return {"H": h.requires_grad_(), "W": (0.02 * w).requires_grad_(), "labels": labels,
+                "Y": torch.nn.functional.one_hot(labels, vocab).bfloat16(), "dL": dl}
+    flops = 3 * 2 * tokens * vocab * hidden        # the logits' matmul, and dH's and dW's
+    cases.append(Case("training", f"cross-entropy T{tokens} D{hidden} V{vocab}", flops, "TFLOP/s", make,
+                      _step(_inputs_of(compile_(CROSS_ENTROPY)), ("H", "W"), "dL"),
+                      {"torch.compile": _step(torch.compile(torch_cross_entropy), ("H", "W"), "dL"),
+                       "torch eager": _step(torch_cross_entropy, ("H", "W"), "dL")}))
     return cases
 
 
@@ -223,7 +371,7 @@ def matmul_cases(compile_, quick: bool) -> list[Case]:
 
 
 GROUPS = {"attention": attention_cases, "decode": decode_cases, "memory": memory_cases,
-          "matmul": matmul_cases, "backward": backward_cases}
+          "matmul": matmul_cases, "backward": backward_cases, "training": training_cases}
 
 
 def copy_bandwidth() -> float:
@@ -238,27 +386,28 @@ def copy_bandwidth() -> float:
 def run_case(case: Case) -> list[Row]:
     import triton.testing
     x = case.make()
-    reference = next(iter(case.baselines.values()))(x)
-    ours_out = case.ours(x)
-    rows = []
-    timings = {}
+    first = next(iter(case.baselines))
+    rows, timings, outputs = [], {}, {}
     for name, fn in [("einfold", case.ours), *case.baselines.items()]:
         try:
-            out = fn(x)
-            err = _error(out, reference) if name != next(iter(case.baselines)) else 0.0
+            outputs[name] = fn(x)
             ms = triton.testing.do_bench(lambda fn=fn: fn(x), warmup=25, rep=100, return_mode="median")
             timings[name] = ms
-            rows.append(Row(case.group, case.name, name, ms, _rate(case.work, case.unit, ms), case.unit,
-                            error=err))
-        except Exception as e:   # a baseline backend this device or shape does not support
+            rows.append(Row(case.group, case.name, name, ms, _rate(case.work, case.unit, ms), case.unit))
+        except Exception as e:
+            # a baseline backend this device or shape does not support, or a program of
+            # ours that fails: a row that says so, and the run goes on to the other cases
             rows.append(Row(case.group, case.name, name, float("nan"), float("nan"), case.unit,
-                            note=f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+                            note=f"{'FAILED' if name == 'einfold' else 'unavailable'}: "
+                                 f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
     ours = timings.get("einfold")
     for row in rows:
+        if first in outputs and row.contender in outputs:      # errors against the first baseline
+            row.error = _error(outputs[row.contender], outputs[first]) if row.contender != first else 0.0
         if ours and row.contender in timings:
             row.ratio_ours_over_this = timings[row.contender] / ours   # >1: einfold is faster
-    if _error(ours_out, reference) > case.tolerance:
-        rows[0].note = f"MISMATCH vs {next(iter(case.baselines))}: rel err {_error(ours_out, reference):.2e}"
+    if rows[0].error is not None and rows[0].error > case.tolerance:
+        rows[0].note = f"MISMATCH vs {first}: rel err {rows[0].error:.2e}"
     return rows
 
 
@@ -319,11 +468,11 @@ def main(out: Path, groups: list[str], quick: bool = False) -> list[Row]:
 def format_table(rows: list[Row], meta: dict) -> str:
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
              f"copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s",
-             f"{'case':34} {'contender':26} {'ms':>9} {'rate':>10} {'ours/this':>9}  note"]
+             f"{'case':42} {'contender':26} {'ms':>9} {'rate':>10} {'ours/this':>9}  note"]
     for r in rows:
         ratio = f"{r.ratio_ours_over_this:.2f}x" if r.ratio_ours_over_this else ""
         rate = f"{r.rate:.1f}" if r.rate == r.rate else ""
-        lines.append(f"{r.group + ' ' + r.name:34} {r.contender:26} {r.ms:9.3f} {rate:>10} {ratio:>9}  "
+        lines.append(f"{r.group + ' ' + r.name:42} {r.contender:26} {r.ms:9.3f} {rate:>10} {ratio:>9}  "
                      f"{r.unit if rate else ''} {r.note}")
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ from .ir import format_program
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 BACKEND_CHOICES = ("auto", "triton", "reference")
-BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward")
+BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training")
 MAX_EXTENT = 2 ** 31 - 1            # one index's extent on the command line
 MAX_SEED = 2 ** 63 - 1
 ATTENTION = "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]"

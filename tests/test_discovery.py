@@ -346,3 +346,46 @@ def test_higher_centred_moments_merge_stably_in_one_pass():
     skew, kurt = triton(X=x.float().to(DEVICE))          # x is exactly representable in float32
     torch.testing.assert_close(skew.double().cpu(), (d ** 3).mean(1), rtol=0, atol=1e-3)
     torch.testing.assert_close(kurt.double().cpu(), (d ** 4).mean(1), rtol=1e-3, atol=1e-3)
+
+
+def test_added_sums_over_one_index_are_one_sum_with_the_shared_factors_outside():
+    # linearity: a gradient accumulates one sum per use of an input; as one product
+    # it is one contraction (tl.dot) rather than a fold of a pair of sums
+    program = factorised("Z[i,k] = sum[v](A[i,v] * W[v,k]) - sum[v](B[i,v] * W[v,k] * C[i,v])")
+    (statement,) = program.factorised.statements
+    assert isinstance(statement.expr, Reduce) and statement.expr.indices == ("v",)
+    assert format_program_expr(statement.expr) == "sum[v]((A[i, v] - B[i, v] * C[i, v]) * W[v, k])"
+    inputs = {"A": torch.randn(3, 5, dtype=torch.float64), "B": torch.randn(3, 5, dtype=torch.float64),
+              "C": torch.randn(3, 5, dtype=torch.float64), "W": torch.randn(5, 4, dtype=torch.float64)}
+    want = inputs["A"] @ inputs["W"] - (inputs["B"] * inputs["C"]) @ inputs["W"]
+    torch.testing.assert_close(program(**inputs), want)
+    # sums over different axes, and other reductions, stay apart
+    for source in ("Z[i] = sum[v](A[i,v]) + sum[k](B[i,k])", "Z[i] = max[v](A[i,v]) + sum[v](B[i,v])"):
+        (statement,) = factorised(source).factorised.statements
+        assert sum(isinstance(n, Reduce) for n in walk(statement.expr)) == 2, source
+
+
+def test_sums_with_different_free_indices_are_not_merged():
+    # dP[i,m] - D[i]: one sum would compute D per (i, m), and (V - O) is no matrix product
+    program = factorised("Z[i,m] = sum[j](G[i,j] * V[m,j]) - sum[j](G[i,j] * O[i,j])")
+    (statement,) = program.factorised.statements
+    assert format_program_expr(statement.expr) == "sum[j](G[i, j] * V[m, j]) - sum[j](G[i, j] * O[i, j])"
+
+
+def test_a_sum_over_several_indices_nests_by_the_factors_each_index_reads():
+    # the target logit of a cross-entropy: the logits the logsumexp folds, not a
+    # fold one v at a time; one pass over v folds both
+    program = factorised("L[i] = logsumexp[v](sum[k](H[i,k] * W[v,k])) - sum[v, k](Y[i,v] * H[i,k] * W[v,k])")
+    assert len(folds(program)) == 1
+    (fold,) = folds(program)
+    assert fold.indices == ("v",)
+    h, w, y = (torch.randn(*s, dtype=torch.float64) for s in ((3, 4), (6, 4), (3, 6)))
+    want = torch.logsumexp(h @ w.T, 1) - ((h @ w.T) * y).sum(1)
+    torch.testing.assert_close(program(H=h, W=w, Y=y), want)
+    # a matrix chain: the n^4 product becomes two contractions
+    chain = factorised("Z[i,l] = sum[j, k](A[i,j] * B[j,k] * C[k,l])")
+    (statement,) = chain.factorised.statements
+    assert format_program_expr(statement.expr) == "sum[j](A[i, j] * sum[k](B[j, k] * C[k, l]))"
+    # every factor reads both indices: nothing to nest
+    both = factorised("Z[i] = sum[j, k](A[i,j,k] * B[j,k])")
+    assert format_program_expr(both.factorised.statements[0].expr) == "sum[j, k](A[i, j, k] * B[j, k])"

@@ -7,6 +7,7 @@ in torch, in float64.  The reference backend runs in float64; the Triton
 backend runs its kernels under the interpreter on CPU (conftest), in float32,
 on tiny ragged sizes."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -797,3 +798,86 @@ def test_min_and_max_propagate_nan_on_triton():
     x = torch.tensor([float("nan"), 2.0, -3.0])
     y = program(X=x)
     assert y[0].isnan() and y[1:].tolist() == [2.0, -4.0]
+
+
+def _gpu_module(source: str, sizes: dict[str, tuple], saved=True, **scalars) -> str:
+    """The GPU module of `source`'s saved backward for tensors of these shapes
+    (built on the CPU, autotune candidates included; nothing runs)."""
+    backward = compiler.grad(source, backend="triton", saved=saved)
+    inputs = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in sizes.items()}
+    inputs = {n: (torch.zeros(v.shape) if n.startswith("lse_") else v) for n, v in inputs.items()}
+    return backward.backend.source_for(backward.binder({**inputs, **scalars}), sm_count=132)
+
+
+def _kernels(module: str) -> dict[str, str]:
+    parts = module.split("@triton.jit\ndef ")[1:]
+    return {p.split("(")[0]: p.split("\n\n\n")[0] for p in parts}
+
+
+S, D = 1000, 64
+ATTENTION_SHAPES = {"Q": (2, 4, S, D), "K": (2, 4, S, D), "V": (2, 4, S, D), "dO": (2, 4, S, D),
+                    "O": (2, 4, S, D), "lse_O": (2, 4, S)}
+
+
+def test_a_contractions_batch_indices_are_taken_one_at_a_time():
+    # Bias[h,i,m] lacks b, K[g,m,k] lacks r: neither makes b or r a tile dimension
+    # (that made every operand 3-D: no tl.dot, and tiles of 4M elements on the GPU)
+    bias = _kernels(_gpu_module("O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale + Bias[h,i,m]) * V[b,h,m,j]",
+                                {**ATTENTION_SHAPES, "Bias": (4, S, S)}, scale=0.125))
+    assert set(bias) == {"einfold_dQ", "einfold_dK", "einfold_dV", "einfold_dBias"}
+    assert all("tl.dot" in k and "BLOCK_b" not in k and "BLOCK_h" not in k for k in bias.values())
+    # dBias = sum[b](dS): b streamed one value at a time, each step a tile of i x m
+    assert "for start_b in range(0, n_b, 1):" in bias["einfold_dBias"]
+    gqa = _kernels(_gpu_module("O[g,r,i,j] = softmax[m](Q[g,r,i,k] * K[g,m,k] * scale) * V[g,m,j]",
+                               {**ATTENTION_SHAPES, "K": (2, S, D), "V": (2, S, D)}, scale=0.125))
+    assert all("tl.dot" in k and "BLOCK_g" not in k and "BLOCK_r" not in k for k in gqa.values())
+
+
+def test_a_fold_an_earlier_kernel_streams_is_read_not_recomputed():
+    # D = rowsum(dO * O) is a fold of dQ's kernel (one per row i); dK's programs
+    # (one per tile of m) would each recompute it for every i: they read it instead
+    module = _gpu_module(CORPUS["attention"][0].replace("[i,", "[b,h,i,").replace("[m,", "[b,h,m,"),
+                         ATTENTION_SHAPES, scale=0.125)
+    kernels = _kernels(module)
+    assert "buf0_ptr" in kernels["einfold_dQ"].split(")")[0] and "buf0_ptr" in kernels["einfold_dK"].split(")")[0]
+    assert " O_ptr" not in kernels["einfold_dK"]            # no dO * O tile in the dK loop
+    plan = compiler.grad(CORPUS["attention"][0], backend="triton", saved=True).plan(
+        Q=randn(70, 16), K=randn(70, 16), V=randn(70, 8), scale=0.25, dO=randn(70, 8), O=randn(70, 8),
+        lse_O=randn(70))
+    assert plan.buffers == ("buf0",)
+    assert set(plan.kernels[0].writes) == {"dQ", "buf0"}
+    assert "reads buf0 (sum[j], stored by einfold_dQ) instead of recomputing it per program" in plan.kernels[1].why
+    # a layernorm's row statistics inside its column sums dG, dB
+    layernorm = compiler.grad(CORPUS["layernorm"][0], backend="triton", saved=True)
+    why = [k.why for k in layernorm.plan(X=randn(9, 70), G=randn(70), dY=randn(9, 70)).kernels]
+    assert len(why) == 2 and "stored by einfold_dX" in why[1]
+
+
+def test_column_sums_tile_the_columns_and_every_tiling_fits_triton():
+    # dG[k] = sum[i](...) over a row-major X: a tile of 64 contiguous columns, rows
+    # streamed in the rest of the tile budget (one column per program read memory
+    # with a stride per element)
+    module = _gpu_module(CORPUS["layernorm"][0], {"X": (4097, 1000), "G": (1000,), "dY": (4097, 1000)})
+    # (4097 rows over 16 column tiles: split over 8 programs each on 132 SMs)
+    launch = module.split("einfold_dG_partial[(grid, n_split)](")[1].splitlines()[1]
+    assert launch.endswith("BLOCK_k=64, BLOCK_i=64)")
+    # the cases that made tiles past Triton's 2**20 elements on the GPU build, tuned
+    for source, shapes in [(CORPUS["cross_entropy"][0], {"H": (509, 256), "W": (5003, 256), "Y": (509, 5003),
+                                                         "dL": (509,), "lse_L": (509,)})]:
+        module = _gpu_module(source, shapes)     # builds: every tile within Triton's limit
+        kernels = _kernels(module)
+        # dH, dW: one contraction each (tl.dot), not a fold of a pair of sums over 3-D tiles
+        assert all("tl.dot" in kernels[k] and "tl.reduce" not in kernels[k] for k in ("einfold_dH_partial", "einfold_dW"))
+
+
+def test_a_tiling_past_tritons_largest_tensor_is_a_backend_error():
+    from compiler.backend.triton.emit import KernelCode
+    from compiler.backend.triton.tuning import binding, candidates
+    code = KernelCode("einfold_Y", "", [], {"BLOCK_i": 2048, "BLOCK_j": 1024}, [], False, "", ("Y",),
+                      tiles=frozenset({("BLOCK_i", "BLOCK_j")}))
+    with pytest.raises(compiler.BackendError, match=r"einfold_Y would hold a tile of 2097152 elements "
+                                                     r"\[BLOCK_i=2048, BLOCK_j=1024\], more than Triton's 1048576"):
+        binding(code)
+    fits = replace(code, constexprs={"BLOCK_i": 1024, "BLOCK_j": 64},
+                   tunable={"BLOCK_i": ("grid", "i"), "BLOCK_j": ("loop", "j")})
+    assert all(c["BLOCK_i"] * c["BLOCK_j"] <= 2 ** 20 for c, _, _ in candidates(fits, {"i": 10 ** 6, "j": 10 ** 6}))

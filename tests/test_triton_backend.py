@@ -392,12 +392,17 @@ def test_reductions_without_a_common_output_index_are_materialised():
 
 
 def test_outputs_with_different_grids_get_kernels_of_their_own():
-    # fuse inlines S into Y (recomputed, never read back), so the kernels are independent
+    # fuse inlines S into Y, where it would be recomputed per tile of j: the first
+    # kernel, which streams S once per row, also stores it in float32 for Y to read
     src = "S[i] = sum[j](X[i,j])\nY[j] = max[i](X[i,j] - S[i])"
     ref, backend = assert_matches_oracle(src, {"X": randn(9, 11)}, outputs=["S", "Y"])
     p = plan(backend, ref, {"X": randn(9, 11)})
-    assert kernel_names(p) == ["einfold_S", "einfold_Y"] and p.buffers == ()
-    assert "a kernel of its own: its grid (j) or output indices differ" in p.kernels[1].why
+    assert kernel_names(p) == ["einfold_S", "einfold_Y"] and p.buffers == ("buf0",)
+    assert p.kernels[0].writes == ("S", "buf0")
+    assert "reads buf0 (sum[j], stored by einfold_S) instead of recomputing it" in p.kernels[1].why
+    # Y alone: nothing streams S once per row, so Y recomputes it (no buffer of its own)
+    ref, backend = assert_matches_oracle(src, {"X": randn(9, 11)}, outputs=["Y"])
+    assert kernel_names(plan(backend, ref, {"X": randn(9, 11)})) == ["einfold_Y"]
 
 
 # ---------------------------------------------------------------- split reductions

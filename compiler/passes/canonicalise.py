@@ -14,12 +14,25 @@
    after flattening chains of an associative one: Q*K and K*Q, (a+b)+c and
    a+(c+b) are one expression, so equal reductions are equal values.
 
+4. Sums over the same indices, with the same free indices, that are added or
+   subtracted are one sum (linearity), with the factors their terms share
+   pulled out:
+   sum[v](a * W) + sum[v](b * W * Y) = sum[v]((a + b * Y) * W).  A gradient
+   accumulates one such term per use of an input; as one product the sum is
+   one contraction (one tl.dot) instead of a fold of a pair of sums.
+
+5. A sum over several indices keeps inside each index's sum only the factors
+   that vary over it: sum[v, k](Y[i,v] * H[i,k] * W[v,k]) =
+   sum[v](Y[i,v] * sum[k](H[i,k] * W[v,k])), a contraction (the logits a
+   cross-entropy's logsumexp already folds) rather than a fold one v at a time.
+
 Free (left-hand) indices keep the names the program gives them."""
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
+from ..algebra import BUILTINS
 from ..ir import (Call, Const, Expr, Extent, Program, Reduce, children, format_expr, free_indices, transform, walk,
                   with_children)
 from ..ops import ASSOCIATIVE, COMMUTATIVE
@@ -83,6 +96,68 @@ def _operands(node: Expr) -> list[Expr]:
     return operands
 
 
+def _factors(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "mul":
+        return _factors(e.args[0]) + _factors(e.args[1])
+    return [e]
+
+
+def _product(factors: list[Expr]) -> Expr:
+    if not factors:
+        return Const(1.0)
+    out = factors[0]
+    for f in factors[1:]:
+        out = Call("mul", (out, f))
+    return out
+
+
+def _plain_sum(e: Expr) -> bool:
+    return isinstance(e, Reduce) and e.summary == BUILTINS["sum"] and e.result is None and len(e.args) == 1
+
+
+def merge_sums(e: Expr) -> Expr:
+    """sum[I](a) +/- sum[I](b) -> sum[I]((a' +/- b') * common), `common` the factors
+    a and b share (structurally, with canonical bound names).  Only sums with the
+    same free indices: dP[i,m] - D[i] = sum[j](dO V) - sum[j](dO O) as one sum would
+    compute D once per (i, m), and would make (V[m,j] - O[i,j]) one factor, not a
+    matrix product."""
+    if not (isinstance(e, Call) and e.op in ("add", "sub") and all(_plain_sum(a) for a in e.args)
+            and e.args[0].indices == e.args[1].indices
+            and set(free_indices(e.args[0])) == set(free_indices(e.args[1]))):
+        return e
+    left, right = _factors(e.args[0].args[0]), _factors(e.args[1].args[0])
+    common = []
+    for f in list(left):
+        if f in right:
+            common.append(f)
+            left.remove(f)
+            right.remove(f)
+    body = _product([Call(e.op, (_product(left), _product(right))), *common])
+    return Reduce(BUILTINS["sum"], e.args[0].indices, (body,))
+
+
+def nest_sums(e: Expr) -> Expr:
+    """sum[v, k](Y[i,v] * H[i,k] * W[v,k]) -> sum[v](Y[i,v] * sum[k](H[i,k] * W[v,k])):
+    the factors that do not vary over one reduced index leave its sum
+    (distributivity), so the product over all indices at once (a fold one v at a
+    time, or an n^4 matrix chain) becomes nested contractions.  The inner index is
+    the one that leaves most factors outside (the last one on a tie)."""
+    if not (_plain_sum(e) and len(e.indices) > 1):
+        return e
+    factors = _factors(e.args[0])
+    best, outside = None, []
+    for x in reversed(e.indices):
+        out = [f for f in factors if x not in free_indices(f)]
+        if len(out) > len(outside) and len(out) < len(factors):
+            best, outside = x, out
+    if best is None:
+        return e
+    inside = [f for f in factors if best in free_indices(f)]
+    inner = Reduce(BUILTINS["sum"], (best,), (_product(inside),))
+    rest = tuple(i for i in e.indices if i != best)
+    return nest_sums(Reduce(BUILTINS["sum"], rest, (_product([*outside, inner]),)))
+
+
 class _Binders:
     """Canonical names for bound indices, with the extent table kept complete."""
 
@@ -121,7 +196,8 @@ class _Binders:
 def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
     statements = tuple(
-        replace(s, expr=order_operands(binders.rename(transform(s.expr, natural_base))))
+        replace(s, expr=order_operands(transform(order_operands(binders.rename(transform(s.expr, natural_base))),
+                                                 lambda n: merge_sums(nest_sums(n)))))
         for s in program.statements)
     named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
         n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}

@@ -56,6 +56,36 @@ def free(e: Expr) -> frozenset:
     return frozenset(free_indices(e))
 
 
+def alpha_key(e: Expr) -> tuple[Expr, tuple[str, ...]]:
+    """`e` with every index renamed by position (free ones in order of first use,
+    bound ones per binder), and its free indices in that order: two expressions are
+    equal up to the names of their indices iff their keys are equal."""
+    order: list[str] = []
+
+    def name(i: str, env: dict) -> str:
+        if i not in env:
+            env[i] = f"#{len(order)}"
+            order.append(i)
+        return env[i]
+
+    binders = iter(range(1 << 30))
+
+    def visit(n: Expr, env: dict, bound: dict) -> Expr:
+        look = lambda i: bound[i] if i in bound else name(i, env)
+        if isinstance(n, Access):
+            return replace(n, indices=tuple(look(i) for i in n.indices))
+        if isinstance(n, Index | Extent):
+            return replace(n, name=look(n.name))
+        if isinstance(n, Reduce):
+            inner = {**bound, **{i: f"@{next(binders)}" for i in n.indices}}
+            n = replace(n, indices=tuple(inner[i] for i in n.indices))
+            return with_children(n, tuple(visit(c, env, inner) for c in children(n)))
+        return with_children(n, tuple(visit(c, env, bound) for c in children(n)))
+
+    key = visit(e, {}, {})
+    return key, tuple(order)
+
+
 # ---------------------------------------------------------------- inlining
 def rename(e: Expr, mapping: dict[str, str], avoid: frozenset, fresh_names: dict[str, str]) -> Expr:
     """Capture-avoiding renaming of free indices (the fuse pass's), with fresh names
@@ -186,25 +216,68 @@ def replace_folds(e: Expr, table: dict[Reduce, Access]) -> Expr:
     return visit(e, frozenset())
 
 
-def contraction_names(e: Expr) -> set[str]:
-    """Index names that take part in a matrix-product-like contraction (a sum of a
-    product over one index, or a rescaled summary); their tiles are kept at least
-    16 wide so that the emitter can use tl.dot."""
-    names: set[str] = set()
-    for n in walk(e):
+def flatten_mul(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "mul":
+        return flatten_mul(e.args[0]) + flatten_mul(e.args[1])
+    return [e]
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """A matrix-product-like fold: a sum over one index of a product, or a rescaled
+    summary's weights times values that carry another free index (attention's P V).
+    `sides` vary over only some of the factors that read the reduced index (the rows
+    and columns of tl.dot); `batch` over all of them: tiling a batch index, or two
+    side indices of one factor, would make an operand 3-D, which tl.dot does not take.
+    `bound`: the indices of the folds around it (not the names of outer indices)."""
+    reduced: frozenset
+    sides: frozenset
+    batch: frozenset
+    factors: tuple[frozenset, ...]
+    bound: frozenset
+
+    def clashes(self, a: str, b: str) -> bool:
+        """Whether outer indices a and b are both sides of one operand."""
+        inner = self.reduced | self.bound
+        return a not in inner and b not in inner and any(a in f and b in f for f in self.factors)
+
+
+def contractions(e: Expr) -> list[Contraction]:
+    out = []
+
+    def visit(n: Expr, bound: frozenset) -> None:
+        parts = None
         if isinstance(n, Reduce) and n.summary == BUILTINS["sum"] and len(n.indices) == 1:
-            arg = n.args[0]
-            if _is_product(arg):
-                names |= set(free_indices(arg))
+            parts = flatten_mul(n.args[0])
         elif isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) and value_only_names(n):
-            # the weights times values that carry another free index: a matrix product
-            for a in n.args:
-                names |= set(free_indices(a))
-    return names
+            parts = list(n.args)
+        if parts is not None:
+            reduced = frozenset(n.indices)
+            factors = tuple(f for f in (frozenset(free_indices(p)) for p in parts) if f & reduced)
+            if factors:
+                batch = frozenset.intersection(*factors) - reduced
+                sides = frozenset().union(*factors) - batch - reduced
+                if sides:
+                    out.append(Contraction(reduced, sides, batch, factors, bound))
+        inner = bound | set(n.indices) if isinstance(n, Reduce) else bound
+        for c in children(n):
+            visit(c, inner)
+
+    visit(e, frozenset())
+    return out
 
 
-def _is_product(e: Expr) -> bool:
-    return isinstance(e, Call) and e.op == "mul"
+def contraction_names(e: Expr) -> set[str]:
+    """Index names that take part in a matrix-product-like contraction as its reduced
+    index or a row or column; their tiles are kept at least 16 wide so that the
+    emitter can use tl.dot."""
+    return {i for c in contractions(e) for i in c.reduced | c.sides}
+
+
+def dot_batch_names(e: Expr) -> set[str]:
+    """Indices that every operand of some contraction reads (attention's batch and
+    head): taken one value at a time, never as a tile dimension."""
+    return {i for c in contractions(e) for i in c.batch - c.bound}
 
 
 def value_only_names(e: Expr) -> set[str]:
@@ -397,6 +470,7 @@ class KernelSpec:
     program_folds: tuple[Reduce, ...] = ()  # top folds with free indices exactly G
     dependent: bool = False                # some program fold reads another one
     separate: str = ""                     # why it is not part of the previous kernel
+    reads: str = ""                        # buffers it reads instead of recomputing folds
 
     @property
     def lhs(self) -> tuple[str, ...]:
@@ -445,6 +519,7 @@ class Former:
         self.buffer_count = 0
         self.taken = {s.name for s in program.statements} | {i.name for i in program.inputs}
         self.buffer_indices: dict[str, tuple[str, ...]] = {}
+        self.stored: dict[tuple[str, Reduce], str] = {}     # (kernel, projection it stores) -> buffer
 
     def run(self) -> Structure:
         defs = {s.name: s for s in self.program.statements}
@@ -468,13 +543,20 @@ class Former:
                     # index store it
                     joined = replace(s, expr=wide)
             if joined is not None:
-                self._join(last, joined)
+                expr, stored = self._reuse(joined.expr, s.indices, exclude=last)
+                if stored and stored not in last.reads:
+                    last.reads += f"; {s.name} reads {stored} instead of recomputing it per program"
+                self._join(last, replace(joined, expr=expr))
             else:
                 if s.name in reads(s.expr):
                     raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
                 expr = narrow_projections(inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,)),
                                           s.indices)
+                expr, stored = self._reuse(expr, s.indices)
                 self._add(replace(s, expr=expr), buffer=False)
+                if stored:
+                    self.kernels[-1].reads = f"; reads {stored} instead of recomputing it per program"
+                    self.kernels[-1].why += self.kernels[-1].reads
                 if last is not None:
                     own = self.kernels[-1]
                     earlier = [t.name for k in self.kernels[:-1] for t in k.statements if t.name in reads(expr)]
@@ -517,7 +599,7 @@ class Former:
         k.epilogue = epilogue
         k.program_folds = tuple(f for f in folds if free(f) == set(k.grid))
         k.dependent = _dependent(k.program_folds)
-        k.why = _why(k.grid, epilogue, folds, len(statements)) + k.separate
+        k.why = _why(k.grid, epilogue, folds, len(statements)) + k.reads + k.separate
 
     def _add(self, s: Assign, buffer: bool) -> None:
         grid, folds = _grid_of(s.expr, s.indices)
@@ -543,6 +625,55 @@ class Former:
             buffers=(s.name,) if buffer else (), program_folds=program_folds,
             dependent=_dependent(program_folds)))
 
+    def _reuse(self, expr: Expr, lhs: tuple[str, ...], exclude: KernelSpec | None = None) -> tuple[Expr, str]:
+        """Folds nested in `expr` that miss one of its grid indices are recomputed by
+        every program along that index (the backward's D = rowsum(dO * O) inside the
+        dK loop, a layernorm's row statistics inside a column sum).  Where an earlier
+        kernel streams the same fold once per program (a program fold: one value per
+        row of its grid, so never a score-sized buffer), that kernel also stores it
+        into a float32 buffer (even where it stores the same value as an output: in
+        the output's dtype, a bf16 S would make Y less accurate than recomputing it
+        does) and `expr` reads the buffer instead (`exclude`: the
+        kernel `expr` joins, which cannot read what its own programs store)."""
+        grid = set(_grid_of(expr, lhs)[0])
+        table: dict[Reduce, Access] = {}
+        notes: dict[str, list[str]] = {}         # what, by whom -> buffers
+        for node in walk(expr):
+            if not isinstance(node, Reduce) or node in table or grid <= free(node):
+                continue
+            key, order = alpha_key(node.fold)
+            for k in self.kernels:
+                match = next((f for f in k.program_folds if alpha_key(f)[0] == key), None)
+                if match is None or k is exclude:
+                    continue
+                theirs = dict(zip(alpha_key(match)[1], order))          # k's names -> expr's names
+                indices = tuple(g for g in k.grid if g in free(match))
+                projection = replace(match, result=node.result)
+                name = self.stored.get((k.name, projection))
+                if name is None:
+                    name = self.stored[(k.name, projection)] = self._buffer_name()
+                    self._join(k, Assign(name, indices, projection, "float"))
+                    k.buffers += (name,)
+                    self.buffer_indices[name] = indices
+                table[node] = Access(name, tuple(theirs[g] for g in indices))
+                names = notes.setdefault(f"{node.summary.name}[{', '.join(node.indices)}], stored by {k.name}", [])
+                names += [name] if name not in names else []
+                break
+        if not table:
+            return expr, ""
+        def substitute(n: Expr) -> Expr:
+            return table[n] if n in table else with_children(n, tuple(substitute(c) for c in children(n)))
+        return substitute(expr), ", ".join(f"{', '.join(names)} ({what})" for what, names in notes.items())
+
+    def _buffer_name(self) -> str:
+        name = f"buf{self.buffer_count}"
+        self.buffer_count += 1
+        while name in self.taken:
+            name = f"buf{self.buffer_count}"
+            self.buffer_count += 1
+        self.taken.add(name)
+        return name
+
     def _kernel_name(self, stem: str) -> str:
         """einfold_<statement>, unless that or one of its split variants (_partial,
         _merge) is another kernel's name (a statement named `Y_merge` next to Y)."""
@@ -559,11 +690,7 @@ class Former:
         for f in todo:                                  # innermost first
             body = replace_folds(f, table)
             indices = tuple(i for i in s.indices if i in free(f))
-            name = f"buf{self.buffer_count}"
-            self.buffer_count += 1
-            while name in self.taken:
-                name = f"buf{self.buffer_count}"
-                self.buffer_count += 1
+            name = self._buffer_name()
             self.buffer_indices[name] = indices
             note = f"{f.summary.name}[{', '.join(f.indices)}] over ({', '.join(indices)})"
             self._add(Assign(name, indices, body, "float"), buffer=True)

@@ -42,7 +42,10 @@ from .analysis import (
     KernelSpec,
     assume_relation,
     contraction_names,
+    contractions,
+    dot_batch_names,
     exact_identity,
+    flatten_mul,
     free,
     index_bounds,
     restrict,
@@ -55,6 +58,7 @@ ROW_BLOCK = 1024      # tile of an elementwise grid index
 STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 8192 in one tile, so
                       # that an epilogue re-reading it finds it in cache
 TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
+COLUMN_BLOCK = 64     # grid tile of an index contiguous in memory under a streamed row index
 
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
              torch.float64: "tl.float64"}
@@ -151,12 +155,6 @@ def indent(lines: list[str], depth: int = 1) -> list[str]:
     return [pad + line if line else line for line in lines]
 
 
-def flatten_mul(e: Expr) -> list[Expr]:
-    if isinstance(e, Call) and e.op == "mul":
-        return flatten_mul(e.args[0]) + flatten_mul(e.args[1])
-    return [e]
-
-
 # ---------------------------------------------------------------- module-level facts
 @dataclass(frozen=True)
 class Signature:
@@ -193,6 +191,7 @@ class KernelCode:
     # for each grid factor, its index name and block name (None: one program per value)
     tunable: dict[str, tuple[str, str]] = field(default_factory=dict)
     grid_blocks: list[tuple[str, str | None]] = field(default_factory=list)
+    tiles: frozenset[tuple[str, ...]] = frozenset()   # block names of every tile shape it holds
 
 
 class ModuleContext:
@@ -308,12 +307,16 @@ class KernelEmitter:
         self.named: dict[tuple, str] = {}            # meaning (("extent", index), ...) -> its name
         ctx.module_names.add(self.name)
         self.whole: dict[str, Axis] = {}
+        self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
         exprs = [s.expr for s in spec.statements]
+        self.contractions = [c for e in exprs for c in contractions(e)]
         self.contraction = set().union(*(contraction_names(e) for e in exprs))
+        self.dot_batch = set().union(*(dot_batch_names(e) for e in exprs))
         self.value_only = set().union(*(value_only_names(e) for e in exprs))
         self.has_folds = any(isinstance(n, Reduce) for e in exprs for n in walk(e))
+        self.loop_cap = STREAM_BLOCK     # lowered when a grid tile of columns shares the tile budget
 
     # ------------------------------------------------------------ names
     def clashes(self, name: str) -> bool:
@@ -385,7 +388,7 @@ class KernelEmitter:
     def loop_block(self, name: str) -> int:
         if name in self.contraction:
             return min(DOT_BLOCK, max(16, self._np(name)))
-        return min(self._np(name), STREAM_BLOCK)
+        return min(self._np(name), STREAM_BLOCK, self.loop_cap)
 
     def split_block(self, name: str) -> int:
         """A program fold's tile when the fold is split: small enough for `split` tiles."""
@@ -403,6 +406,14 @@ class KernelEmitter:
         if name in self.contraction:
             return min(DOT_BLOCK, max(16, self._np(name)))
         return 0
+
+    def contiguous(self, g: str) -> bool:
+        """Whether every multi-dimensional tensor read with `g` has it last (the
+        innermost dimension of a row-major tensor) and some read has it: tiles of g
+        are then contiguous in memory."""
+        reads = [n for st in self.spec.statements for n in walk(st.expr)
+                 if isinstance(n, Access) and len(n.indices) > 1 and g in n.indices]
+        return bool(reads) and all(a.indices[-1] == g for a in reads)
 
     def streamed_block(self) -> int:
         """The widest non-dot tile of a loop inside this kernel (bounds the grid tile)."""
@@ -434,7 +445,12 @@ class KernelEmitter:
                 return s.memo[key]
         return None
 
+    def tile(self, axes) -> None:
+        """Record a tile shape the kernel holds (for the size check of its tilings)."""
+        self.tiles.add(tuple(a.block_name for a in dims(axes)))
+
     def assign(self, code: str, axes, scope: Scope, kind: str = "float", stem: str = "t", **extra) -> Value:
+        self.tile(axes)
         name = self.temp(stem)
         scope.lines.append(f"{name} = {code}")
         return Value(name, sort_axes(axes), kind, level=scope.level, **extra)
@@ -614,6 +630,7 @@ class KernelEmitter:
         address = f"{ptr} + {self.offsets(axes, strides, target)}" if axes else ptr
         mask = self.mask_code(target, target)
         raw = self.temp(f"x_{ident(e.tensor)}")
+        self.tile(target)
         if mask:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0)")
         else:
@@ -695,10 +712,13 @@ class KernelEmitter:
         loops: list[Axis] = []
         bound: list[Axis] = []
         lead = self.scalar_leads(fold)
+        batch = set().union(*(dot_batch_names(a) for a in fold.args))
         for p, b in enumerate(fold.indices):
             last = p == len(fold.indices) - 1
             if not s.commutative and not last:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
+            elif b in batch:
+                ax = self.new_axis(b, T.level + 1, "loop", 0)          # a contraction's batch index
             elif nested and self._np(b) <= WHOLE_MAX:
                 ax = self.whole_axis(b)
             elif lead and not last:
@@ -846,6 +866,7 @@ class KernelEmitter:
 
     def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope) -> Value:
         """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
+        self.tile(axes)
         current = list(dims(axes))
         for ax in sorted(dims(reduced), key=lambda a: -current.index(a)):
             code = f"{fn}({code}, {current.index(ax)})"
@@ -875,6 +896,7 @@ class KernelEmitter:
             # an index folded one value at a time (a scalar axis of RA) is summed by the loop
             return replace(v, axes=sort_axes(a for a in v.axes if a not in RA))
         U = sort_axes([a for f in factors for a in f.axes] + list(RA))
+        self.tile(U)
         product = " * ".join(self.expand(f, U) for f in factors) if factors else "1.0"
         mask = self.mask_code(RA, U)
         padded = any(set(ra_dims) <= f.zero for f in factors) and \
@@ -1069,6 +1091,7 @@ class KernelEmitter:
         index = {f: s.field_names.index(f) for f in fields}
         lifted = {f: self.formula(s.lift[index[f]], xs, body) for f in fields}
         U = sort_axes([a for v in lifted.values() for a in v.axes] + list(RA))
+        self.tile(U)
         ids = {f: emission.literal(s.identity[index[f]].value) for f in fields}
         tiles = {}
         mask = self.mask_code(RA, U)
@@ -1212,12 +1235,18 @@ class KernelEmitter:
         """Declare the grid axes; returns the launcher's grid factors."""
         spec = self.spec
         ext = self.ctx.extent
-        # Tile the last two grid indices that are not batch-like (read by every access:
-        # tiling those would make every operand 3-D); other grid indices are one program each.
+        # Tile up to two grid indices, the last first, that are not batch-like: read by
+        # every access, or by every operand of a contraction (tiling those makes every
+        # operand 3-D), nor two sides of one operand; other grid indices are one program each.
         accesses = [n for st in spec.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
-        batch = {g for g in spec.grid if accesses and all(g in a.indices for a in accesses)}
+        batch = {g for g in spec.grid if accesses and all(g in a.indices for a in accesses)} | self.dot_batch
         candidates = [g for g in spec.grid if ext(g) > 1]
-        tiled = [g for g in candidates if g not in batch][-2:] or candidates[-2:]
+        tiled: list[str] = []
+        for g in reversed([g for g in candidates if g not in batch]):
+            if len(tiled) < 2 and not any(c.clashes(g, t) for c in self.contractions for t in tiled):
+                tiled.insert(0, g)
+        if not tiled and not self.contractions:
+            tiled = candidates[-2:]
         blocks = {}
         whole: set[str] = set()
         streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
@@ -1232,6 +1261,12 @@ class KernelEmitter:
                 # (attention's r and l over the value index j): keep g whole
                 b = max(16, self._np(g))
                 whole.add(g)
+            if not b and streamed and self.contiguous(g):
+                # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
+                # column wide would read memory with a stride per element; a tile of
+                # columns reads whole lines, and the streamed rows share the budget
+                b = min(self._np(g), COLUMN_BLOCK)
+                self.loop_cap = max(1, TILE_BUDGET // b)
             if not b:
                 if streamed:
                     b = min(self._np(g), max(1, TILE_BUDGET // streamed))
@@ -1385,4 +1420,4 @@ class KernelEmitter:
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
-                          dict(self.tunable), list(self.grid_blocks))
+                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles))

@@ -189,7 +189,7 @@ class ModuleBuilder:
             lines.append("            " + ", ".join(args) + ")")
         for spec in self.structure.kernels:
             for b in spec.buffers:
-                shape = ", ".join(f'n["{i}"]' for i in spec.statements[0].indices)
+                shape = ", ".join(f'n["{i}"]' for i in self.structure.buffer_indices[b])
                 dtype = "torch.float64" if self.sig.dtype == torch.float64 else "torch.float32"
                 lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), dtype={dtype}, '
                                 f'device=device)')

@@ -20,10 +20,19 @@ tiles that are not tuned at the values the emitter chose, `binding(code)`), so
 that the launcher passes no tile itself and no tiling of several folds or
 tiled indices can leave a BLOCK_* unbound.  The untuned path (the interpreter,
 split kernels) launches with exactly `binding(code)`.
+
+No candidate holds a tile of more than MAX_NUMEL elements (Triton refuses to
+compile one); a kernel whose own tiling does is a BackendError, on the CPU as
+on the GPU, not a compile error on the GPU only.
 """
 from __future__ import annotations
 
+import math
+
+from ...errors import BackendError
 from .emit import KernelCode, np2
+
+MAX_NUMEL = 1 << 20     # Triton's largest tensor
 
 # (rows, keys, warps, stages) for one grid tile x one loop tile
 STREAMED = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4),
@@ -38,7 +47,17 @@ LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 def binding(code: KernelCode) -> dict[str, int]:
     """The constexprs of `code` as the emitter chose them: what an untuned launch
     passes, and what every candidate starts from."""
-    return dict(code.constexprs)
+    blocks = dict(code.constexprs)
+    if largest_tile(code, blocks) > MAX_NUMEL:
+        shape = max(code.tiles, key=lambda t: math.prod(blocks[b] for b in t))
+        raise BackendError(f"kernel {code.name} would hold a tile of {largest_tile(code, blocks)} elements "
+                           f"[{', '.join(f'{b}={blocks[b]}' for b in shape)}], more than Triton's {MAX_NUMEL}: "
+                           f"the schedule has no tiling of this program for these sizes")
+    return blocks
+
+
+def largest_tile(code: KernelCode, blocks: dict[str, int]) -> int:
+    return max((math.prod(blocks[b] for b in shape) for shape in code.tiles), default=1)
 
 
 def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str, int], int, int]]:
@@ -63,7 +82,7 @@ def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str,
         out = [(dict(base), warps, stages) for warps, stages in LAUNCH]
     unique = []
     for c in out:
-        if c not in unique:
+        if c not in unique and largest_tile(code, c[0]) <= MAX_NUMEL:
             unique.append(c)
     return unique
 
