@@ -517,6 +517,26 @@ def test_torch_compile_traces_a_program_in_one_graph(backend):
         torch.testing.assert_close(a.grad.double().cpu(), b.grad, **TOL[backend])
 
 
+@pytest.mark.gpu
+def test_torch_compile_with_inductor_traces_a_program_in_one_graph_on_the_gpu():
+    # inductor around the custom op: the surrounding torch code is compiled, the
+    # program stays one opaque op, forward and backward
+    source, reference, make, _ = CORPUS["causal"]
+    program = compiler.compile(source, backend="triton")
+
+    def loss(q, k, v, scale):
+        return (program(Q=q, K=k, V=v, scale=scale).float() ** 2).sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    inputs = make()
+    ours = [inputs[n].to("cuda", torch.float32, copy=True).requires_grad_() for n in ("Q", "K", "V")]
+    theirs = [inputs[n].clone().requires_grad_() for n in ("Q", "K", "V")]
+    compiled(*ours, inputs["scale"]).backward()
+    (reference(*theirs, inputs["scale"]) ** 2).sum().backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=1e-3, atol=1e-4)
+
+
 # ---------------------------------------------------------------- saved statistics
 # Rows 0 and 1 see no key (m <= i - 2): every logit -inf, the softmax NaN, its gradient NaN.
 MASKED = ("O[i,j] = softmax[m](where(m <= i - 2, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]",
