@@ -258,6 +258,37 @@ def bound_indices(e: Expr) -> tuple[str, ...]:
     return ()
 
 
+def alpha_key(e: Expr, first: tuple[str, ...] = ()) -> tuple[Expr, tuple[str, ...]]:
+    """`e` up to a consistent renaming of its indices: the free ones become #0, #1,
+    ... (`first` first, then in the order they appear), bound ones ~0, ~1, ...
+    Two expressions are equal up to index names iff their keys are equal.
+    Returns the key and the original names of the free placeholders, in order."""
+    free: dict[str, str] = {i: f"#{k}" for k, i in enumerate(first)}
+    bound = iter(range(1 << 62))
+
+    def name(i: str, scope: dict[str, str]) -> str:
+        if i in scope:
+            return scope[i]
+        if i not in free:
+            free[i] = f"#{len(free)}"
+        return free[i]
+
+    def rename(n: Expr, scope: dict[str, str]) -> Expr:
+        if isinstance(n, Access):
+            return replace(n, indices=tuple(name(i, scope) for i in n.indices))
+        if isinstance(n, Index | Extent):
+            return replace(n, name=name(n.name, scope))
+        if isinstance(n, Reduce | Composite) and bound_indices(n):
+            inner = {**scope, **{i: f"~{next(bound)}" for i in n.indices}}
+            n = replace(n, indices=tuple(inner[i] for i in n.indices))
+            return with_children(n, tuple(rename(c, inner) for c in children(n)))
+        if isinstance(n, Composite):           # a softmax inside: its indices are free in it
+            n = replace(n, indices=tuple(name(i, scope) for i in n.indices))
+        return with_children(n, tuple(rename(c, scope) for c in children(n)))
+
+    return rename(e, {}), tuple(free)
+
+
 def _leaf_or_known_free(node: Expr) -> tuple[str, ...] | None:
     """The free indices of a leaf, or those already computed for an inner node."""
     if isinstance(node, Access):
@@ -383,4 +414,4 @@ def format_program(p: Program) -> str:
 
 __all__ = ["Expr", "Const", "Access", "Index", "Extent", "Var", "Call", "Reduce", "Composite",
            "Assign", "Input", "Program", "walk", "postorder", "transform", "children", "with_children",
-           "free_indices", "bound_indices", "format_expr", "format_statement", "format_program"]
+           "free_indices", "bound_indices", "alpha_key", "format_expr", "format_statement", "format_program"]

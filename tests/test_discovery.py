@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import compiler
 from compiler.backend import outline
 from compiler.check import check
-from compiler.ir import Call, Reduce, bound_indices, children, format_program, transform, walk, with_children
+from compiler.ir import Call, Reduce, alpha_key, bound_indices, children, format_program, transform, walk, with_children
 from compiler.parse import parse
 from compiler.passes import run_pipeline
 from compiler.passes.fuse import rename_indices
@@ -359,6 +359,10 @@ def test_added_sums_over_one_index_are_one_sum_with_the_shared_factors_outside()
               "C": torch.randn(3, 5, dtype=torch.float64), "W": torch.randn(5, 4, dtype=torch.float64)}
     want = inputs["A"] @ inputs["W"] - (inputs["B"] * inputs["C"]) @ inputs["W"]
     torch.testing.assert_close(program(**inputs), want)
+    # other bound names, other operand orders: the same sum
+    renamed = factorised("Z[i,k] = sum[u](A[i,u] * W[u,k]) - sum[x](C[i,x] * W[x,k] * B[i,x])")
+    assert [alpha_key(s.expr) for s in renamed.factorised.statements] == \
+        [alpha_key(s.expr) for s in program.factorised.statements]
     # sums over different axes, and other reductions, stay apart
     for source in ("Z[i] = sum[v](A[i,v]) + sum[k](B[i,k])", "Z[i] = max[v](A[i,v]) + sum[v](B[i,v])"):
         (statement,) = factorised(source).factorised.statements
@@ -382,10 +386,16 @@ def test_a_sum_over_several_indices_nests_by_the_factors_each_index_reads():
     h, w, y = (torch.randn(*s, dtype=torch.float64) for s in ((3, 4), (6, 4), (3, 6)))
     want = torch.logsumexp(h @ w.T, 1) - ((h @ w.T) * y).sum(1)
     torch.testing.assert_close(program(H=h, W=w, Y=y), want)
-    # a matrix chain: the n^4 product becomes two contractions
-    chain = factorised("Z[i,l] = sum[j, k](A[i,j] * B[j,k] * C[k,l])")
-    (statement,) = chain.factorised.statements
-    assert format_program_expr(statement.expr) == "sum[j](A[i, j] * sum[k](B[j, k] * C[k, l]))"
+    # written in the other index order, or with other bound names: the same fold
+    for spelling in ("L[i] = logsumexp[v](sum[k](H[i,k] * W[v,k])) - sum[k, v](Y[i,v] * H[i,k] * W[v,k])",
+                     "L[i] = logsumexp[u](sum[d](H[i,d] * W[u,d])) - sum[x, e](W[x,e] * H[i,e] * Y[i,x])"):
+        assert {alpha_key(f)[0] for f in folds(factorised(spelling))} == {alpha_key(f)[0] for f in folds(program)}, \
+            spelling
+    # a matrix chain: the n^4 product becomes two contractions, whatever the order
+    # its indices are written in
+    for spelling in ("sum[j, k](A[i,j] * B[j,k] * C[k,l])", "sum[k, j](C[k,l] * A[i,j] * B[j,k])"):
+        (statement,) = factorised(f"Z[i,l] = {spelling}").factorised.statements
+        assert format_program_expr(statement.expr) == "sum[k](C[k, l] * sum[j](A[i, j] * B[j, k]))", spelling
     # every factor reads both indices: nothing to nest
     both = factorised("Z[i] = sum[j, k](A[i,j,k] * B[j,k])")
     assert format_program_expr(both.factorised.statements[0].expr) == "sum[j, k](A[i, j, k] * B[j, k])"

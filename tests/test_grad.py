@@ -881,13 +881,11 @@ def test_column_sums_tile_the_columns_and_every_tiling_fits_triton():
     # (4097 rows over 16 column tiles: split over 8 programs each on 132 SMs)
     launch = module.split("einfold_dG_partial[(grid, n_split)](")[1].splitlines()[1]
     assert launch.endswith("BLOCK_k=64, BLOCK_i=64)")
-    # the cases that made tiles past Triton's 2**20 elements on the GPU build, tuned
-    for source, shapes in [(CORPUS["cross_entropy"][0], {"H": (509, 256), "W": (5003, 256), "Y": (509, 5003),
-                                                         "dL": (509,), "lse_L": (509,)})]:
-        module = _gpu_module(source, shapes)     # builds: every tile within Triton's limit
-        kernels = _kernels(module)
-        # dH, dW: one contraction each (tl.dot), not a fold of a pair of sums over 3-D tiles
-        assert all("tl.dot" in kernels[k] and "tl.reduce" not in kernels[k] for k in ("einfold_dH_partial", "einfold_dW"))
+    # the cross-entropy backward builds (every tile within Triton's 2**20 elements), and
+    # dH, dW are one contraction each (tl.dot), not a fold of a pair of sums over 3-D tiles
+    kernels = _kernels(_gpu_module(CORPUS["cross_entropy"][0], {"H": (509, 256), "W": (5003, 256), "Y": (509, 5003),
+                                                                "dL": (509,), "lse_L": (509,)}))
+    assert all("tl.dot" in kernels[k] and "tl.reduce" not in kernels[k] for k in ("einfold_dH_partial", "einfold_dW"))
 
 
 def test_a_tiling_past_tritons_largest_tensor_is_a_backend_error():

@@ -33,10 +33,23 @@ import math
 from dataclasses import replace
 
 from ..algebra import BUILTINS
-from ..ir import (Call, Const, Expr, Extent, Program, Reduce, children, format_expr, free_indices, transform, walk,
-                  with_children)
+from ..ir import (
+    Call,
+    Const,
+    Expr,
+    Extent,
+    Program,
+    Reduce,
+    children,
+    format_expr,
+    free_indices,
+    transform,
+    walk,
+    with_children,
+)
 from ..ops import ASSOCIATIVE, COMMUTATIVE
 from .fuse import FreshNames, rename_indices
+from .stabilise import factors, is_sum, product
 
 LN2 = Const(math.log(2.0))
 
@@ -96,66 +109,63 @@ def _operands(node: Expr) -> list[Expr]:
     return operands
 
 
-def _factors(e: Expr) -> list[Expr]:
-    if isinstance(e, Call) and e.op == "mul":
-        return _factors(e.args[0]) + _factors(e.args[1])
-    return [e]
-
-
-def _product(factors: list[Expr]) -> Expr:
-    if not factors:
-        return Const(1.0)
-    out = factors[0]
-    for f in factors[1:]:
-        out = Call("mul", (out, f))
-    return out
-
-
-def _plain_sum(e: Expr) -> bool:
-    return isinstance(e, Reduce) and e.summary == BUILTINS["sum"] and e.result is None and len(e.args) == 1
-
-
 def merge_sums(e: Expr) -> Expr:
     """sum[I](a) +/- sum[I](b) -> sum[I]((a' +/- b') * common), `common` the factors
-    a and b share (structurally, with canonical bound names).  Only sums with the
-    same free indices: dP[i,m] - D[i] = sum[j](dO V) - sum[j](dO O) as one sum would
-    compute D once per (i, m), and would make (V[m,j] - O[i,j]) one factor, not a
-    matrix product."""
-    if not (isinstance(e, Call) and e.op in ("add", "sub") and all(_plain_sum(a) for a in e.args)
+    of the numerators a and b share (structurally, with canonical bound names).
+    Only sums with the same free indices: dP[i,m] - D[i] = sum[j](dO V) -
+    sum[j](dO O) as one sum would compute D once per (i, m), and would make
+    (V[m,j] - O[i,j]) one factor, not a matrix product."""
+    if not (isinstance(e, Call) and e.op in ("add", "sub") and all(is_sum(a) for a in e.args)
             and e.args[0].indices == e.args[1].indices
             and set(free_indices(e.args[0])) == set(free_indices(e.args[1]))):
         return e
-    left, right = _factors(e.args[0].args[0]), _factors(e.args[1].args[0])
+    (left, left_den), (right, right_den) = factors(e.args[0].args[0]), factors(e.args[1].args[0])
     common = []
     for f in list(left):
         if f in right:
             common.append(f)
             left.remove(f)
             right.remove(f)
-    body = _product([Call(e.op, (_product(left), _product(right))), *common])
+    body = product([Call(e.op, (product(left, left_den), product(right, right_den))), *common], [])
     return Reduce(BUILTINS["sum"], e.args[0].indices, (body,))
 
 
-def nest_sums(e: Expr) -> Expr:
+def nest_sums(e: Expr, elsewhere: frozenset = frozenset()) -> Expr:
     """sum[v, k](Y[i,v] * H[i,k] * W[v,k]) -> sum[v](Y[i,v] * sum[k](H[i,k] * W[v,k])):
     the factors that do not vary over one reduced index leave its sum
     (distributivity), so the product over all indices at once (a fold one v at a
     time, or an n^4 matrix chain) becomes nested contractions.  The inner index is
-    the one that leaves most factors outside (the last one on a tie)."""
-    if not (_plain_sum(e) and len(e.indices) > 1):
+    chosen whatever the order the indices are written in: first one whose inner
+    sum is a reduction found `elsewhere` in the statement (the logits a
+    logsumexp beside it folds: one value for both), then the one that leaves most
+    factors over the other reduced indices outside, then the first by (canonical)
+    name."""
+    if not (is_sum(e) and len(e.indices) > 1):
         return e
-    factors = _factors(e.args[0])
-    best, outside = None, []
-    for x in reversed(e.indices):
-        out = [f for f in factors if x not in free_indices(f)]
-        if len(out) > len(outside) and len(out) < len(factors):
-            best, outside = x, out
+    num, den = factors(e.args[0])
+    best = None
+    for x in sorted(e.indices):
+        inside = ([f for f in num if x in free_indices(f)], [f for f in den if x in free_indices(f)])
+        outside = ([f for f in num if x not in free_indices(f)], [f for f in den if x not in free_indices(f)])
+        # only a factor over another reduced index separates x (one over none of them,
+        # a softmax's normaliser, leaves the whole sum alike: no nesting for it)
+        separating = sum(bool(set(free_indices(f)) & set(e.indices)) for f in outside[0] + outside[1])
+        if not any(inside) or not separating:
+            continue
+        inner = order_operands(Reduce(BUILTINS["sum"], (x,), (product(*inside),)))
+        rank = (inner in elsewhere, separating)
+        if best is None or rank > best[0]:
+            best = (rank, x, inner, outside)
     if best is None:
         return e
-    inside = [f for f in factors if best in free_indices(f)]
-    inner = Reduce(BUILTINS["sum"], (best,), (_product(inside),))
-    rest = tuple(i for i in e.indices if i != best)
-    return nest_sums(Reduce(BUILTINS["sum"], rest, (_product([*outside, inner]),)))
+    _, x, inner, (out_num, out_den) = best
+    rest = tuple(i for i in e.indices if i != x)
+    return nest_sums(Reduce(BUILTINS["sum"], rest, (product([*out_num, inner], out_den),)), elsewhere)
+
+
+def _linear_forms(e: Expr) -> Expr:
+    elsewhere = frozenset(n for n in walk(e) if is_sum(n))
+    return order_operands(transform(e, lambda n: merge_sums(nest_sums(n, elsewhere))))
 
 
 class _Binders:
@@ -196,8 +206,7 @@ class _Binders:
 def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
     statements = tuple(
-        replace(s, expr=order_operands(transform(order_operands(binders.rename(transform(s.expr, natural_base))),
-                                                 lambda n: merge_sums(nest_sums(n)))))
+        replace(s, expr=_linear_forms(order_operands(binders.rename(transform(s.expr, natural_base)))))
         for s in program.statements)
     named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
         n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}

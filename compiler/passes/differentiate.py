@@ -32,7 +32,6 @@ everywhere (also at inf and NaN) and costs nothing once compiled.
 from __future__ import annotations
 
 import difflib
-import itertools
 import math
 import operator
 from dataclasses import dataclass, field, replace
@@ -44,8 +43,28 @@ from ..algebra import BUILTINS, COMPOSITES
 from ..algebra.user import Sym, fn
 from ..config import deep
 from ..errors import CheckError
-from ..ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce, Var, bound_indices,
-                  children, free_indices, reads, transform, walk, with_children)
+from ..ir import (
+    Access,
+    Assign,
+    Call,
+    Composite,
+    Const,
+    Expr,
+    Extent,
+    Index,
+    Input,
+    Program,
+    Reduce,
+    Var,
+    alpha_key,
+    bound_indices,
+    children,
+    free_indices,
+    reads,
+    transform,
+    walk,
+    with_children,
+)
 from ..ops import BOOL, FLOAT, OPS
 from .canonicalise import order_operands
 from .fuse import FreshNames, rename_indices
@@ -561,38 +580,11 @@ class Statistics:
 
 def _alpha(node: Composite) -> tuple[Expr, tuple[str, ...]]:
     """`node` (a softmax or logsumexp; or any expression wrapped as a composite
-    over no index, see `_shape_of`) up to a consistent renaming of its indices:
-    the reduced indices become #0, #1, ..., the other free indices #k, ... in the
-    order they first appear, bound ones ~0, ~1, ...  Returns the renamed pair
-    (reduced indices, argument), as one Composite, and the original names of the
-    free placeholders, in placeholder order."""
-    free: dict[str, str] = {i: f"#{k}" for k, i in enumerate(node.indices)}
-    bound = itertools.count()
-
-    def name(i: str, scope: dict[str, str]) -> str:
-        if i in scope:
-            return scope[i]
-        if i not in free:
-            free[i] = f"#{len(free)}"
-        return free[i]
-
-    def rename(e: Expr, scope: dict[str, str]) -> Expr:
-        if isinstance(e, Access):
-            return replace(e, indices=tuple(name(i, scope) for i in e.indices), span=None)
-        if isinstance(e, Index | Extent):
-            return replace(e, name=name(e.name, scope), span=None)
-        if isinstance(e, Reduce | Composite) and bound_indices(e):
-            inner = {**scope, **{i: f"~{next(bound)}" for i in e.indices}}
-            e = replace(e, indices=tuple(inner[i] for i in e.indices), span=None)
-            return with_children(e, tuple(rename(c, inner) for c in children(e)))
-        if isinstance(e, Composite):           # a softmax inside: its indices are free in it
-            e = replace(e, indices=tuple(name(i, scope) for i in e.indices), span=None)
-        elif isinstance(e, Call | Reduce):
-            e = replace(e, span=None)
-        return with_children(e, tuple(rename(c, scope) for c in children(e)))
-
-    key = Composite(STATISTIC, tuple(free[i] for i in node.indices), rename(node.arg, {}))
-    return key, tuple(free)
+    over no index, see `_shape_of`) up to a consistent renaming of its indices
+    (`ir.alpha_key`, its reduced indices first), as one Composite, and the
+    original names of the free placeholders, in placeholder order."""
+    arg, order = alpha_key(node.arg, first=node.indices)
+    return Composite(STATISTIC, tuple(f"#{k}" for k in range(len(node.indices))), arg), order
 
 
 def _candidates(program: Program) -> list[tuple[Composite, Assign, str | None]]:

@@ -53,7 +53,8 @@ def product(numerator: list[Expr], denominator: list[Expr]) -> Expr:
     return out
 
 
-def _is_sum(e: Expr) -> bool:
+def is_sum(e: Expr) -> bool:
+    """A plain sum (not a projection of a fold)."""
     return isinstance(e, Reduce) and e.summary == BUILTINS["sum"] and e.result is None
 
 
@@ -62,7 +63,7 @@ def _varies(e: Expr, indices) -> bool:
 
 
 def pull_out_invariants(e: Expr) -> Expr:
-    if not _is_sum(e):
+    if not is_sum(e):
         return e
     num, den = factors(e.args[0])
     inside = [f for f in num if _varies(f, e.indices)], [f for f in den if _varies(f, e.indices)]
@@ -95,7 +96,7 @@ def signed_sum(parts: list[tuple[int, Expr]]) -> Expr:
 def split_sums_of_exponentials(e: Expr) -> Expr:
     """sum_I (a + b) = sum_I a + sum_I b, where a term holds an exponential that
     varies over I: each term then gets its own max shift."""
-    if not _is_sum(e):
+    if not is_sum(e):
         return e
     parts = terms(e.args[0])
     if len(parts) < 2 or not any(_has_varying_exp(t, e.indices) for _, t in parts):
@@ -120,7 +121,7 @@ def _clamped(x: Expr) -> bool:
 
 
 def shift_exponentials(e: Expr) -> Expr:
-    if not _is_sum(e):
+    if not is_sum(e):
         return e
     num, den = factors(e.args[0])
     exps = [f for f in num if _unbounded_exp(f, e.indices)]
@@ -144,7 +145,7 @@ def expand_weighted_sums(e: Expr) -> Expr:
     x - log(S), so log-softmax keeps no bare exp), and the body is multiplied
     out over its top-level sums, so that `split_sums_of_exponentials` gives
     every term its own sum: sum_m p (x - log S) = sum_m p x - log(S) sum_m p."""
-    if not _is_sum(e) or not _has_varying_exp(e.args[0], e.indices):
+    if not is_sum(e) or not _has_varying_exp(e.args[0], e.indices):
         return e
     table = SymbolTable()
     body = to_sympy(e.args[0], table, _positive_sums(e.args[0]))
@@ -168,7 +169,7 @@ def _bounded(parts: list[tuple[int, Expr]], indices) -> bool:
 
 def _positive_sums(e: Expr) -> frozenset:
     """Sums whose body is a single exponential (times nothing): positive."""
-    return frozenset(n for n in walk(e) if _is_sum(n) and isinstance(n.args[0], Call)
+    return frozenset(n for n in walk(e) if is_sum(n) and isinstance(n.args[0], Call)
                      and n.args[0].op == "exp")
 
 
@@ -227,7 +228,7 @@ def guard_infinite_shift(e: Expr) -> Expr:
         return e
     parts = terms(e)
     for k, (sign, t) in enumerate(parts):
-        if sign < 0 or not (isinstance(t, Call) and t.op == "log" and _is_sum(t.args[0])):
+        if sign < 0 or not (isinstance(t, Call) and t.op == "log" and is_sum(t.args[0])):
             continue
         body = t.args[0].args[0]
         if not (isinstance(body, Call) and body.op == "exp"):

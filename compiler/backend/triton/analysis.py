@@ -39,6 +39,7 @@ from ...ir import (
     Program,
     Reduce,
     Var,
+    alpha_key,
     children,
     free_indices,
     reads,
@@ -54,36 +55,6 @@ from ...schedule import Loop
 @cache
 def free(e: Expr) -> frozenset:
     return frozenset(free_indices(e))
-
-
-def alpha_key(e: Expr) -> tuple[Expr, tuple[str, ...]]:
-    """`e` with every index renamed by position (free ones in order of first use,
-    bound ones per binder), and its free indices in that order: two expressions are
-    equal up to the names of their indices iff their keys are equal."""
-    order: list[str] = []
-
-    def name(i: str, env: dict) -> str:
-        if i not in env:
-            env[i] = f"#{len(order)}"
-            order.append(i)
-        return env[i]
-
-    binders = iter(range(1 << 30))
-
-    def visit(n: Expr, env: dict, bound: dict) -> Expr:
-        look = lambda i: bound[i] if i in bound else name(i, env)
-        if isinstance(n, Access):
-            return replace(n, indices=tuple(look(i) for i in n.indices))
-        if isinstance(n, Index | Extent):
-            return replace(n, name=look(n.name))
-        if isinstance(n, Reduce):
-            inner = {**bound, **{i: f"@{next(binders)}" for i in n.indices}}
-            n = replace(n, indices=tuple(inner[i] for i in n.indices))
-            return with_children(n, tuple(visit(c, env, inner) for c in children(n)))
-        return with_children(n, tuple(visit(c, env, bound) for c in children(n)))
-
-    key = visit(e, {}, {})
-    return key, tuple(order)
 
 
 # ---------------------------------------------------------------- inlining
@@ -643,8 +614,8 @@ class Former:
                 continue
             key, order = alpha_key(node.fold)
             for k in self.kernels:
-                match = next((f for f in k.program_folds if alpha_key(f)[0] == key), None)
-                if match is None or k is exclude:
+                match = None if k is exclude else next((f for f in k.program_folds if alpha_key(f)[0] == key), None)
+                if match is None:
                     continue
                 theirs = dict(zip(alpha_key(match)[1], order))          # k's names -> expr's names
                 indices = tuple(g for g in k.grid if g in free(match))
