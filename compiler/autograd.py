@@ -2,16 +2,21 @@
 
 A call under grad mode with an input that requires grad, and every call that
 torch.compile traces, goes through `torch.library.custom_op`: one op per
-program and kind of call (which 0-d inputs are numbers, which tensors), made on
-first use, with
+program content and kind of call (which 0-d inputs are numbers, which
+tensors), made on first use, with
 
 - its implementation: the program's backend, as a plain call runs it;
 - a fake implementation: the output shapes and dtypes from the binder, so that
   torch.compile traces the op without running it;
-- autograd (`register_autograd`): the backward runs the program's gradient
-  program (`compiler.grad`, same backend, compiled once per set of inputs that
-  require grad), itself through its own op, and gives a gradient to exactly the
-  tensor inputs that require grad (numbers get none).
+- autograd (`register_autograd`): the backward calls a second op, made with the
+  first, that runs the program's gradient program (`compiler.grad`, same
+  backend, compiled once per set of inputs that require grad) and gives a
+  gradient to exactly the tensor inputs that require grad (numbers get none).
+
+Op names are digests of the program's content, so that a graph torch.compile
+cached in one process calls the same programs when another process loads it;
+the backward op exists as soon as the forward is traced, which is all a
+process that loads a cached graph does.
 
 The op runs the program's saving forward (`Program._saving`): besides the
 program's outputs it returns the statistics its gradient programs read, the
@@ -19,14 +24,15 @@ row logsumexp of each softmax, written by the softmax's own kernel.  They are
 non-differentiable outputs that `call_op` drops: the user sees the program's
 outputs only, and the backward reads `exp(x - L)` instead of recomputing each
 softmax (`compiler.grad(..., saved=True)`).  A backward that builds a graph
-(`create_graph=True`) recomputes instead: the statistic is a constant to the
-gradient program, and the second derivative has to see that it depends on x.
+(`create_graph=True`) recomputes instead, through the gradient program's own
+op: the statistic is a constant to the gradient program, and the second
+derivative has to see that it depends on x.
 
 A plain call (no grad needed, not compiling) does not go through the op.
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 import os
 from numbers import Real
 
@@ -38,11 +44,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .ops import BOOL, FLOAT, INT  # noqa: E402
-from .program import _number  # noqa: E402
+from .program import LIVE, _number  # noqa: E402
 
 NAMESPACE = "einfold"
 _DTYPES = {INT: torch.int64, BOOL: torch.bool}
-_numbers = itertools.count()
 
 
 def call_op(program, inputs: dict):
@@ -54,11 +59,12 @@ def call_op(program, inputs: dict):
     args = tuple(v if isinstance(v, torch.Tensor) else _number(program.checked, n, v)
                  for n, v in ((n, inputs[n]) for n in names))
     kinds = tuple("Tensor" if isinstance(a, torch.Tensor) else "float" for a in args)
-    namespace, _, name = _op_name(program, kinds).partition("::")
+    qualified, saved = _op_name(program._key, kinds)
+    namespace, _, name = qualified.partition("::")
     results = getattr(getattr(torch.ops, namespace), name)(*args)   # a tensor, or a tuple for several
-    if len(program._saving.outputs) == len(program.outputs):
+    if not saved:
         return results
-    shown = results[:len(program.outputs)]                          # the saved statistics stay inside
+    shown = results[:-saved]                                         # the saved statistics stay inside
     return shown[0] if len(shown) == 1 else shown
 
 
@@ -67,36 +73,61 @@ def _fits(value) -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _op_name(program, kinds: tuple[str, ...]) -> str:
-    """The qualified name of the op of `program` for arguments of `kinds`, made
-    on first use.  torch.compile runs this at trace time and keeps the name
-    (registering an op is not traceable; looking it up by name is)."""
+def _op_name(key: str, kinds: tuple[str, ...]) -> tuple[str, int]:
+    """The qualified name of the op of the program `key` for arguments of `kinds`
+    (made on first use), and how many statistics it returns after the program's
+    outputs.  torch.compile runs this at trace time and keeps the result as a
+    constant: registering an op, or working out what it saves, is not traceable;
+    calling an op by name is.  It takes the program's key, not the program:
+    torch.compile passes only constants to such a function (torch 2.11 refuses
+    an object)."""
+    program = LIVE[key]
     made = program._ops.get(kinds)
     if made is None:
-        made = program._ops[kinds] = _make_op(program, kinds)
-    return made._qualname
+        made = program._ops[kinds] = _make_ops(program, kinds)
+    return made._qualname, len(program._saving.outputs) - len(program.outputs)
 
 
-def _make_op(program, kinds: tuple[str, ...]):
+# qualified name -> forward op.  Names come from the program's content, never from
+# a counter: torch.compile's caches key compiled graphs on the names of the ops
+# they call, so a name must mean one program in every process.  Equal programs
+# share their ops.
+_MADE: dict[str, object] = {}
+
+
+def _content_name(program, kinds: tuple[str, ...]) -> str:
+    from . import __version__
+    h = hashlib.sha256()
+    for part in (program.text, repr(program.outputs), program.backend_name, repr(sorted(program._options.items())),
+                 repr(sorted(program.statistic_inputs)), type(program).__name__, repr(kinds), __version__):
+        h.update(part.encode("utf-8", "backslashreplace"))
+        h.update(b"\0")
+    return f"program_{h.hexdigest()[:20]}"
+
+
+def _make_ops(program, kinds: tuple[str, ...]):
+    """The forward op of `program` for arguments of `kinds` and, made with it, its
+    backward op (so that a compiled graph loaded from torch.compile's cache in a
+    new process finds both once its forward has been traced)."""
+    name = _content_name(program, kinds)
+    if f"{NAMESPACE}::{name}" in _MADE:
+        return _MADE[f"{NAMESPACE}::{name}"]
     names = tuple(i.name for i in program.checked.inputs)
     forward = program._saving               # the program, plus its statistics as outputs
     statements = {s.name: s for s in forward.checked.statements}
     outputs = tuple(statements[o] for o in forward.outputs)
     shown = len(program.outputs)            # outputs[shown:] are the saved statistics
+    differentiable = tuple(s for s in outputs[:shown] if s.dtype == FLOAT)
     # positional parameter names: an input may be called anything, a schema's may not
     params = ", ".join(f"{kind} x{k}" for k, kind in enumerate(kinds))
     results = "Tensor" if len(outputs) == 1 else f"({', '.join('Tensor' for _ in outputs)})"
 
     def implementation(*args):
         results = forward._run(dict(zip(names, args)))
-        results = results if isinstance(results, tuple) else (results,)
-        # an op's outputs may not alias its inputs (an output that is an input, unchanged)
-        stored = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
-        results = tuple(r.clone() if r.numel() and r.untyped_storage().data_ptr() in stored else r
-                        for r in results)
+        results = _unaliased(results if isinstance(results, tuple) else (results,), args)
         return results[0] if len(results) == 1 else results
 
-    op = torch.library.custom_op(f"{NAMESPACE}::program_{next(_numbers)}", implementation, mutates_args=(),
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=(),
                                  schema=f"({params}) -> {results}")
 
     @op.register_fake
@@ -109,6 +140,33 @@ def _make_op(program, kinds: tuple[str, ...]):
                        for s in outputs)
         return shaped[0] if len(shaped) == 1 else shaped
 
+    def gradient_inputs(gradient, inputs: dict, statistics, produced, upstream) -> dict:
+        """The gradient program's inputs: the forward's, the statistics and outputs
+        it reads, and one upstream gradient per differentiable output."""
+        known = {**dict(zip(forward.outputs[shown:], statistics)), **dict(zip(forward.outputs[:shown], produced))}
+        inputs = {**inputs, **{k: v for k, v in known.items() if k in gradient.inputs}}
+        inputs.update({gradient.upstream[s.name]: g for s, g in zip(differentiable, upstream)})
+        return gradient._read(inputs)
+
+    def gradients(*args):
+        *values, statistics, produced, upstream, needs = args
+        wrt = tuple(n for n, needed in zip(names, needs) if needed)
+        inputs = dict(zip(names, values))
+        gradient = program._gradient(wrt, saved=bool(statistics))
+        results = gradient._run(gradient_inputs(gradient, inputs, statistics, produced, upstream))
+        results = results if isinstance(results, tuple) else (results,)
+        return list(_unaliased(tuple(r.to(inputs[n].dtype) for n, r in zip(wrt, results)), args))
+
+    # the backward of a call that keeps no graph: the gradient program, reading the saved statistics
+    backward_op = torch.library.custom_op(
+        f"{NAMESPACE}::{name}_backward", gradients, mutates_args=(),
+        schema=f"({params}, Tensor[] statistics, Tensor[] produced, Tensor[] upstream, bool[] needs) -> Tensor[]")
+
+    @backward_op.register_fake
+    def _(*args):
+        *values, _, _, _, needs = args
+        return [torch.empty_like(v) for v, needed in zip(values, needs) if needed]
+
     def setup_context(ctx, inputs, output):
         ctx.numbers = {n: v for n, v in zip(names, inputs) if not isinstance(v, torch.Tensor)}
         output = output if isinstance(output, tuple | list) else (output,)
@@ -120,23 +178,38 @@ def _make_op(program, kinds: tuple[str, ...]):
 
     def backward(ctx, *upstream):
         saved = iter(ctx.saved_tensors)
-        inputs = {n: ctx.numbers[n] if n in ctx.numbers else next(saved) for n in names}
-        statistics = dict(zip(forward.outputs[shown:], saved))
-        produced = dict(zip(forward.outputs[:shown], saved))
-        wrt = tuple(n for n, needed in zip(names, ctx.needs_input_grad) if needed)
-        if not wrt:
+        values = tuple(ctx.numbers[n] if n in ctx.numbers else next(saved) for n in names)
+        statistics = [next(saved) for _ in forward.outputs[shown:]]
+        produced = list(saved)
+        # an output backward() did not reach has no upstream gradient: zeros
+        upstream = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+                    for s, g, (shape, dtype, device) in zip(outputs, upstream, ctx.outputs) if s.dtype == FLOAT]
+        needs = list(ctx.needs_input_grad)
+        if not any(needs):
             return (None,) * len(names)
-        # with create_graph the gradient must stay differentiable through the
-        # statistics: recompute them (see the module's docstring)
-        gradient = program._gradient(wrt, saved=bool(statistics) and not torch.is_grad_enabled())
-        inputs.update({k: v for k, v in {**produced, **statistics}.items() if k in gradient.inputs})
-        for s, g, (shape, dtype, device) in zip(outputs, upstream, ctx.outputs):
-            if s.dtype == FLOAT:    # an output backward() did not reach has no upstream gradient: zeros
-                g = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-                inputs[gradient.upstream[s.name]] = g
-        results = call_op(gradient, gradient._read(inputs))
-        results = dict(zip(wrt, results if isinstance(results, tuple) else (results,)))
-        return tuple(results[n].to(inputs[n].dtype) if n in results else None for n in names)
+        if not torch.is_grad_enabled():
+            results = backward_op(*values, statistics, produced, upstream, needs)
+        else:
+            # a backward that builds a graph (create_graph=True) recomputes the
+            # statistics, through the gradient program's own op: the second
+            # derivative has to see that they depend on the inputs
+            wrt = tuple(n for n, needed in zip(names, needs) if needed)
+            gradient = program._gradient(wrt)
+            inputs = gradient_inputs(gradient, dict(zip(names, values)), (), produced, upstream)
+            results = call_op(gradient, inputs)
+            results = [r.to(v.dtype) for r, v in zip(results if isinstance(results, tuple) else (results,),
+                                                      (v for v, needed in zip(values, needs) if needed))]
+        results = iter(results)
+        return tuple(next(results) if needed else None for needed in needs)
 
     op.register_autograd(backward, setup_context=setup_context)
+    _MADE[op._qualname] = op
     return op
+
+
+def _unaliased(results: tuple, args: tuple) -> tuple:
+    """`results` with every tensor that shares storage with an argument copied: an
+    op's outputs may not alias its inputs (an output that is an input, unchanged)."""
+    tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+    stored = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    return tuple(r.clone() if r.numel() and r.untyped_storage().data_ptr() in stored else r for r in results)

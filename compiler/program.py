@@ -1,6 +1,8 @@
 """The public entry point: compile(source) -> Program, a callable on tensors."""
 from __future__ import annotations
 
+import itertools
+import weakref
 from functools import cached_property
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -24,6 +26,11 @@ from .schedule import Plan
 # saving forward's statistics: a bf16 logsumexp would be off by up to 1/256 of itself)
 SCHEDULE_OPTIONS = ("split", "float32_outputs")
 KNOWN_OPTIONS = ("summaries", *SCHEDULE_OPTIONS)
+
+# Live programs by key: torch.compile passes a program's key, a string it can
+# keep as a constant, to the code that names its custom op (compiler/autograd.py)
+LIVE: weakref.WeakValueDictionary[str, Program] = weakref.WeakValueDictionary()
+_keys = itertools.count()
 
 
 class Program:
@@ -78,6 +85,8 @@ class Program:
         # (wrt, saved statistics read or recomputed) -> compiled gradient program
         self._gradients: dict[tuple[tuple[str, ...], bool], Program] = {}
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
+        self._key = f"program_{next(_keys)}"
+        LIVE[self._key] = self
 
     @cached_property
     def backend(self):

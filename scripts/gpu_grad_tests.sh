@@ -13,3 +13,8 @@ s=$(date +%s)
 timeout 330 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_triton_backend.py tests/test_backend_regressions.py tests/test_grad.py -k "not test_gpu_bf16_gradients" > $OUT/gpu_rest.log 2>&1
 echo "other gpu tests rc=$? $(( $(date +%s) - s ))s: $(tail -1 $OUT/gpu_rest.log)"
 grep -E "^FAILED|^ERROR" $OUT/gpu_rest.log | head
+# the torch integration tests (custom ops, opcheck, torch.compile, the cache across processes), on the GPU
+s=$(date +%s)
+timeout 300 python3 -m pytest -p no:cacheprovider -q tests/test_grad.py -k "opcheck or one_graph or new_process or only_inputs" > $OUT/torch_integration.log 2>&1
+echo "torch integration tests rc=$? $(( $(date +%s) - s ))s: $(tail -1 $OUT/torch_integration.log)"
+grep -E "^FAILED|^ERROR" $OUT/torch_integration.log | head

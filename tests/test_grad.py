@@ -6,7 +6,11 @@ through compiler/autograd.py when an input requires grad) and compares the
 in torch, in float64.  The reference backend runs in float64; the Triton
 backend runs its kernels under the interpreter on CPU (conftest), in float32,
 on tiny ragged sizes."""
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -362,12 +366,15 @@ def test_an_output_backward_does_not_reach_gets_zeros(backend):
 # ---------------------------------------------------------------- autograd
 def test_only_inputs_that_require_grad_get_one_and_the_program_is_compiled_per_set():
     source, reference, make, _ = CORPUS["attention"]
+    source += "  # a text no other test compiles: its op and gradient programs are this test's"
     program = check_gradients(source, reference, make(), ("K",), "reference")
-    check_gradients(source, reference, make(), ("V", "Q"), "reference")
     assert list(program._gradients) == [(("K",), True)]        # reading the saved statistics
+    # an equal program compiled again shares the first one's op, and so its gradient programs
+    check_gradients(source, reference, make(), ("V", "Q"), "reference")
+    assert list(program._gradients) == [(("K",), True), (("Q", "V"), True)]
     inputs = {k: (v.requires_grad_() if k == "K" else v) for k, v in make().items()}
     program(**inputs).sum().backward()
-    assert list(program._gradients) == [(("K",), True)]        # compiled once, reused
+    assert list(program._gradients) == [(("K",), True), (("Q", "V"), True)]        # compiled once, reused
 
 
 def test_second_derivatives():
@@ -496,6 +503,55 @@ def test_each_program_is_a_custom_op_that_opcheck_accepts(backend):
     op = program._ops[("Tensor", "Tensor", "float", "Tensor")]
     args = tuple(inputs[i.name] for i in program.checked.inputs)
     assert set(torch.library.opcheck(op, args).values()) == {"SUCCESS"}
+    # its backward op, made with it, on the program's outputs (O, L), the saved
+    # statistic (the row logsumexp) and the upstream gradients (dO, dL)
+    # (it runs only where no graph is built: create_graph takes the gradient program's own op)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    out, lse, statistic = op(*args)
+    backward = getattr(torch.ops.einfold, op._qualname.split("::")[1] + "_backward")
+    needs = [isinstance(a, torch.Tensor) for a in args]
+    upstream = [torch.ones_like(out), torch.ones_like(lse)]
+    assert set(torch.library.opcheck(backward, (*args, [statistic], [out, lse], upstream, needs)).values()) \
+        == {"SUCCESS"}
+
+
+def test_a_compiled_graph_loaded_from_torch_compiles_cache_in_a_new_process_runs(tmp_path):
+    # inductor's caches key a compiled forward and backward on the names of the ops
+    # they call: a name must mean the same program in every process, and the
+    # backward op must exist once the forward is traced, or the cached backward
+    # calls an op this process never made
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    runs = [json.loads(subprocess.run([sys.executable, str(script), run], env=env, capture_output=True, text=True,
+                                      check=True, timeout=600).stdout.splitlines()[-1])
+            for run in ("first", "second")]
+    assert [r["hits"] for r in runs] == [0, 1]
+    assert runs[0]["grads"] == runs[1]["grads"]
+    for got, want in zip(runs[0]["grads"], runs[0]["want"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+
+
+TRAIN_SCRIPT = """
+import json, sys
+import torch
+import compiler
+from torch._dynamo.utils import counters
+
+if sys.argv[1] == "second":     # another program first: an op named by a counter would mean it now
+    compiler.compile("Y[i] = exp(X[i])", backend="reference")(X=torch.ones(2, dtype=torch.float64,
+                                                                              requires_grad=True)).sum().backward()
+program = compiler.compile("O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]", backend="reference")
+torch.manual_seed(0)
+q, k, v = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+torch.compile(lambda q, k, v: (program(Q=q, K=k, V=v, scale=0.5) ** 2).sum(), fullgraph=True)(q, k, v).backward()
+got = [t.grad.tolist() for t in (q, k, v)]
+for t in (q, k, v):
+    t.grad = None
+(((torch.softmax(q @ k.T * 0.5, -1) @ v) ** 2).sum()).backward()
+print(json.dumps({"grads": got, "want": [t.grad.tolist() for t in (q, k, v)],
+                  "hits": counters["aot_autograd"]["autograd_cache_hit"]}))
+"""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
