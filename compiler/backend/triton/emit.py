@@ -41,6 +41,7 @@ from . import ops as emission
 from .analysis import (
     KernelSpec,
     assume_relation,
+    constant,
     contraction_names,
     contractions,
     dot_batch_names,
@@ -800,46 +801,83 @@ class KernelEmitter:
         if len(loops) != 1 or self.mode != "full" or loops[0].scalar:
             return None
         ax = loops[0]
-        upper = [(op, o) for op, o in relations.get(ax.name, []) if op in ("le", "lt") and o in env0]
+        upper = [b for b in relations.get(ax.name, []) if b.upper and (b.other is None or b.other in env0)]
         if not upper:
             return None
-        op, other = upper[0]
-        o = env0[other]
-        least = o.offs if o.scalar else f"tl.min({o.offs}, 0)"
-        # a tile [start, start + B) holds the relation everywhere iff start + B <= least (+ 1 for <=)
-        bound = f"({least} + 1)" if op == "le" else f"({least})"
+        bound = upper[0]
+        # a tile [start, start + B) holds the relation everywhere iff start + B <= the
+        # first index past the smallest right-hand side over the program's tile
+        first_failing = self.side_limit(bound, env0, T, holds_everywhere=True)
         inner = Scope(T, T.level + 1, env, "body")
         inner.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
         inner.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
-        self.fold_tiles(assume_relation(fold, ax.name, op, other), prefix, inner, RA, True, [])
-        return f"{bound} // {ax.block_name} * {ax.block_name}", inner
+        self.fold_tiles(assume_relation(fold, bound), prefix, inner, RA, True, [])
+        return self.tile_start(first_failing, ax, bound), inner
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
         """Tighten a loop's range to the tiles where an index predicate can hold."""
-        for op, other in relations:
-            if other not in env0:
+        for b in relations:
+            if b.other is not None and b.other not in env0:
                 continue
-            o = env0[other]
-            if o.scalar:
-                least, most = o.offs, o.offs
-            else:
-                least, most = f"tl.min({o.offs}, 0)", f"tl.max({o.offs}, 0)"
-            if op in ("le", "lt"):
-                bound = f"{most} + 1" if op == "le" else most
-                T.lines.append(f"# elements with {ax.name} {'<=' if op == 'le' else '<'} {other} failing "
-                               f"contribute the identity: stop after the last tile where it can hold")
+            limit = self.side_limit(b, env0, T, holds_everywhere=False)
+            if b.upper:
+                T.lines.append(f"# elements with {b} failing contribute the identity: "
+                               f"stop after the last tile where it can hold")
                 name = f"hi_{ax.var}"
-                T.lines.append(f"{name} = tl.minimum({hi}, {bound})")
+                T.lines.append(f"{name} = tl.minimum({hi}, {limit})")
                 hi = name
             else:
-                bound = f"{least} + 1" if op == "gt" else least
-                T.lines.append(f"# elements with {ax.name} {'>=' if op == 'ge' else '>'} {other} failing "
-                               f"contribute the identity: start at the first tile where it can hold")
+                T.lines.append(f"# elements with {b} failing contribute the identity: "
+                               f"start at the first tile where it can hold")
                 name = f"lo_{ax.var}"
-                start = f"({bound})" if ax.scalar else f"({bound}) // {ax.block_name} * {ax.block_name}"
+                start = f"({limit})" if ax.scalar else self.tile_start(limit, ax, b)
                 T.lines.append(f"{name} = tl.maximum({lo}, {start})")
                 lo = name
         return lo, hi
+
+    def side_limit(self, b, env0, T: Scope, holds_everywhere: bool) -> str:
+        """Where the loop over `b.index` may stop (an upper bound: the first index
+        past those where `b` can hold for some element of the program's tile, or,
+        `holds_everywhere`, holds for every one) or start (a lower bound: the first
+        index where it can hold).  A float right-hand side (a scalar input) is
+        rounded outwards with one index to spare, and NaN, which fails every
+        comparison, gives an empty range."""
+        largest = b.upper != holds_everywhere          # the right-hand side's extreme that matters
+        if b.other is None:
+            side = None
+        else:
+            o = env0[b.other]
+            least, most = (o.offs, o.offs) if o.scalar else (f"tl.min({o.offs}, 0)", f"tl.max({o.offs}, 0)")
+            side = (most if largest else least) if b.sign > 0 else f"-{least if largest else most}"
+        offset = self.value(b.offset, T) if constant(b.offset) != 0 else None
+        if offset is not None and offset.kind == "float":
+            x = offset.code if side is None else self.assign(f"{side} + {offset.code}", (), T, stem="side").code
+            n = f"{self.extent_param(b.index)}.to(tl.float32)"
+            empty = "-1.0" if b.upper else n
+            clamped = self.assign(f"tl.where({x} != {x}, {empty}, tl.minimum(tl.maximum({x}, -1.0), {n}))",
+                                  (), T, stem="side").code
+            outward = largest == b.upper        # rounding that widens the range
+            if b.upper:
+                spare = "+ 2" if outward else "- 1"
+                rounded = f"tl.floor({clamped})" if b.op == "le" or not outward else f"tl.ceil({clamped}) - 1"
+                return f"({rounded}.to(tl.int32) {spare})"
+            spare = "- 1" if outward else "+ 1"
+            return f"(tl.ceil({clamped}).to(tl.int32) {spare})"
+        past = 1 if b.op in ("le", "gt") else 0
+        c = constant(b.offset)
+        if c is not None and side is not None:        # a constant offset: one integer
+            total = int(c) + past
+            return side if total == 0 else f"{side} {'+' if total > 0 else '-'} {abs(total)}"
+        x = side if offset is None else offset.code if side is None else f"{side} + {offset.code}"
+        return f"{x} + 1" if past else x
+
+    @staticmethod
+    def tile_start(limit: str, ax: Axis, b) -> str:
+        """The start of the tile of `ax` holding index `limit` (clamped at 0 unless
+        `limit` is an index of the program's tile plus a non-negative amount)."""
+        if not (b.other is not None and b.sign > 0 and constant(b.offset) == 0):
+            limit = f"tl.maximum({limit}, 0)"
+        return f"({limit}) // {ax.block_name} * {ax.block_name}"
 
     @staticmethod
     def step(ax: Axis) -> str:
@@ -1329,9 +1367,9 @@ class KernelEmitter:
             return None
         for fold in self.spec.program_folds:
             for relations in index_bounds(fold).values():
-                for op, other in relations:
-                    if op in ("le", "lt") and other in axes and not axes[other].scalar:
-                        return other
+                for b in relations:
+                    if b.upper and b.sign > 0 and b.other in axes and not axes[b.other].scalar:
+                        return b.other
         return None
 
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
