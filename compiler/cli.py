@@ -17,7 +17,7 @@ from .ir import format_program
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 BACKEND_CHOICES = ("auto", "triton", "reference")
-BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training")
+BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training", "distributed")
 MAX_EXTENT = 2 ** 31 - 1            # one index's extent on the command line
 MAX_SEED = 2 ** 63 - 1
 ATTENTION = "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]"
@@ -184,7 +184,13 @@ def cmd_bench(args) -> int:
     from . import bench
     if not torch.cuda.is_available():
         raise _UsageError("bench needs a CUDA GPU (the benchmarks compare kernels on one)")
-    bench.main(Path(args.out), args.group or list(bench.GROUPS), quick=args.quick)
+    groups = args.group or list(bench.GROUPS)       # the default: every group of one GPU
+    if "distributed" in groups:
+        from . import bench_distributed
+        bench_distributed.main(Path(args.out), quick=args.quick)
+        groups = [g for g in groups if g != "distributed"]
+    if groups:
+        bench.main(Path(args.out), groups, quick=args.quick)
     return 0
 
 
@@ -280,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "bench", "benchmark the generated kernels against torch baselines (needs a CUDA GPU)",
                  "einfold bench --group attention --quick", "einfold bench --out results/", program=False)
     p.add_argument("--group", action="append", choices=BENCH_GROUPS,
-                   help="a group of cases to run; repeat for several (default: all)")
+                   help="a group of cases to run; repeat for several (default: every group of one GPU)")
     p.add_argument("--quick", action="store_true", help="a few small shapes per group")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="folder for bench.csv, bench.json and bench.png (default: %(default)s)")

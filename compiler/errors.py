@@ -87,6 +87,12 @@ class BackendError(EinfoldError):
     kind = "backend error"
 
 
+class ShardError(EinfoldError):
+    """A program cannot be sharded across processes as asked."""
+
+    kind = "shard error"
+
+
 class LimitError(EinfoldError):
     """The program is too large or too deeply nested for einfold's limits
     (compiler/config.py: the limit is named in the message)."""

@@ -81,12 +81,30 @@ class Program:
         self._options = dict(self.schedule_options)
         if summaries:
             self._options["summaries"] = tuple(summaries.values())
+        self._start_runtime()
+
+    def _start_runtime(self) -> None:
         self._runners: dict[tuple, object] = {}
         # (wrt, saved statistics read or recomputed) -> compiled gradient program
         self._gradients: dict[tuple[tuple[str, ...], bool], Program] = {}
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
         self._key = f"program_{next(_keys)}"
         LIVE[self._key] = self
+
+    @classmethod
+    def _of_ir(cls, ir: IRProgram, backend: str, **schedule_options) -> Program:
+        """A program that a rewrite built as factorised IR (there is no source of
+        it to parse): the local and merge programs of a sharded reduction."""
+        from .ir import format_program
+        self = cls.__new__(cls)
+        self.text = format_program(ir)
+        self.backend_name = backend
+        self.checked = self.factorised = ir
+        self.outputs = ir.outputs
+        self.schedule_options = dict(schedule_options)
+        self._options = dict(schedule_options)
+        self._start_runtime()
+        return self
 
     @cached_property
     def backend(self):
@@ -202,6 +220,22 @@ class Program:
         the last call (before any call, the module for float32 inputs with
         every extent 128); for the reference backend, the IR it evaluates."""
         return deep(lambda: self.backend.source, what="the program", source=self.text)
+
+    def shard(self, index: str, group=None):
+        """This program with the reduction over `index` sharded across the ranks
+        of a torch.distributed process group (None: the default group): each
+        rank passes the inputs with only its own, contiguous part of `index`
+        (rank 0 the first part), and every rank gets the whole outputs.  Each
+        rank summarises its part, the states are all-gathered, and each rank
+        merges them in rank order with the summary's own combine
+        (`compiler/distributed.py`, `compiler/passes/shard.py`).
+
+        Raises:
+            ShardError: the program has no reduction over `index`, an output
+                varies over it, or one such reduction sits inside another.
+        """
+        from .distributed import ShardedProgram
+        return ShardedProgram(self, index, group)
 
     def explain(self) -> str:
         """The derivation, pass by pass, as text (what `einfold explain`

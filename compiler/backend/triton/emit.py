@@ -648,6 +648,17 @@ class KernelEmitter:
         address = f"{ptr} + {self.offsets(axes, strides, target)}" if axes else ptr
         if v.const is not None:
             value = f"tl.full({self.shape(target)}, {v.code}, {self.ctx.cdt})"
+        elif set(dims(v.axes)) - set(dims(target)):
+            # a value kept over a tile it does not vary over (a fold's count beside its
+            # row means): store its first element, selected exactly (x + 0 is x)
+            code, current = v.code, list(dims(v.axes))
+            for ax in reversed(dims(v.axes)):
+                if ax not in dims(target):
+                    first = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == 0)", (ax,), "bool"),
+                                        current)
+                    code = f"tl.sum(tl.where({first}, {code}, 0.0), {current.index(ax)})"
+                    current.remove(ax)
+            value = self.full_shape(Value(code, sort_axes(current), "float"), target)
         elif dims(v.axes) != dims(target):
             value = f"tl.broadcast_to({self.expand(v, target)}, {self.shape(target)})"
         else:

@@ -1,0 +1,148 @@
+"""`einfold bench --group distributed`: a reduction sharded over the GPUs of one
+host (`Program.shard`) against one GPU running the whole problem, and against
+PyTorch's context-parallel SDPA where this torch has it, in one run.
+
+One process per GPU (NCCL).  Every contender runs the same number of times on
+every rank (a collective inside would otherwise wait forever); its time is the
+mean wall time per call after warm-up, the slowest rank's.  Ours is checked
+against the whole program on one GPU before timing.  Results: a table on stdout
+and OUT/bench_distributed.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+CAUSAL = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
+WARMUP, CALLS = 3, 10
+
+
+def _timed(fn, device) -> float:
+    """Mean ms per call on this rank, after warm-up; the slowest rank's."""
+    import torch.distributed as dist
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    torch.cuda.synchronize()
+    ms = torch.tensor([(time.perf_counter() - start) / CALLS * 1e3], device=device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
+
+
+def _cases(quick: bool):
+    """(name, source, shape (b, h, queries, keys, d), causal)"""
+    s = 8192 if quick else 16384
+    long_kv = 65536 if quick else 131072
+    return [(f"prefill S={s}", ATTENTION, (1, 16, s, s, 128), False),
+            (f"prefill causal S={s}", CAUSAL, (1, 16, s, s, 128), True),
+            (f"decode L={long_kv}", ATTENTION, (4, 32, 1, long_kv, 128), False)]
+
+
+def _context_parallel(q, k, v, causal: bool, world: int):
+    """PyTorch's context parallelism (ring SDPA over Q, K, V sharded on the sequence),
+    or the reason it cannot run this case."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    if q.shape[2] % (2 * world):
+        raise ValueError(f"{q.shape[2]} queries do not shard over {world} ranks")
+    mesh = init_device_mesh("cuda", (world,))
+    q, k, v = q.clone(), k.clone(), v.clone()
+    context = context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2])
+    context.__enter__()
+    return (lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)), context
+
+
+def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    import compiler
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=device)
+    rows = []
+    for name, source, (b, h, s, n, d), causal in _cases(quick):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g)
+        scale = d ** -0.5
+        part = n // world
+        lo, hi = rank * part, (rank + 1) * part if rank < world - 1 else n
+        program = compiler.compile(source, backend="triton")
+        sharded = program.shard("m")
+        whole = program(Q=q, K=k, V=v, scale=scale)
+        got = sharded(Q=q, K=k[:, :, lo:hi], V=v[:, :, lo:hi], scale=scale)
+        error = float((got.float() - whole.float()).norm() / whole.float().norm())
+        plan = sharded.plan(Q=q, K=k[:, :, lo:hi], V=v[:, :, lo:hi], scale=scale)
+        contenders = {
+            "einfold, 1 GPU": lambda: program(Q=q, K=k, V=v, scale=scale),
+            f"einfold, K/V sharded over {world} GPUs": lambda: sharded(Q=q, K=k[:, :, lo:hi], V=v[:, :, lo:hi],
+                                                                        scale=scale),
+            "SDPA, 1 GPU": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        }
+        timings, notes, context = {}, {}, None
+        for label, fn in contenders.items():
+            timings[label] = _timed(fn, device)
+        try:
+            fn, context = _context_parallel(q, k, v, causal, world)
+            timings[f"torch context_parallel SDPA, {world} GPUs"] = _timed(fn, device)
+        except Exception as e:                       # a torch without it, or a shape it refuses
+            notes[f"torch context_parallel SDPA, {world} GPUs"] = f"unavailable: {type(e).__name__}: {e}"[:120]
+        finally:
+            if context is not None:
+                context.__exit__(None, None, None)
+        flops = 4 * b * h * s * n * d / (2 if causal else 1)
+        state_bytes = sum(t.numel() * 4 for t in sharded.local._run(
+            {"Q": q, "K": k[:, :, lo:hi], "V": v[:, :, lo:hi], "scale": scale,
+             sharded.sharded.start: float(lo), sharded.sharded.total: float(n)}))
+        rows.append({"case": name, "timings_ms": timings, "notes": notes, "rel_error_vs_whole": error,
+                     "tflops": flops / 1e12, "state_bytes_per_rank": state_bytes,
+                     "bytes_received_per_rank": state_bytes * (world - 1), "exchange": plan.exchange})
+        del q, k, v, whole, got
+        torch.cuda.empty_cache()
+    if rank == 0:
+        meta = {"device": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,
+                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench_distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(format_table(rows, meta), flush=True)
+    dist.destroy_process_group()
+
+
+def format_table(rows: list[dict], meta: dict) -> str:
+    lines = [f"{meta['gpus']} x {meta['device']}, torch {meta['torch']}, {meta['date']}",
+             f"{'case':<24} {'contender':<42} {'ms':>9} {'TFLOP/s':>8} {'1 GPU / this':>12}"]
+    for r in rows:
+        one = r["timings_ms"].get("einfold, 1 GPU")
+        for label, ms in r["timings_ms"].items():
+            lines.append(f"{r['case']:<24} {label:<42} {ms:9.3f} {r['tflops'] / (ms * 1e-3):8.1f} "
+                         f"{one / ms:12.2f}")
+        for label, note in r["notes"].items():
+            lines.append(f"{r['case']:<24} {label:<42} {note}")
+        lines.append(f"{r['case']:<24} sharded vs whole: rel error {r['rel_error_vs_whole']:.1e}; states "
+                     f"{r['state_bytes_per_rank'] / 2**20:.1f} MiB per rank, "
+                     f"{r['bytes_received_per_rank'] / 2**20:.1f} MiB received by each rank")
+    return "\n".join(lines)
+
+
+def main(out: Path, quick: bool = False) -> None:
+    import torch.multiprocessing as mp
+    world = torch.cuda.device_count()
+    if world < 2:
+        raise RuntimeError(f"the distributed benchmark needs two GPUs or more; this machine has {world}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast (KINDS.md)
+    store = tempfile.mktemp(prefix="einfold-bench-store-")
+    mp.spawn(_worker, args=(world, store, quick, str(out)), nprocs=world, join=True)

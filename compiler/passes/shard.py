@@ -1,0 +1,189 @@
+"""Shard a reduction across processes: one factorised program becomes two.
+
+A fold is a monoid: split its index, summarise each part, merge the states.
+The split path of the Triton backend does that across the programs of one
+launch; this rewrite does it across the ranks of a process group, on the IR,
+so every backend runs it and every factorised summary (derived or a user's)
+merges by its own combine.
+
+Given the factorised program and a reduced index `m` (with every index that
+shares its extent: the same axis of the same tensors):
+
+- the *local* program runs on each rank's shard of the inputs.  For every
+  outermost fold over a sharded index it returns each field of the fold's
+  state, `S<k>_<field>[the free indices that field varies over]`.  Inside those folds an index
+  value `m` becomes `m + start` (the shard's first global position, a scalar
+  input) and `len(m)` the global extent (another scalar input), so masks and
+  position terms see global positions (and a causal loop bound still skips
+  the tiles a shard cannot see);
+- the *merge* program reads the states of every rank stacked along a new
+  index `rank` (rank order) and computes the original outputs with each of
+  those folds replaced by the fold over `rank` of a summary whose element is a
+  whole state: the same fields, identity, combine and finalize, its lift the
+  identity.  Ordered (non-commutative) summaries merge in rank order.  It runs
+  on each rank with that rank's part of the inputs: an output that varies over
+  a sharded index comes out sharded like the inputs (a layernorm over a
+  sharded feature axis), every other output is the same on every rank.
+
+A fold over a sharded index inside another fold over one (its inner fold would
+see one part only) is a ShardError.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import sympy
+
+from ..algebra.summary import Summary
+from ..errors import ShardError
+from ..ir import (
+    Access,
+    Assign,
+    Call,
+    Expr,
+    Extent,
+    Index,
+    Input,
+    Program,
+    Reduce,
+    Var,
+    free_indices,
+    transform,
+    walk,
+)
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """The two programs a sharded reduction runs as (see the module docstring)."""
+
+    indices: tuple[str, ...]      # the sharded indices (all of one extent)
+    local: Program
+    merge: Program
+    states: tuple[str, ...]       # the local program's outputs, the merge program's state inputs
+    start: str                    # scalar input of the local program: the shard's first position
+    total: str                    # scalar input of the local program: the global extent
+    rank: str                     # the merge program's index over ranks
+
+    def __str__(self) -> str:
+        from ..ir import format_program
+        return (f"# sharded over {', '.join(self.indices)}: each rank runs\n{format_program(self.local)}"
+                f"# states gathered along {self.rank} (rank order); every rank then runs\n"
+                f"{format_program(self.merge)}")
+
+
+def shard(program: Program, index: str) -> Sharded:
+    """Split `program` (factorised) into its local and merge programs for a
+    reduction whose index `index` is sharded across ranks."""
+    extents = dict(program.extents)
+    if index not in extents:
+        raise ShardError(f"cannot shard index '{index}': the program has no such index "
+                         f"(its indices: {', '.join(sorted(extents))})", program.source)
+    sharded = tuple(ix for ix, symbol in program.extents if symbol == extents[index])
+    taken = ({s.name for s in program.statements} | {i.name for i in program.inputs} | set(extents)
+             | {n.name for s in program.statements for n in walk(s.expr) if isinstance(n, Var)})
+    start, total, rank = _fresh(f"{index}_start", taken), _fresh(f"{index}_total", taken), _fresh("rank", taken)
+
+    folds: dict[Reduce, int] = {}        # outermost folds over a sharded index -> their number
+
+    def collect(e: Expr) -> None:
+        stack = [e]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, Reduce) and set(node.indices) & set(sharded):
+                inner = next((n for n in walk(node) if n is not node and isinstance(n, Reduce)
+                              and set(n.indices) & set(sharded)), None)
+                if inner is not None:
+                    raise ShardError(f"a reduction over the sharded index '{index}' sits inside another one: its "
+                                     f"value for one element needs every shard", program.source,
+                                     inner.span or node.span)
+                folds.setdefault(node.fold, len(folds))
+                continue
+            if isinstance(node, Call | Reduce):
+                stack.extend(node.args)
+
+    for s in program.statements:
+        collect(s.expr)
+    if not folds:
+        raise ShardError(f"no reduction runs over the sharded index '{index}'", program.source)
+
+    def globally(e: Expr) -> Expr:
+        """Index values and extents of the sharded indices as global positions."""
+        def shift(node: Expr) -> Expr:
+            if isinstance(node, Index) and node.name in sharded:
+                return Call("add", (node, Access(start, ())))
+            if isinstance(node, Extent) and node.name in sharded:
+                return Access(total, ())
+            return node
+        return transform(e, shift)
+
+    # the local program: every field of every such fold
+    states: list[Assign] = []
+    names: dict[tuple[int, str], str] = {}
+    for fold, k in folds.items():
+        shifted = globally(fold)
+        for f in fold.summary.fields:
+            name = names[k, f.name] = _fresh(f"S{k}_{f.name}", taken)
+            field = replace(shifted, result=f.name)     # varies over the indices of its own arguments only
+            states.append(Assign(name, tuple(ix for ix in free_indices(fold) if ix in free_indices(field)),
+                                 field, f.dtype, fold.span))
+    used = {n.tensor for s in states for n in walk(s.expr) if isinstance(n, Access)}
+    local_inputs = (*(i for i in program.inputs if i.name in used), Input(start, 0), Input(total, 0))
+    local = Program(tuple(states), local_inputs, tuple(s.name for s in states),
+                    _used_extents(program.extents, states), program.source)
+
+    # the merge program: each fold over a shard becomes a fold over the states of every rank
+    indices = {s.name: s.indices for s in states}
+    merged = {fold: _merged(fold.summary) for fold in folds}
+
+    def merge_fold(node: Expr) -> Expr:
+        if isinstance(node, Reduce) and node.fold in folds:
+            k = folds[node.fold]
+            reads = tuple(Access(names[k, f.name], (rank, *indices[names[k, f.name]])) for f in node.summary.fields)
+            return Reduce(merged[node.fold], (rank,), reads, node.result, node.span)
+        return node
+
+    statements = tuple(replace(s, expr=globally(_replace_folds(s.expr, merge_fold))) for s in program.statements)
+    read = {n.tensor for s in statements for n in walk(s.expr) if isinstance(n, Access)}
+    merge_inputs = (*(i for i in program.inputs if i.name in read),
+                    *(Input(s.name, 1 + len(s.indices)) for s in states),
+                    *(Input(name, 0) for name in (start, total) if name in read))
+    extents_out = (*_used_extents(program.extents, statements), (rank, sympy.Symbol(f"n_{rank}")))
+    merge = Program(statements, merge_inputs, program.outputs, extents_out, program.source)
+    return Sharded(sharded, local, merge, tuple(s.name for s in states), start, total, rank)
+
+
+def _replace_folds(e: Expr, fn) -> Expr:
+    """`e` with `fn` applied to the outermost folds over a sharded index (and to
+    nothing inside them)."""
+    if isinstance(e, Reduce):
+        out = fn(e)
+        if out is not e:
+            return out
+    if isinstance(e, Call | Reduce):
+        args = tuple(_replace_folds(a, fn) for a in e.args)
+        return e if all(a is b for a, b in zip(args, e.args)) else replace(e, args=args)
+    return e
+
+
+def _merged(s: Summary) -> Summary:
+    """`s` with a whole state as its element: lift is the identity on the fields."""
+    return replace(s, name=f"{s.name}_states", arity=len(s.fields),
+                   lift=tuple(Var(f"x{k}") for k in range(len(s.fields))), rescaled=(),
+                   notes=(*s.notes, f"merged across ranks: the element is a state of {s.name}"))
+
+
+def _used_extents(extents, statements) -> tuple:
+    used = {ix for s in statements for n in walk(s.expr)
+            for ix in (n.indices if isinstance(n, Access | Reduce) else (n.name,) if isinstance(n, Index | Extent) else ())}
+    used |= {ix for s in statements for ix in s.indices}
+    return tuple((ix, symbol) for ix, symbol in extents if ix in used)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    new, n = name, 1
+    while new in taken:
+        n += 1
+        new = f"{name}{n}"
+    taken.add(new)
+    return new

@@ -1,0 +1,194 @@
+"""A reduction sharded across the ranks of a process group (`Program.shard`).
+
+Two processes with the gloo backend (CPU: the Triton backend's kernels under the
+interpreter, and the oracle), each given its contiguous part of the sharded
+index, uneven and empty parts included; every case must equal the program run
+whole in one process.  One spawn runs every case (a process costs seconds to
+start); the GPU-marked test runs the same cases with NCCL on two GPUs."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import compiler
+from compiler.errors import ShardError
+
+pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
+
+AFFINE = compiler.summary(           # r after l: the order of the parts matters
+    "affine", fields=("A", "B"), identity=(1.0, 0.0), lift=lambda a, b: (a, b),
+    combine=lambda l, r: (r.A * l.A, r.A * l.B + r.B), finalize=lambda s: s.B)
+
+
+def _attention(mask: str) -> str:
+    return f"O[i,j] = softmax[m](where({mask}, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]"
+
+
+# name -> (source, sharded index, inputs(generator, n) with the sharded extent n, options)
+CASES = {
+    "attention": ("O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]", "m",
+                  lambda g, n: {"Q": torch.randn(6, 4, generator=g), "K": torch.randn(n, 4, generator=g),
+                                "V": torch.randn(n, 3, generator=g), "scale": 0.5}, {}),
+    "causal": (_attention("m <= i"), "m",
+               lambda g, n: {"Q": torch.randn(n, 4, generator=g), "K": torch.randn(n, 4, generator=g),
+                             "V": torch.randn(n, 3, generator=g), "scale": 0.5}, {}),
+    "bottom_right_causal": (_attention("m <= i + len(m) - len(i)"), "m",
+                            lambda g, n: {"Q": torch.randn(5, 4, generator=g), "K": torch.randn(n, 4, generator=g),
+                                          "V": torch.randn(n, 3, generator=g), "scale": 0.5}, {}),
+    "logsumexp": ("L[i] = logsumexp[m](X[i,m])", "m",
+                  lambda g, n: {"X": torch.randn(4, n, generator=g) * 30 + 1000}, {}),
+    "layernorm": ("mu[i] = mean[k](X[i,k]); var[i] = mean[k]((X[i,k] - mu[i]) ** 2)\n"
+                  "Y[i,k] = (X[i,k] - mu[i]) * rsqrt(var[i] + 1e-5) * G[k] + B[k]", "k",
+                  lambda g, n: {"X": torch.randn(5, n, generator=g) + 3, "G": torch.randn(n, generator=g),
+                                "B": torch.randn(n, generator=g)}, {}),
+    "affine_scan": ("Y[i] = affine[m](A[i,m], B[i,m])", "m",
+                    lambda g, n: {"A": torch.rand(3, n, generator=g) + 0.5, "B": torch.randn(3, n, generator=g)},
+                    {"summaries": [AFFINE]}),
+}
+SPLITS = {"uneven": (5, 8), "empty_first": (0, 9)}      # the parts' lengths, rank 0 first
+BACKENDS = ("triton", "reference")
+WORLD = 2
+
+
+def _part(value, index_axes, a, b):
+    for axis in index_axes:
+        value = value.narrow(axis, a, b - a)
+    return value
+
+
+def _sharded_axes(program, index):
+    """input name -> the axes where it is indexed by the sharded index"""
+    from compiler.ir import Access, walk
+    axes = {}
+    for s in program.checked.statements:
+        for n in walk(s.expr):
+            if isinstance(n, Access):
+                axes.setdefault(n.tensor, set()).update(d for d, ix in enumerate(n.indices) if ix == index)
+    return {k: sorted(v) for k, v in axes.items() if v}
+
+
+def run_case(name, split, backend, rank, device):
+    source, index, make, options = CASES[name]
+    lengths = SPLITS[split]
+    program = compiler.compile(source, backend=backend, **options)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
+              for k, v in make(torch.Generator().manual_seed(1), sum(lengths)).items()}
+    whole = program(**inputs)
+    whole = whole if isinstance(whole, tuple) else (whole,)
+    a = sum(lengths[:rank])
+    axes = _sharded_axes(program, index)
+    part = {k: _part(v, axes.get(k, ()), a, a + lengths[rank]) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
+    sharded = program.shard(index)
+    got = sharded(**part)
+    got = got if isinstance(got, tuple) else (got,)
+    # an output over the sharded index comes out sharded: compare with this rank's part
+    statements = {s.name: s for s in program.checked.statements}
+    want = tuple(_part(w, [d for d, ix in enumerate(statements[o].indices) if ix == index], a, a + lengths[rank])
+                 for o, w in zip(program.outputs, whole))
+    plan = str(sharded.plan(**part))
+    return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], plan
+
+
+def _worker(rank, store, device_kind, queue):
+    import torch.distributed as dist
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    device = torch.device(device_kind, rank) if device_kind == "cuda" else torch.device("cpu")
+    try:
+        for name in CASES:
+            for split in SPLITS:
+                for be in BACKENDS:
+                    if device_kind == "cuda" and be == "reference":
+                        continue
+                    try:
+                        queue.put((rank, name, split, be, run_case(name, split, be, rank, device)))
+                    except Exception as e:           # reported, and the test fails naming it
+                        queue.put((rank, name, split, be, repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_everywhere(device_kind):
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    store = tempfile.mktemp(prefix="einfold-store-")
+    processes = [context.Process(target=_worker, args=(r, store, device_kind, queue)) for r in range(WORLD)]
+    for p in processes:
+        p.start()
+    expected = WORLD * len(CASES) * len(SPLITS) * (1 if device_kind == "cuda" else len(BACKENDS))
+    results = {}
+    for _ in range(expected):
+        rank, name, split, be, outcome = queue.get(timeout=900)
+        results[rank, name, split, be] = outcome
+    for p in processes:
+        p.join(timeout=60)
+    if os.path.exists(store):
+        os.remove(store)
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    return run_everywhere("cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_gloo_ranks_equal_the_whole_program(gloo_results, name, split, backend):
+    for rank in range(WORLD):
+        outcome = gloo_results[rank, name, split, backend]
+        assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
+        pairs, plan = outcome
+        tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 2e-5, "atol": 2e-5}
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **tol)
+        assert "exchange: all-gather" in plan
+
+
+def test_a_causal_part_skips_the_keys_it_cannot_see(gloo_results):
+    _, plan = gloo_results[0, "causal", "uneven", "triton"]
+    assert "loop m [bounds: m <= i - m_start]" in plan
+
+
+@pytest.mark.gpu
+def test_two_nccl_ranks_equal_the_whole_program():
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip("needs two GPUs")
+    results = run_everywhere("cuda")
+    failures = {k: v for k, v in results.items() if isinstance(v, str)}
+    assert not failures
+    for (rank, name, split, _), (pairs, _) in results.items():
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=f"{name} {split} rank {rank}")
+
+
+# ---------------------------------------------------------------- errors (no process group needed)
+def test_sharding_an_index_no_reduction_runs_over_is_an_error():
+    program = compiler.compile("Y[i,k] = X[i,k] * 2", backend="reference")
+    with pytest.raises(ShardError, match="no reduction runs over the sharded index 'k'"):
+        program.shard("k")
+    with pytest.raises(ShardError, match="index 'q': the program has no such index"):
+        program.shard("q")
+
+
+def test_a_reduction_over_a_part_inside_another_is_an_error():
+    program = compiler.compile("Y[i] = sum[m](exp(X[i,m] - max[n](X[i,n] * X[i,m])))", backend="reference")
+    with pytest.raises(ShardError, match="sits inside another one") as caught:
+        program.shard("m")
+    assert "max[n]" in str(caught.value)
+
+
+def test_a_call_without_a_process_group_or_with_gradients_is_an_error():
+    program = compiler.compile("L[i] = logsumexp[m](X[i,m])", backend="reference").shard("m")
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(ShardError, match="init_process_group"):
+        program(X=x)
+    with pytest.raises(ShardError, match="gradients do not flow"):
+        program(X=x.requires_grad_())
