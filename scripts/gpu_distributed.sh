@@ -4,7 +4,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/
 export PYTHONPATH=/tmp/site:$PWD EINFOLD_CACHE_DIR=/tmp/einfold-cache PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 nvidia-smi -L
 s=$(date +%s)
-timeout 300 python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_distributed.py > $OUT/nccl_tests.log 2>&1
+timeout ${TEST_SECONDS:-150} python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_distributed.py > $OUT/nccl_tests.log 2>&1
 echo "NCCL tests rc=$? $(( $(date +%s) - s ))s: $(tail -1 $OUT/nccl_tests.log)"
 grep -E "^E " $OUT/nccl_tests.log | head -8
 s=$(date +%s)
