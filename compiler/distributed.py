@@ -26,6 +26,7 @@ import torch
 
 from .config import deep
 from .errors import ShardError
+from .ir import Access, walk
 from .passes.shard import Sharded, shard
 from .program import Program
 from .schedule import Plan
@@ -49,13 +50,25 @@ def _indented(plan: Plan) -> str:
     return "\n".join("  " + line for line in str(plan).splitlines())
 
 
-class ShardedProgram:
-    """A program whose reduction over one index is sharded across ranks."""
+LAYOUTS = ("contiguous", "zigzag")
 
-    def __init__(self, program: Program, index: str, group=None):
+
+class ShardedProgram:
+    """A program whose reduction over one index is sharded across ranks.
+
+    Layouts of the index over W ranks: "contiguous" (rank r holds the r-th of W
+    parts), or "zigzag" (the index cut into 2W parts; rank r holds parts r and
+    2W - 1 - r, in that order: under a causal mask every rank then has the same
+    work, as in PyTorch's load-balanced context parallelism).  Parts may differ
+    in length; a zigzag rank's two parts are the halves of its local extent."""
+
+    def __init__(self, program: Program, index: str, group=None, layout: str = "contiguous"):
+        if layout not in LAYOUTS:
+            raise ShardError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
         self.program = program
         self.index = index
         self.group = group
+        self.layout = layout
         self.sharded: Sharded = deep(lambda: shard(program.factorised, index), what="the program",
                                      source=program.text)
         options = {k: v for k, v in program.schedule_options.items() if k != "float32_outputs"}
@@ -65,9 +78,23 @@ class ShardedProgram:
         self.merge = Program._of_ir(self.sharded.merge, program.backend_name, **options)
         self._local_inputs = {i.name for i in self.sharded.local.inputs}
         self._merge_inputs = {i.name for i in self.sharded.merge.inputs} - set(self.sharded.states)
+        # tensor -> its dimensions indexed by a sharded index (where a part is cut)
+        self._cut: dict[str, tuple[int, ...]] = {}
+        for st in program.checked.statements:
+            for node in walk(st.expr):
+                if isinstance(node, Access):
+                    dims = tuple(d for d, ix in enumerate(node.indices) if ix in self.sharded.indices)
+                    if dims:
+                        self._cut[node.tensor] = dims
+        statements = {st.name: st for st in program.checked.statements}
+        # outputs over the sharded index: the merge runs once per part and they are joined
+        self._joined = {o: next((d for d, ix in enumerate(statements[o].indices) if ix in self.sharded.indices), None)
+                        for o in program.outputs}
+        self._merge_per_part = (any(d is not None for d in self._joined.values())
+                                or self.sharded.start in self._merge_inputs)
 
     def __repr__(self) -> str:
-        return f"<einfold.ShardedProgram {self.program.outputs} over {self.index}>"
+        return f"<einfold.ShardedProgram {self.program.outputs} over {self.index} ({self.layout})>"
 
     def _group_size_and_rank(self) -> tuple[int, int]:
         dist = torch.distributed
@@ -76,12 +103,41 @@ class ShardedProgram:
                              "and none is initialised: call torch.distributed.init_process_group first")
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
+    def _parts(self, lengths: torch.Tensor, rank: int, world: int, extent: int):
+        """This rank's parts as (local slice, global start: a 0-d float32 tensor on the
+        device), and for each part in global order its position among the gathered
+        parts (rank-major)."""
+        if self.layout == "contiguous":
+            starts = torch.cumsum(lengths, 0) - lengths
+            return [(slice(0, extent), starts[rank])], list(range(world))
+        if extent % 2:
+            raise ShardError(f"the zigzag layout cuts each rank's part of '{self.index}' in two halves, and this "
+                             f"rank's part has an odd length ({extent})")
+        half = lengths // 2
+        ordered = torch.cat([half, half.flip(0)])            # the lengths of the 2W parts, in global order
+        starts = torch.cumsum(ordered, 0) - ordered
+        mine = [(slice(0, extent // 2), starts[rank]), (slice(extent // 2, extent), starts[2 * world - 1 - rank])]
+        order = [2 * g if g < world else 2 * (2 * world - 1 - g) + 1 for g in range(2 * world)]
+        return mine, order
+
+    def _narrowed(self, inputs: dict, names, part: slice) -> dict:
+        out = {}
+        for k, v in inputs.items():
+            if k not in names:
+                continue
+            for d in self._cut.get(k, ()) if isinstance(v, torch.Tensor) else ():
+                v = v.narrow(d, part.start, part.stop - part.start)
+            out[k] = v
+        return out
+
     def __call__(self, *args, **inputs):
-        """Run on this rank's part of the inputs; every rank gets the whole outputs.
+        """Run on this rank's part of the inputs; every rank gets the whole of each
+        output that does not vary over the sharded index, and its part of the others.
 
         Raises:
             BindError: the inputs do not fit the program (as for the program).
-            ShardError: no process group, or an input requires grad.
+            ShardError: no process group, an input requires grad, or a zigzag
+                part of odd length.
         """
         if args:
             self.program._positional_error(args)
@@ -90,21 +146,30 @@ class ShardedProgram:
                              "or with inputs that do not require grad")
         world, rank = self._group_size_and_rank()
         binding = self.program.binder(inputs)            # names any mistake in the inputs
-        lengths = self._gather(torch.tensor([binding.extents[self.index]], dtype=torch.int64,
-                                            device=binding.device), world).view(-1).tolist()
-        local = {k: v for k, v in inputs.items() if k in self._local_inputs}
-        local[self.sharded.start] = float(sum(lengths[:rank]))
-        local[self.sharded.total] = float(sum(lengths))
-        states = self.local._run(local)
-        states = states if isinstance(states, tuple) else (states,)
-        merge = {k: v for k, v in inputs.items() if k in self._merge_inputs}
-        if self.sharded.total in self._merge_inputs:
-            merge[self.sharded.total] = float(sum(lengths))
-        merge.update(self._exchange(dict(zip(self.sharded.states, states)), world))
-        results = self.merge._run(merge)
-        results = results if isinstance(results, tuple) else (results,)
-        dtype = binding.dtype
-        results = tuple(r.to(dtype) if r.is_floating_point() else r for r in results)
+        extent = binding.extents[self.index]
+        lengths = self._gather(torch.tensor([extent], dtype=torch.int64, device=binding.device), world).view(-1)
+        # starts and the whole length stay on the device as 0-d tensors, which kernels
+        # load: reading them on the host would wait for the GPU at every call
+        parts, order = self._parts(lengths, rank, world, extent)
+        total = lengths.sum().to(torch.float32)
+        states: dict[str, list[torch.Tensor]] = {n: [] for n in self.sharded.states}
+        for part, start in parts:
+            local = self._narrowed(inputs, self._local_inputs, part)
+            local.update({self.sharded.start: start.to(torch.float32), self.sharded.total: total})
+            found = self.local._run(local)
+            for n, t in zip(self.sharded.states, found if isinstance(found, tuple) else (found,)):
+                states[n].append(t)
+        gathered = self._exchange({n: torch.stack(ts) for n, ts in states.items()}, world, order)
+        merges = []
+        for part, start in (parts if self._merge_per_part else parts[:1]):
+            merge = self._narrowed(inputs, self._merge_inputs, part)
+            merge.update({k: v for k, v in {self.sharded.start: start.to(torch.float32),
+                                             self.sharded.total: total}.items() if k in self._merge_inputs})
+            found = self.merge._run({**merge, **gathered})
+            merges.append(found if isinstance(found, tuple) else (found,))
+        results = tuple(torch.cat([m[k] for m in merges], self._joined[o]) if self._joined[o] is not None
+                        else merges[0][k] for k, o in enumerate(self.program.outputs))
+        results = tuple(r.to(binding.dtype) if r.is_floating_point() else r for r in results)
         return results[0] if len(results) == 1 else results
 
     def _gather(self, flat: torch.Tensor, world: int) -> torch.Tensor:
@@ -115,8 +180,9 @@ class ShardedProgram:
         gather(out, flat.contiguous(), group=self.group)
         return out.view(world, flat.numel())
 
-    def _exchange(self, states: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
-        """Every rank's states, [world, *shape] each: one all-gather per dtype."""
+    def _exchange(self, states: dict[str, torch.Tensor], world: int, order: list[int]) -> dict[str, torch.Tensor]:
+        """Every rank's states ([parts, *shape] each) as [parts of every rank in global
+        order, *shape]: one all-gather per dtype."""
         out = {}
         for dtype in dict.fromkeys(s.dtype for s in states.values()):
             names = [n for n, s in states.items() if s.dtype == dtype]
@@ -124,7 +190,8 @@ class ShardedProgram:
             at = 0
             for n in names:
                 size = states[n].numel()
-                out[n] = gathered[:, at:at + size].reshape(world, *states[n].shape)
+                every = gathered[:, at:at + size].reshape(world * states[n].shape[0], *states[n].shape[1:])
+                out[n] = every if order == list(range(len(order))) else every[order]
                 at += size
         return out
 
@@ -134,22 +201,26 @@ class ShardedProgram:
             self.program._positional_error(args)
         world, _ = self._group_size_and_rank()
         binding = self.program.binder(inputs)
-        local = {k: v for k, v in inputs.items() if k in self._local_inputs}
-        local.update({self.sharded.start: 0.0, self.sharded.total: 0.0})
-        local_plan = self.local.plan(**local)
         device = binding.device
+        extent = binding.extents[self.index]
+        parts = 1 if self.layout == "contiguous" else 2
+        first = slice(0, extent // parts)
+        position = torch.zeros((), dtype=torch.float32, device=device)
+        local = self._narrowed(inputs, self._local_inputs, first)
+        local.update({self.sharded.start: position, self.sharded.total: position})
+        local_plan = self.local.plan(**local)
         states = {}
         for s in self.sharded.local.statements:
-            shape = [world, *(binding.extents[ix] for ix in s.indices)]
+            shape = [world * parts, *(binding.extents[ix] for ix in s.indices)]
             dtype = torch.float32 if s.dtype == "float" else torch.int64
             states[s.name] = torch.empty(shape, dtype=dtype, device=device)
-        merge = {k: v for k, v in inputs.items() if k in self._merge_inputs}
-        if self.sharded.total in self._merge_inputs:
-            merge[self.sharded.total] = 0.0
+        merge = self._narrowed(inputs, self._merge_inputs, first)
+        merge.update({k: position for k in (self.sharded.start, self.sharded.total) if k in self._merge_inputs})
         merge_plan = self.merge.plan(**merge, **states)
-        size = sum(t[0].numel() * t.element_size() for t in states.values())
-        exchange = (f"all-gather of {len(states)} state tensor(s) ({', '.join(states)}), "
-                    f"{size} bytes per rank, {size * (world - 1)} bytes received by each of {world} ranks")
+        size = parts * sum(t[0].numel() * t.element_size() for t in states.values())
+        exchange = (f"{self.layout} layout, {parts} part(s) per rank; all-gather of {len(states)} state "
+                    f"tensor(s) ({', '.join(states)}), {size} bytes per rank, {size * (world - 1)} bytes "
+                    f"received by each of {world} ranks")
         return ShardedPlan(local_plan, exchange, merge_plan)
 
     def explain(self) -> str:

@@ -221,21 +221,23 @@ class Program:
         every extent 128); for the reference backend, the IR it evaluates."""
         return deep(lambda: self.backend.source, what="the program", source=self.text)
 
-    def shard(self, index: str, group=None):
+    def shard(self, index: str, group=None, layout: str = "contiguous"):
         """This program with the reduction over `index` sharded across the ranks
         of a torch.distributed process group (None: the default group): each
-        rank passes the inputs with only its own, contiguous part of `index`
-        (rank 0 the first part), and every rank gets the whole outputs.  Each
-        rank summarises its part, the states are all-gathered, and each rank
-        merges them in rank order with the summary's own combine
-        (`compiler/distributed.py`, `compiler/passes/shard.py`).
+        rank passes the inputs with only its own part of `index` (`layout`
+        "contiguous": rank r holds the r-th of W parts; "zigzag": rank r holds
+        parts r and 2W - 1 - r of 2W, which balances a causal mask), and gets
+        the whole of each output that does not vary over `index` and its part
+        of the others.  Each rank summarises its parts, the states are
+        all-gathered, and each rank merges them in order with the summary's
+        own combine (`compiler/distributed.py`, `compiler/passes/shard.py`).
 
         Raises:
             ShardError: the program has no reduction over `index`, an output
                 varies over it, or one such reduction sits inside another.
         """
         from .distributed import ShardedProgram
-        return ShardedProgram(self, index, group)
+        return ShardedProgram(self, index, group, layout)
 
     def explain(self) -> str:
         """The derivation, pass by pass, as text (what `einfold explain`

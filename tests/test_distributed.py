@@ -47,7 +47,9 @@ CASES = {
                     lambda g, n: {"A": torch.rand(3, n, generator=g) + 0.5, "B": torch.randn(3, n, generator=g)},
                     {"summaries": [AFFINE]}),
 }
-SPLITS = {"uneven": (5, 8), "empty_first": (0, 9)}      # the parts' lengths, rank 0 first
+# the ranks' part lengths, rank 0 first, and the layout
+SPLITS = {"uneven": ((5, 8), "contiguous"), "empty_first": ((0, 9), "contiguous"),
+          "zigzag": ((6, 8), "zigzag")}
 BACKENDS = ("triton", "reference")
 WORLD = 2
 
@@ -71,23 +73,32 @@ def _sharded_axes(program, index):
 
 def run_case(name, split, backend, rank, device):
     source, index, make, options = CASES[name]
-    lengths = SPLITS[split]
+    lengths, layout = SPLITS[split]
     program = compiler.compile(source, backend=backend, **options)
     dtype = torch.float64 if backend == "reference" else torch.float32
     inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
               for k, v in make(torch.Generator().manual_seed(1), sum(lengths)).items()}
     whole = program(**inputs)
     whole = whole if isinstance(whole, tuple) else (whole,)
-    a = sum(lengths[:rank])
+    if layout == "contiguous":
+        a = sum(lengths[:rank])
+        pieces = [(a, a + lengths[rank])]
+    else:           # 2W parts: rank r holds parts r and 2W - 1 - r, each half of its length
+        halves = [n // 2 for n in lengths] + [n // 2 for n in reversed(lengths)]
+        starts = [sum(halves[:g]) for g in range(2 * WORLD)]
+        pieces = [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * WORLD - 1 - rank)]
+
+    def cut(value, axes):
+        return torch.cat([_part(value, axes, a, b) for a, b in pieces], axes[0]) if axes else value
+
     axes = _sharded_axes(program, index)
-    part = {k: _part(v, axes.get(k, ()), a, a + lengths[rank]) if isinstance(v, torch.Tensor) else v
-            for k, v in inputs.items()}
-    sharded = program.shard(index)
+    part = {k: cut(v, axes.get(k, ())) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    sharded = program.shard(index, layout=layout)
     got = sharded(**part)
     got = got if isinstance(got, tuple) else (got,)
-    # an output over the sharded index comes out sharded: compare with this rank's part
+    # an output over the sharded index comes out sharded: compare with this rank's parts
     statements = {s.name: s for s in program.checked.statements}
-    want = tuple(_part(w, [d for d, ix in enumerate(statements[o].indices) if ix == index], a, a + lengths[rank])
+    want = tuple(cut(w, [d for d, ix in enumerate(statements[o].indices) if ix == index])
                  for o, w in zip(program.outputs, whole))
     plan = str(sharded.plan(**part))
     return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], plan
@@ -149,12 +160,33 @@ def test_two_gloo_ranks_equal_the_whole_program(gloo_results, name, split, backe
         tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 2e-5, "atol": 2e-5}
         for got, want in pairs:
             torch.testing.assert_close(got, want, **tol)
-        assert "exchange: all-gather" in plan
+        assert "all-gather of" in plan
 
 
 def test_a_causal_part_skips_the_keys_it_cannot_see(gloo_results):
     _, plan = gloo_results[0, "causal", "uneven", "triton"]
     assert "loop m [bounds: m <= i - m_start]" in plan
+    _, plan = gloo_results[1, "causal", "zigzag", "triton"]
+    assert "zigzag layout, 2 part(s) per rank" in plan
+
+
+def test_a_zigzag_part_of_odd_length_is_an_error(gloo_results):
+    # ranks hold (0, 9) keys in "empty_first"; cut in halves, 9 is odd: checked in a
+    # process group of one
+    import torch.distributed as dist
+    store = tempfile.mktemp(prefix="einfold-store-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        program = compiler.compile("L[i] = logsumexp[m](X[i,m])", backend="reference").shard("m", layout="zigzag")
+        with pytest.raises(ShardError, match="odd length"):
+            program(X=torch.randn(2, 9, dtype=torch.float64))
+        with pytest.raises(ShardError, match="layout must be one of contiguous, zigzag"):
+            compiler.compile("L[i] = logsumexp[m](X[i,m])", backend="reference").shard("m", layout="ring")
+        # one rank holding the whole index: the program itself
+        x = torch.randn(2, 8, dtype=torch.float64)
+        torch.testing.assert_close(program(X=x), torch.logsumexp(x, 1))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
