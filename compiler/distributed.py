@@ -159,7 +159,10 @@ class ShardedProgram:
             found = self.local._run(local)
             for n, t in zip(self.sharded.states, found if isinstance(found, tuple) else (found,)):
                 states[n].append(t)
-        gathered = self._exchange({n: torch.stack(ts) for n, ts in states.items()}, world, order)
+        if not self.sharded.ordered:        # commutative merges take the states as gathered
+            order = list(range(len(order)))
+        gathered = self._exchange({n: ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+                                   for n, ts in states.items()}, world, order)
         merges = []
         for part, start in (parts if self._merge_per_part else parts[:1]):
             merge = self._narrowed(inputs, self._merge_inputs, part)

@@ -64,6 +64,7 @@ class Sharded:
     start: str                    # scalar input of the local program: the shard's first position
     total: str                    # scalar input of the local program: the global extent
     rank: str                     # the merge program's index over ranks
+    ordered: bool                 # some merged summary is not commutative: states merge in index order
 
     def __str__(self) -> str:
         from ..ir import format_program
@@ -150,7 +151,8 @@ def shard(program: Program, index: str) -> Sharded:
                     *(Input(name, 0) for name in (start, total) if name in read))
     extents_out = (*_used_extents(program.extents, statements), (rank, sympy.Symbol(f"n_{rank}")))
     merge = Program(statements, merge_inputs, program.outputs, extents_out, program.source)
-    return Sharded(sharded, local, merge, tuple(s.name for s in states), start, total, rank)
+    return Sharded(sharded, local, merge, tuple(s.name for s in states), start, total, rank,
+                   any(not fold.summary.commutative for fold in folds))
 
 
 def _replace_folds(e: Expr, fn) -> Expr:

@@ -1284,11 +1284,13 @@ class KernelEmitter:
         """Declare the grid axes; returns the launcher's grid factors."""
         spec = self.spec
         ext = self.ctx.extent
-        # Tile up to two grid indices, the last first, that are not batch-like: read by
-        # every access, or by every operand of a contraction (tiling those makes every
-        # operand 3-D), nor two sides of one operand; other grid indices are one program each.
+        # Tile up to two grid indices, the last first, that are not batch-like: in a kernel
+        # with a contraction, read by every access or by every operand of the contraction
+        # (tiling those makes every operand 3-D), nor two sides of one operand; other grid
+        # indices are one program each.
         accesses = [n for st in spec.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
-        batch = {g for g in spec.grid if accesses and all(g in a.indices for a in accesses)} | self.dot_batch
+        batch = self.dot_batch | {g for g in spec.grid if self.contractions and accesses
+                                  and all(g in a.indices for a in accesses)}
         candidates = [g for g in spec.grid if ext(g) > 1]
         tiled: list[str] = []
         for g in reversed([g for g in candidates if g not in batch]):
@@ -1317,8 +1319,8 @@ class KernelEmitter:
                 b = min(self._np(g), COLUMN_BLOCK)
                 self.loop_cap = max(1, TILE_BUDGET // b)
             if not b:
-                if streamed:
-                    b = min(self._np(g), max(1, TILE_BUDGET // streamed))
+                if streamed:        # the streamed tile and the other grid tiles share the budget
+                    b = min(self._np(g), max(1, TILE_BUDGET // (streamed * max(blocks.values(), default=1))))
                 elif not blocks:
                     b = min(self._np(g), ROW_BLOCK)
                 else:
