@@ -41,12 +41,19 @@ def _timed(fn, device) -> float:
 
 
 def _cases(quick: bool):
-    """(name, source, shape (b, h, queries, keys, d), causal)"""
+    """(name, source, shape (b, h, queries, keys, d), causal, backward)"""
     s = 8192 if quick else 16384
     long_kv = 65536 if quick else 131072
-    return [(f"prefill S={s}", ATTENTION, (1, 16, s, s, 128), False),
-            (f"prefill causal S={s}", CAUSAL, (1, 16, s, s, 128), True),
-            (f"decode L={long_kv}", ATTENTION, (4, 32, 1, long_kv, 128), False)]
+    return [(f"prefill S={s}", ATTENTION, (1, 16, s, s, 128), False, False),
+            (f"prefill causal S={s}", CAUSAL, (1, 16, s, s, 128), True, False),
+            (f"causal backward S={s}", CAUSAL, (1, 16, s, s, 128), True, True),
+            (f"decode L={long_kv}", ATTENTION, (4, 32, 1, long_kv, 128), False, False)]
+
+
+def _sdpa_backward(q, k, v, do, causal: bool):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
 
 def _context_parallel(q, k, v, causal: bool, world: int):
@@ -74,7 +81,7 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             device_id=device)
     rows = []
-    for name, source, (b, h, s, n, d), causal in _cases(quick):
+    for name, source, (b, h, s, n, d), causal, backward in _cases(quick):
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g)
@@ -88,24 +95,38 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
         local = {"contiguous": (k[:, :, lo:hi], v[:, :, lo:hi]),
                  "zigzag": tuple(torch.cat([t[:, :, z] for z in zig], 2) for t in (k, v))}
         program = compiler.compile(source, backend="triton")
-        whole = program(Q=q, K=k, V=v, scale=scale)
+        extra = {}                  # the backward's inputs besides Q, K, V, scale: dO, O and the row logsumexp
+        if backward:
+            do = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=g)
+            o, lse = program._saving(Q=q, K=k, V=v, scale=scale)
+            extra = {"dO": do, "O": o, "lse_O": lse}
+            program = compiler.compile(compiler.grad(source, saved=True).text, backend="triton")
+        whole = program(Q=q, K=k, V=v, scale=scale, **extra)
+        whole = whole if isinstance(whole, tuple) else (whole,)
         layouts = ("contiguous", "zigzag") if causal and n % (2 * world) == 0 else ("contiguous",)
         sharded = {layout: program.shard("m", layout=layout) for layout in layouts}
-        contenders = {"einfold, 1 GPU": lambda: program(Q=q, K=k, V=v, scale=scale)}
+        contenders = {"einfold, 1 GPU": lambda: program(Q=q, K=k, V=v, scale=scale, **extra)}
         error = {}
         for layout, sp in sharded.items():
             kl, vl = local[layout]
-            got = sp(Q=q, K=kl, V=vl, scale=scale)
-            error[layout] = float((got.float() - whole.float()).norm() / whole.float().norm())
+            got = sp(Q=q, K=kl, V=vl, scale=scale, **extra)
+            got = got if isinstance(got, tuple) else (got,)
+            # replicated outputs only (dQ of the backward; dK and dV come out sharded)
+            error[layout] = max(float((a.float() - w.float()).norm() / w.float().norm())
+                                for a, w in zip(got, whole) if a.shape == w.shape)
             contenders[f"einfold, K/V {layout} over {world} GPUs"] = \
-                lambda sp=sp, kl=kl, vl=vl: sp(Q=q, K=kl, V=vl, scale=scale)
-        plan = sharded["contiguous"].plan(Q=q, K=local["contiguous"][0], V=local["contiguous"][1], scale=scale)
-        contenders["SDPA, 1 GPU"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v,
-                                                                                              is_causal=causal)
+                lambda sp=sp, kl=kl, vl=vl: sp(Q=q, K=kl, V=vl, scale=scale, **extra)
+        plan = sharded["contiguous"].plan(Q=q, K=local["contiguous"][0], V=local["contiguous"][1], scale=scale,
+                                          **extra)
+        contenders["SDPA, 1 GPU"] = (_sdpa_backward(q, k, v, extra.get("dO"), causal) if backward else
+                                     lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                                              is_causal=causal))
         timings, notes, context = {}, {}, None
         for label, fn in contenders.items():
             timings[label] = _timed(fn, device)
         try:
+            if backward:
+                raise ValueError("its backward is not measured here")
             fn, context = _context_parallel(q, k, v, causal, world)
             timings[f"torch context_parallel SDPA, {world} GPUs"] = _timed(fn, device)
         except Exception as e:                       # a torch without it, or a shape it refuses
@@ -113,15 +134,16 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
         finally:
             if context is not None:
                 context.__exit__(None, None, None)
-        flops = 4 * b * h * s * n * d / (2 if causal else 1)
+        flops = 4 * b * h * s * n * d / (2 if causal else 1) * (2.5 if backward else 1)
         contiguous = sharded["contiguous"]
-        state_bytes = sum(t.numel() * 4 for t in contiguous.local._run(
-            {"Q": q, "K": local["contiguous"][0], "V": local["contiguous"][1], "scale": scale,
-             contiguous.sharded.start: float(lo), contiguous.sharded.total: float(n)}))
+        local_inputs = {"Q": q, "K": local["contiguous"][0], "V": local["contiguous"][1], "scale": scale, **extra,
+                        contiguous.sharded.start: float(lo), contiguous.sharded.total: float(n)}
+        found = contiguous.local._run({k_: v_ for k_, v_ in local_inputs.items() if k_ in contiguous._local_inputs})
+        state_bytes = sum(t.numel() * 4 for t in (found if isinstance(found, tuple) else (found,)))
         rows.append({"case": name, "timings_ms": timings, "notes": notes, "rel_error_vs_whole": error,
                      "tflops": flops / 1e12, "state_bytes_per_rank": state_bytes,
                      "bytes_received_per_rank": state_bytes * (world - 1), "exchange": plan.exchange})
-        del q, k, v, whole, local
+        del q, k, v, whole, local, extra
         torch.cuda.empty_cache()
     if rank == 0:
         meta = {"device": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,

@@ -43,6 +43,13 @@ CASES = {
                   "Y[i,k] = (X[i,k] - mu[i]) * rsqrt(var[i] + 1e-5) * G[k] + B[k]", "k",
                   lambda g, n: {"X": torch.randn(5, n, generator=g) + 3, "G": torch.randn(n, generator=g),
                                 "B": torch.randn(n, generator=g)}, {}),
+    # the backward of causal attention (reading the forward's row logsumexp): dQ merges
+    # partial sums over the ranks, dK and dV come out sharded like K and V
+    "causal_backward": (compiler.grad(_attention("m <= i"), saved=True, backend="reference").text, "m",
+                        lambda g, n: {"Q": torch.randn(n, 4, generator=g), "K": torch.randn(n, 4, generator=g),
+                                      "V": torch.randn(n, 3, generator=g), "scale": 0.5,
+                                      "dO": torch.randn(n, 3, generator=g), "O": torch.randn(n, 3, generator=g),
+                                      "lse_O": torch.randn(n, generator=g) + 2}, {}),
     "affine_scan": ("Y[i] = affine[m](A[i,m], B[i,m])", "m",
                     lambda g, n: {"A": torch.rand(3, n, generator=g) + 0.5, "B": torch.randn(3, n, generator=g)},
                     {"summaries": [AFFINE]}),
