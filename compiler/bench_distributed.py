@@ -5,8 +5,8 @@ PyTorch's context-parallel SDPA where this torch has it, in one run.
 One process per GPU (NCCL).  Every contender runs the same number of times on
 every rank (a collective inside would otherwise wait forever); its time is the
 mean wall time per call after warm-up, the slowest rank's.  Ours is checked
-against the whole program on one GPU before timing.  Results: a table on stdout
-and OUT/bench_distributed.json.
+against the whole program on one GPU before timing.  Results: a table per case
+on stdout as each case ends, and OUT/bench_distributed.json.
 """
 from __future__ import annotations
 
@@ -143,15 +143,14 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
         rows.append({"case": name, "timings_ms": timings, "notes": notes, "rel_error_vs_whole": error,
                      "tflops": flops / 1e12, "state_bytes_per_rank": state_bytes,
                      "bytes_received_per_rank": state_bytes * (world - 1), "exchange": plan.exchange})
-        del q, k, v, whole, local, extra
         torch.cuda.empty_cache()
-    if rank == 0:
-        meta = {"device": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,
-                "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench_distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(format_table(rows, meta), flush=True)
+        if rank == 0:       # after every case: a run cut short keeps what it measured
+            meta = {"device": torch.cuda.get_device_name(), "gpus": world, "torch": torch.__version__,
+                    "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "bench_distributed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            print(format_table(rows[-1:], meta), flush=True)
     dist.destroy_process_group()
 
 

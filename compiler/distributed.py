@@ -16,7 +16,9 @@ with that rank's contiguous part of `index` in its inputs:
    output's expression.  Every rank returns the whole outputs, in the dtype
    the unsharded program gives.
 
-Gradients do not flow through a sharded call (a ShardError says so).
+Under autograd the forward also returns the row statistics its gradient reads
+(`Program._saving`), and the backward runs the gradient program sharded the
+same way (`_ShardedCall`).
 """
 from __future__ import annotations
 
@@ -142,8 +144,15 @@ class ShardedProgram:
         if args:
             self.program._positional_error(args)
         if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values()):
-            raise ShardError("gradients do not flow through a sharded program; call it under torch.no_grad() "
-                             "or with inputs that do not require grad")
+            names = tuple(i.name for i in self.program.checked.inputs)
+            if inputs.keys() != set(names):
+                self.program.binder(inputs)      # names what is wrong (a BindError)
+            results = _ShardedCall.apply(self, names, *(inputs[n] for n in names))
+            return results[0] if len(results) == 1 else results
+        return self._run(inputs)
+
+    def _run(self, inputs: dict):
+        """The outputs for this rank's `inputs`, outside autograd."""
         world, rank = self._group_size_and_rank()
         binding = self.program.binder(inputs)            # names any mistake in the inputs
         extent = binding.extents[self.index]
@@ -172,8 +181,24 @@ class ShardedProgram:
             merges.append(found if isinstance(found, tuple) else (found,))
         results = tuple(torch.cat([m[k] for m in merges], self._joined[o]) if self._joined[o] is not None
                         else merges[0][k] for k, o in enumerate(self.program.outputs))
-        results = tuple(r.to(binding.dtype) if r.is_floating_point() else r for r in results)
+        wide = self.program.schedule_options.get("float32_outputs", ())
+        results = tuple(r.to(binding.float_dtype(o in wide)) if r.is_floating_point() else r
+                        for o, r in zip(self.program.outputs, results))
         return results[0] if len(results) == 1 else results
+
+    def _saving(self) -> ShardedProgram:
+        """The program's saving forward (its outputs, then the row statistics its
+        gradient programs read), sharded like this one."""
+        if "_saving_sharded" not in self.__dict__:
+            self._saving_sharded = ShardedProgram(self.program._saving, self.index, self.group, self.layout)
+        return self._saving_sharded
+
+    def _gradient(self, wrt: tuple[str, ...]) -> ShardedProgram:
+        """The gradient program for `wrt` (reading the saved statistics), sharded like this one."""
+        made = self.__dict__.setdefault("_gradients", {})
+        if wrt not in made:
+            made[wrt] = ShardedProgram(self.program._gradient(wrt, saved=True), self.index, self.group, self.layout)
+        return made[wrt]
 
     def _gather(self, flat: torch.Tensor, world: int) -> torch.Tensor:
         """Every rank's `flat` (one dimension), stacked in rank order: [world, n]."""
@@ -229,3 +254,42 @@ class ShardedProgram:
     def explain(self) -> str:
         """The unsharded derivation, then the local and merge programs."""
         return f"{self.program.explain()}\n{self.sharded}"
+
+
+class _ShardedCall(torch.autograd.Function):
+    """A sharded call under autograd.  The forward runs the sharded saving forward
+    (outputs plus row statistics); the backward runs the gradient program, sharded
+    the same way: gradients of inputs indexed by the sharded index come out as
+    this rank's part, the others whole (every rank holds the whole loss)."""
+
+    @staticmethod
+    def forward(ctx, sharded: ShardedProgram, names: tuple[str, ...], *values):
+        saving = sharded._saving()
+        results = saving._run(dict(zip(names, values)))
+        results = results if isinstance(results, tuple) else (results,)
+        shown = len(sharded.program.outputs)
+        ctx.sharded, ctx.names = sharded, names
+        ctx.numbers = {n: v for n, v in zip(names, values) if not isinstance(v, torch.Tensor)}
+        ctx.mark_non_differentiable(*results[shown:])
+        ctx.save_for_backward(*(v for v in values if isinstance(v, torch.Tensor)), *results)
+        ctx.saving_outputs = saving.program.outputs
+        return results[:shown]
+
+    @staticmethod
+    def backward(ctx, *upstream):
+        sharded, names = ctx.sharded, ctx.names
+        saved = iter(ctx.saved_tensors)
+        inputs = {n: ctx.numbers[n] if n in ctx.numbers else next(saved) for n in names}
+        produced = dict(zip(ctx.saving_outputs, saved))
+        wrt = tuple(n for n, needed in zip(names, ctx.needs_input_grad[2:]) if needed)
+        if not wrt:
+            return (None, None, *(None for _ in names))
+        gradient = sharded._gradient(wrt)
+        program = gradient.program
+        call = {**inputs, **{k: v for k, v in produced.items() if k in program.inputs}}
+        for o, g in zip(sharded.program.outputs, upstream):
+            if o in program.upstream:           # float outputs; one backward() did not reach: zeros
+                call[program.upstream[o]] = torch.zeros_like(produced[o]) if g is None else g.contiguous()
+        results = gradient._run(program._read(call))
+        results = dict(zip(wrt, results if isinstance(results, tuple) else (results,)))
+        return (None, None, *(results[n].to(inputs[n].dtype) if n in results else None for n in names))

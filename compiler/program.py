@@ -232,9 +232,13 @@ class Program:
         all-gathered, and each rank merges them in order with the summary's
         own combine (`compiler/distributed.py`, `compiler/passes/shard.py`).
 
+        Under autograd, `backward()` runs the gradient program sharded the same
+        way: an input indexed by `index` gets the gradient of its part, the
+        others the whole gradient.
+
         Raises:
-            ShardError: the program has no reduction over `index`, an output
-                varies over it, or one such reduction sits inside another.
+            ShardError: the program has no reduction over `index`, or one such
+                reduction sits inside another.
         """
         from .distributed import ShardedProgram
         return ShardedProgram(self, index, group, layout)

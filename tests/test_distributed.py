@@ -111,6 +111,52 @@ def run_case(name, split, backend, rank, device):
     return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], plan
 
 
+def run_autograd_case(layout, backend, rank, device):
+    """Causal attention under autograd, K and V sharded: Q's gradient is whole on
+    every rank, K's and V's are this rank's parts of the whole program's."""
+    source, index, make, _ = CASES["causal"]
+    lengths = SPLITS["uneven" if layout == "contiguous" else "zigzag"][0]
+    program = compiler.compile(source, backend=backend)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
+              for k, v in make(torch.Generator().manual_seed(1), sum(lengths)).items()}
+    weight = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    whole = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    (program(**whole) * weight).sum().backward()
+    if layout == "contiguous":
+        a = sum(lengths[:rank])
+        pieces = [(a, a + lengths[rank])]
+    else:
+        halves = [n // 2 for n in lengths] + [n // 2 for n in reversed(lengths)]
+        starts = [sum(halves[:g]) for g in range(2 * WORLD)]
+        pieces = [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * WORLD - 1 - rank)]
+    def cut(t):
+        return torch.cat([t[a:b] for a, b in pieces])
+    ours = {"Q": inputs["Q"].clone().requires_grad_(), "K": cut(inputs["K"]).requires_grad_(),
+            "V": cut(inputs["V"]).requires_grad_(), "scale": inputs["scale"]}
+    out = program.shard(index, layout=layout)(**ours)
+    (out * weight).sum().backward()
+    return [(ours["Q"].grad.cpu(), whole["Q"].grad.cpu()), (ours["K"].grad.cpu(), cut(whole["K"].grad).cpu()),
+            (ours["V"].grad.cpu(), cut(whole["V"].grad).cpu())], ""
+
+
+def _by_value(outcome):
+    """An outcome whose tensors are nested lists: a tensor put on a queue is shared
+    through a descriptor that dies with the process that made it."""
+    if isinstance(outcome, str):
+        return outcome
+    pairs, plan = outcome
+    return [(g.tolist(), w.tolist(), str(g.dtype)) for g, w in pairs], plan
+
+
+def _tensors(outcome):
+    if isinstance(outcome, str):
+        return outcome
+    pairs, plan = outcome
+    dtype = {str(t): t for t in (torch.float32, torch.float64)}
+    return [(torch.tensor(g, dtype=dtype[d]), torch.tensor(w, dtype=dtype[d])) for g, w, d in pairs], plan
+
+
 def _worker(rank, store, device_kind, queue):
     import torch.distributed as dist
     backend = "nccl" if device_kind == "cuda" else "gloo"
@@ -125,9 +171,17 @@ def _worker(rank, store, device_kind, queue):
                     if device_kind == "cuda" and be == "reference":
                         continue
                     try:
-                        queue.put((rank, name, split, be, run_case(name, split, be, rank, device)))
+                        queue.put((rank, name, split, be, _by_value(run_case(name, split, be, rank, device))))
                     except Exception as e:           # reported, and the test fails naming it
                         queue.put((rank, name, split, be, repr(e)))
+        for layout in ("contiguous", "zigzag"):
+            for be in BACKENDS:
+                if device_kind == "cuda" and be == "reference":
+                    continue
+                try:
+                    queue.put((rank, "autograd", layout, be, _by_value(run_autograd_case(layout, be, rank, device))))
+                except Exception as e:
+                    queue.put((rank, "autograd", layout, be, repr(e)))
     finally:
         dist.destroy_process_group()
 
@@ -139,11 +193,11 @@ def run_everywhere(device_kind):
     processes = [context.Process(target=_worker, args=(r, store, device_kind, queue)) for r in range(WORLD)]
     for p in processes:
         p.start()
-    expected = WORLD * len(CASES) * len(SPLITS) * (1 if device_kind == "cuda" else len(BACKENDS))
+    expected = WORLD * (len(CASES) * len(SPLITS) + 2) * (1 if device_kind == "cuda" else len(BACKENDS))
     results = {}
     for _ in range(expected):
         rank, name, split, be, outcome = queue.get(timeout=900)
-        results[rank, name, split, be] = outcome
+        results[rank, name, split, be] = _tensors(outcome)
     for p in processes:
         p.join(timeout=60)
     if os.path.exists(store):
@@ -168,6 +222,17 @@ def test_two_gloo_ranks_equal_the_whole_program(gloo_results, name, split, backe
         for got, want in pairs:
             torch.testing.assert_close(got, want, **tol)
         assert "all-gather of" in plan
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_gradients_flow_through_a_sharded_call(gloo_results, layout, backend):
+    for rank in range(WORLD):
+        outcome = gloo_results[rank, "autograd", layout, backend]
+        assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
+        tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 1e-4, "atol": 1e-5}
+        for got, want in outcome[0]:
+            torch.testing.assert_close(got, want, **tol)
 
 
 def test_a_causal_part_skips_the_keys_it_cannot_see(gloo_results):
@@ -224,10 +289,10 @@ def test_a_reduction_over_a_part_inside_another_is_an_error():
     assert "max[n]" in str(caught.value)
 
 
-def test_a_call_without_a_process_group_or_with_gradients_is_an_error():
+def test_a_call_without_a_process_group_is_an_error():
     program = compiler.compile("L[i] = logsumexp[m](X[i,m])", backend="reference").shard("m")
     x = torch.randn(2, 3, dtype=torch.float64)
     with pytest.raises(ShardError, match="init_process_group"):
         program(X=x)
-    with pytest.raises(ShardError, match="gradients do not flow"):
+    with pytest.raises(ShardError, match="init_process_group"):
         program(X=x.requires_grad_())
