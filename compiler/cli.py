@@ -109,6 +109,10 @@ def cmd_ir(args) -> int:
             print(format_program(ir), end="")
 
     final = run_pipeline(program, observe=observe)
+    if args.shard:
+        from .passes.shard import shard
+        print(shard(final, args.shard), end="")     # the local and merge programs of a sharded reduction
+        return 0
     if wanted is None:
         print(format_program(final), end="")
     if wanted in ("all", "schedule"):
@@ -242,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-after", metavar="PASS", choices=["all", *(name for name, _ in PIPELINE), "schedule"],
                    help="print the IR after this pass, or the schedule (kernels and their loops), or after "
                         f"every stage with 'all' (passes: {', '.join(name for name, _ in PIPELINE)})")
+    p.add_argument("--shard", metavar="INDEX",
+                   help="print the two programs a reduction over INDEX sharded across processes runs "
+                        "(Program.shard): each rank's local program and the merge of every rank's states")
     p.set_defaults(run=cmd_ir)
 
     p = _command(sub, "grad", "print the gradient program: the forward inputs and an upstream gradient "

@@ -296,3 +296,14 @@ def test_a_call_without_a_process_group_is_an_error():
         program(X=x)
     with pytest.raises(ShardError, match="init_process_group"):
         program(X=x.requires_grad_())
+
+
+def test_the_cli_prints_the_local_and_merge_programs(capsys):
+    from compiler.cli import main
+    assert main(["ir", "--shard", "m", "-e", "L[i] = logsumexp[m](X[i,m])"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# sharded over m: each rank runs\nS0_r[i] = fold1_r_l[m](X[i, m]).r\n")
+    assert "fold1_r_l_states[rank](S0_r[rank, i], S0_l[rank, i])" in out
+    assert main(["ir", "--shard", "q", "-e", "L[i] = logsumexp[m](X[i,m])"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot shard index 'q'" in err
