@@ -23,6 +23,7 @@ same way (`_ShardedCall`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -94,6 +95,7 @@ class ShardedProgram:
                         for o in program.outputs}
         self._merge_per_part = (any(d is not None for d in self._joined.values())
                                 or self.sharded.start in self._merge_inputs)
+        self._gradients: dict[tuple[str, ...], ShardedProgram] = {}     # wrt -> sharded gradient program
 
     def __repr__(self) -> str:
         return f"<einfold.ShardedProgram {self.program.outputs} over {self.index} ({self.layout})>"
@@ -136,10 +138,12 @@ class ShardedProgram:
         """Run on this rank's part of the inputs; every rank gets the whole of each
         output that does not vary over the sharded index, and its part of the others.
 
+        Under autograd (an input requires grad), the outputs carry a grad_fn
+        whose backward runs the gradient program sharded the same way.
+
         Raises:
             BindError: the inputs do not fit the program (as for the program).
-            ShardError: no process group, an input requires grad, or a zigzag
-                part of odd length.
+            ShardError: no process group, or a zigzag part of odd length.
         """
         if args:
             self.program._positional_error(args)
@@ -186,19 +190,19 @@ class ShardedProgram:
                         for o, r in zip(self.program.outputs, results))
         return results[0] if len(results) == 1 else results
 
+    @cached_property
     def _saving(self) -> ShardedProgram:
         """The program's saving forward (its outputs, then the row statistics its
         gradient programs read), sharded like this one."""
-        if "_saving_sharded" not in self.__dict__:
-            self._saving_sharded = ShardedProgram(self.program._saving, self.index, self.group, self.layout)
-        return self._saving_sharded
+        return ShardedProgram(self.program._saving, self.index, self.group, self.layout)
 
     def _gradient(self, wrt: tuple[str, ...]) -> ShardedProgram:
-        """The gradient program for `wrt` (reading the saved statistics), sharded like this one."""
-        made = self.__dict__.setdefault("_gradients", {})
-        if wrt not in made:
-            made[wrt] = ShardedProgram(self.program._gradient(wrt, saved=True), self.index, self.group, self.layout)
-        return made[wrt]
+        """The gradient program for `wrt` (reading the saved statistics), sharded like
+        this one (made on first use, then kept)."""
+        if wrt not in self._gradients:
+            self._gradients[wrt] = ShardedProgram(self.program._gradient(wrt, saved=True), self.index,
+                                                  self.group, self.layout)
+        return self._gradients[wrt]
 
     def _gather(self, flat: torch.Tensor, world: int) -> torch.Tensor:
         """Every rank's `flat` (one dimension), stacked in rank order: [world, n]."""
@@ -264,7 +268,7 @@ class _ShardedCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, sharded: ShardedProgram, names: tuple[str, ...], *values):
-        saving = sharded._saving()
+        saving = sharded._saving
         results = saving._run(dict(zip(names, values)))
         results = results if isinstance(results, tuple) else (results,)
         shown = len(sharded.program.outputs)
