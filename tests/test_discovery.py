@@ -399,3 +399,18 @@ def test_a_sum_over_several_indices_nests_by_the_factors_each_index_reads():
     # every factor reads both indices: nothing to nest
     both = factorised("Z[i] = sum[j, k](A[i,j,k] * B[j,k])")
     assert format_program_expr(both.factorised.statements[0].expr) == "sum[j, k](A[i, j, k] * B[j, k])"
+
+
+def test_a_dependent_whose_weight_is_identically_zero_gets_no_repair():
+    # found by the fuzzer: sum[k]((x - max) - (x - max)) has the weight 0, whose repair
+    # ratio 0/0 was a NaN constant (and a ValueError while printing the derivation)
+    from compiler.passes.factorise import derive_repair
+    from compiler.ir import Var
+    r = Var("r")
+    zero = Call("sub", (Call("sub", (Var("x0"), r)), Call("sub", (Var("x0"), r))))
+    assert derive_repair(zero) is None
+    source = ("A[i,k] = X[i,k]\nR0[i] = max[k](A[i,k])\nB0[i,k] = A[i,k] - R0[i]\n"
+              "R1[i] = sum[k]((B0[i,k] - B0[i,k]))\nB1[i,k] = B0[i,k] - R1[i]")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    got = compiler.compile(source, backend="reference")(X=x)
+    torch.testing.assert_close(got, x - x.max(1, keepdim=True).values)

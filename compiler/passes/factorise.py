@@ -108,7 +108,8 @@ def derive_repair(weight: Expr) -> Expr | None:
     w_new = w_old.subs(table.symbol(r, real=True), table.symbol(r_new, real=True))
     ratio = sympy.simplify(sympy.powsimp(w_new / w_old))
     allowed = {table.symbol(r, real=True), table.symbol(r_new, real=True)}
-    if not ratio.free_symbols <= allowed:
+    # a weight that is identically 0 (x - r - (x - r)) has no ratio: 0/0 is NaN
+    if not ratio.free_symbols <= allowed or ratio.has(sympy.nan, sympy.zoo):
         return None
     return from_sympy(ratio, table)
 
