@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from .algebra import Summary
 from .ir import Const, Expr, Reduce, Var, format_expr, format_program, format_statement, transform, walk
-from .passes import PIPELINE
 
 
 def _indent(text: str, by: str = "  ") -> list[str]:
@@ -61,14 +60,9 @@ def describe_summary(s: Summary, args: tuple[Expr, ...] = (), indices: tuple[str
 def explain(program) -> str:
     out = ["source:", *_indent(program.text.strip()), ""]
     out += ["checked (every reduction explicit):", *_indent(format_program(program.checked)), ""]
-    ir = program.checked
-    for name, pass_ in PIPELINE:
-        after = pass_(ir)
-        if name == "factorise":
-            break
-        if after != ir:
+    for (_, before), (name, after) in zip(program.trace, program.trace[1:]):
+        if name != "factorise" and after != before:
             out += [f"after {name}:", *_indent(format_program(after)), ""]
-        ir = after
     folds = _folds(program.factorised)
     if folds:
         out.append("after factorise: each group of reductions over one index is one pass")

@@ -46,6 +46,8 @@ class Program:
         text: the source text.
         checked: the checked IR (every reduction explicit), before the passes.
         factorised: the IR after the passes (lower, fuse, stabilise, factorise).
+        trace: (stage, IR) for check and each pass in order, as compiled
+            (`explain` reads it; nothing runs twice).
         outputs: the names of the statements a call returns, in statement order.
     """
 
@@ -67,9 +69,9 @@ class Program:
         # Checking and the passes recurse over expressions: deep() reruns them on a
         # large stack when the default one is too small (compiler/config.py).
         where = deepest_statement(syntax)
-        self.checked, self.factorised = deep(
-            lambda: _front_end(syntax, wanted, summaries), what="the program", source=source,
-            span=where.span if where is not None else None)
+        self.trace = deep(lambda: _front_end(syntax, wanted, summaries), what="the program", source=source,
+                          span=where.span if where is not None else None)
+        self.checked, self.factorised = self.trace[0][1], self.trace[-1][1]
         self.outputs = self.checked.outputs
         if set(wide) - set(self.outputs):
             raise EinfoldError(f"float32_outputs= names {', '.join(sorted(set(wide) - set(self.outputs)))}, "
@@ -100,6 +102,7 @@ class Program:
         self.text = format_program(ir)
         self.backend_name = backend
         self.checked = self.factorised = ir
+        self.trace = (("rewrite", ir),)
         self.outputs = ir.outputs
         self.schedule_options = dict(schedule_options)
         self._options = dict(schedule_options)
@@ -312,9 +315,11 @@ def _checked_outputs(outputs) -> tuple[str, ...] | None:
     return names or None
 
 
-def _front_end(syntax, outputs, summaries) -> tuple[IRProgram, IRProgram]:
-    checked = check(syntax, outputs=outputs, summaries=summaries)
-    return checked, run_pipeline(checked)
+def _front_end(syntax, outputs, summaries) -> tuple[tuple[str, IRProgram], ...]:
+    """The trace of the front end: ("check", IR), then (pass name, IR) per pass."""
+    trace = [("check", check(syntax, outputs=outputs, summaries=summaries))]
+    run_pipeline(trace[0][1], observe=lambda name, ir: trace.append((name, ir)))
+    return tuple(trace)
 
 
 def _number(program: IRProgram, name: str, value):

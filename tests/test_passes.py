@@ -195,3 +195,15 @@ def test_explain_attention_golden():
                    "fields (r, l, u), identity (-inf, 0.0, 0.0)", "O[b, h, i, j] = u / l"):
         assert needle in text
     assert text == golden.read_text()
+
+
+def test_a_program_keeps_the_trace_of_its_stages_and_explain_reads_it():
+    import compiler
+    from compiler import passes
+    program = compiler.compile("P[i,m] = softmax[m](X[i,m])", backend="reference")
+    assert [name for name, _ in program.trace] == ["check", *(name for name, _ in passes.PIPELINE)]
+    assert program.trace[0][1] is program.checked and program.trace[-1][1] is program.factorised
+    # explain prints each stage that changed the program, from the trace
+    text = program.explain()
+    for (_, before), (name, after) in zip(program.trace, program.trace[1:-1]):
+        assert (f"after {name}:" in text) == (after != before), name
