@@ -1,20 +1,22 @@
 """A reduction sharded across the ranks of a torch.distributed process group.
 
-`Program.shard(index, group)` returns a ShardedProgram.  A call on each rank,
-with that rank's contiguous part of `index` in its inputs:
+`Program.shard(index, group, layout)` returns a ShardedProgram.  A call on each
+rank, with that rank's parts of `index` in its inputs (one part, or two for the
+zigzag layout):
 
 1. all-gathers the part lengths (one int64 per rank), so that each rank knows
    where its part starts and how long the whole index is;
-2. runs the local program (`passes/shard.py`): the state of every fold over
-   the index, on this rank's part, with global positions in masks (a causal
-   bound still skips what a part cannot see), states in float32;
+2. runs the local program (`passes/shard.py`) on each part: the state of every
+   fold over the index, with global positions in masks (a causal bound still
+   skips what a part cannot see), states in float32;
 3. all-gathers the states: one collective per state dtype, the states of
    every rank stacked in rank order (bytes moved per rank: (ranks - 1) x the
    state size, not the inputs);
-4. runs the merge program: each fold becomes the fold over the ranks' states
-   with the summary's own combine, in rank order, then the rest of each
-   output's expression.  Every rank returns the whole outputs, in the dtype
-   the unsharded program gives.
+4. runs the merge program: each fold becomes the fold over the parts' states
+   with the summary's own combine, in global order, then the rest of each
+   output's expression.  Every rank returns the whole of each output that does
+   not vary over the index and its parts of the others, in the dtype the
+   unsharded program gives.
 
 Under autograd the forward also returns the row statistics its gradient reads
 (`Program._saving`), and the backward runs the gradient program sharded the

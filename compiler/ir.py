@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from itertools import chain, count
 from typing import Callable, Iterator
 
 import sympy
@@ -241,6 +242,14 @@ def postorder(e: Expr, unique: bool = False) -> Iterator[Expr]:
         else:
             stack.append((node, True))
             stack.extend((c, False) for c in reversed(kids))
+
+
+def unused_name(base: str, taken, first_plain: bool = True) -> str:
+    """`base` (if first_plain), else base2, base3... (base1, base2... otherwise),
+    the first not in `taken`."""
+    taken = set(taken)
+    numbered = (f"{base}{n}" for n in count(2 if first_plain else 1))
+    return next(c for c in chain([base] if first_plain else [], numbered) if c not in taken)
 
 
 def reads(e: Expr) -> set[str]:

@@ -235,16 +235,15 @@ def test_gradients_flow_through_a_sharded_call(gloo_results, layout, backend):
             torch.testing.assert_close(got, want, **tol)
 
 
-def test_a_causal_part_skips_the_keys_it_cannot_see(gloo_results):
+def test_a_causal_part_bounds_its_loop_by_its_global_start(gloo_results):
     _, plan = gloo_results[0, "causal", "uneven", "triton"]
     assert "loop m [bounds: m <= i - m_start]" in plan
     _, plan = gloo_results[1, "causal", "zigzag", "triton"]
     assert "zigzag layout, 2 part(s) per rank" in plan
 
 
-def test_a_zigzag_part_of_odd_length_is_an_error(gloo_results):
-    # ranks hold (0, 9) keys in "empty_first"; cut in halves, 9 is odd: checked in a
-    # process group of one
+def test_a_zigzag_part_of_odd_length_is_an_error():
+    # in a process group of one, in this process: 9 keys do not cut into two halves
     import torch.distributed as dist
     store = tempfile.mktemp(prefix="einfold-store-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)

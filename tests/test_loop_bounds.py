@@ -81,9 +81,17 @@ def test_a_float_offset_is_rounded_outwards_and_nan_selects_nothing(start):
 
 
 def test_the_interior_of_a_window_drops_the_predicate_the_far_past_is_skipped():
-    source = compiler.compile(attention("m <= i and i - m < 6"), backend="triton").backend
+    backend = compiler.compile(attention("m <= i and i - m < 6"), backend="triton").backend
     ref = compiler.compile(attention("m <= i and i - m < 6"), backend="reference")
     inputs = random_inputs(ref.checked, {"i": 64, "m": 64, "c": 4, "j": 4}, dtype=torch.float32, device=DEVICE)
-    code = source.source_for(Binder(ref.checked, extents_of=source.program)(inputs), sm_count=None)
+    code = backend.source_for(Binder(ref.checked, extents_of=backend.program)(inputs), sm_count=None)
+    # the far past: the loop starts at the first tile a key of the window can be in
     assert "lo_m = tl.maximum(0, (tl.maximum(tl.min(offs_i, 0) - 5, 0)) // BLOCK_m * BLOCK_m)" in code
     assert "hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)" in code
+    # the interior tiles evaluate the window's conjunct but not the causal one; the boundary tiles both
+    interior = code[code.index("for start_m in range(lo_m, mid_m"):code.index("# the boundary tiles")]
+    boundary = code[code.index("# the boundary tiles"):]
+    causal = "(offs_m[None, :] <= offs_i[:, None])"
+    window = "(offs_i[:, None] - offs_m[None, :])"
+    assert window in interior and causal not in interior
+    assert window in boundary and causal in boundary

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from itertools import chain, count
 from dataclasses import dataclass, field, replace
 
 import sympy
@@ -38,8 +37,8 @@ from ..algebra import BUILTINS, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
 from ..algebra.moments import MAX_DEGREE, centred_moments
 from ..algebra.properties import additive, extremum
-from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, walk,
-                  with_children)
+from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, unused_name,
+                  walk, with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
 from .stabilise import factors, product, simplify
 
@@ -131,7 +130,7 @@ def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
     components = []
     taken = set(names.values())
     for k, (weight, values) in enumerate(by_weight.items()):
-        lf = names[leader] if k == 0 else _unused("r", taken)
+        lf = names[leader] if k == 0 else unused_name("r", taken)
         taken.add(lf)
         component = _rescaled_component(leader, lf, weight, values, args)
         if component is None:
@@ -257,7 +256,7 @@ def _repair_rule(st: _State, leader: Reduce) -> str | None:
     deps.sort(key=lambda d: d.args[0] != _weight_only(d, leader))     # the normaliser first: (r, l, u)
     names = dict(st.names)
     for d in deps:
-        names[d] = _unused("l" if d.args[0] == _weight_only(d, leader) else "u", names.values())
+        names[d] = unused_name("l" if d.args[0] == _weight_only(d, leader) else "u", names.values())
     comps = _rescaled_components(leader, deps, st.args, names)
     if comps is None:
         return "a weight has no repair factor free of the element (sympy)"
@@ -290,7 +289,7 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
             return f"{_fmt(d)} has degree {poly.degree()} in (x - mean), above {MAX_DEGREE}"
         centred[d] = dict((deg, c) for (deg,), c in poly.terms())
     degree = max(2, *(max(c) for c in centred.values()))
-    name = _unused("s", st.names.values(), first_plain=False)
+    name = unused_name("s", st.names.values(), first_plain=False)
     st.names[base] = name
     comp = _centred(name, st.args.abstract(base.args[0], {}), degree)
     st.components.append(comp)
@@ -317,7 +316,7 @@ def _separable_rule(st: _State, base: Reduce) -> str | None:
     if not all(body.is_polynomial(Ss) for body in bodies.values()):
         return "a reader is not a polynomial in it"
     count = to_sympy(_count(st.group.indices), table)
-    name = _unused("s", st.names.values(), first_plain=False)
+    name = unused_name("s", st.names.values(), first_plain=False)
     st.names[base] = name
     st.components.append(_base_component(base, name, st.args))
     st.handled.add(base)
@@ -328,7 +327,7 @@ def _separable_rule(st: _State, base: Reduce) -> str | None:
             if not varies(coeff):
                 term = coeff * count          # the same value at every position: times the count
             else:
-                term_name = _unused(f"{name}_p{deg}", st.names.values())
+                term_name = unused_name(f"{name}_p{deg}", st.names.values())
                 st.names[term_name] = term_name
                 term_sum = Reduce(BUILTINS["sum"], st.group.indices, (from_sympy(coeff, table),))
                 st.components.append(_base_component(term_sum, term_name, st.args))
@@ -379,7 +378,7 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
     st = _State(group, {m: [o for o in members if o is not m and o in set(walk(m)) - {m}] for m in members})
     for m in members:
         if extremum(m.summary) and not st.inside[m]:
-            st.names[m] = _unused("r", st.names.values())
+            st.names[m] = unused_name("r", st.names.values())
     for rule, _, apply in RULES:
         for anchor in members:
             if anchor in st.handled or st.inside[anchor] or not st.reading(anchor):
@@ -394,7 +393,7 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
             continue
         if st.inside[m]:
             return None          # a dependency no rule resolves: leave the group as it is
-        name = st.names.get(m) or _unused("s", st.names.values(), first_plain=False)
+        name = st.names.get(m) or unused_name("s", st.names.values(), first_plain=False)
         st.names[m] = name
         st.components.append(_base_component(m, name, st.args))
         st.replacement[m] = _finalize_from(m.summary, name, st.projection)
@@ -428,14 +427,6 @@ def _checked_laws(summary: Summary):
     """Laws are checked, never assumed: a derived summary that failed one would
     be a bug in this pass, reported as a LawError with its counterexample."""
     return require_laws(summary).laws
-
-
-def _unused(base: str, taken, first_plain: bool = True) -> str:
-    """`base` (if first_plain), else base2, base3... (base1, base2... otherwise),
-    the first not taken: field names stay unique in a product summary."""
-    taken = set(taken)
-    numbered = (f"{base}{n}" for n in count(2 if first_plain else 1))
-    return next(c for c in chain([base] if first_plain else [], numbered) if c not in taken)
 
 
 def _weight_only(d: Reduce, leader: Reduce) -> Expr:

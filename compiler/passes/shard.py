@@ -49,6 +49,7 @@ from ..ir import (
     Var,
     free_indices,
     transform,
+    unused_name,
     walk,
 )
 
@@ -83,7 +84,13 @@ def shard(program: Program, index: str) -> Sharded:
     sharded = tuple(ix for ix, symbol in program.extents if symbol == extents[index])
     taken = ({s.name for s in program.statements} | {i.name for i in program.inputs} | set(extents)
              | {n.name for s in program.statements for n in walk(s.expr) if isinstance(n, Var)})
-    start, total, rank = _fresh(f"{index}_start", taken), _fresh(f"{index}_total", taken), _fresh("rank", taken)
+
+    def fresh(base: str) -> str:
+        name = unused_name(base, taken)
+        taken.add(name)
+        return name
+
+    start, total, rank = fresh(f"{index}_start"), fresh(f"{index}_total"), fresh("rank")
 
     folds: dict[Reduce, int] = {}        # outermost folds over a sharded index -> their number
 
@@ -124,7 +131,7 @@ def shard(program: Program, index: str) -> Sharded:
     for fold, k in folds.items():
         shifted = globally(fold)
         for f in fold.summary.fields:
-            name = names[k, f.name] = _fresh(f"S{k}_{f.name}", taken)
+            name = names[k, f.name] = fresh(f"S{k}_{f.name}")
             field = replace(shifted, result=f.name)     # varies over the indices of its own arguments only
             states.append(Assign(name, tuple(ix for ix in free_indices(fold) if ix in free_indices(field)),
                                  field, f.dtype, fold.span))
@@ -138,13 +145,14 @@ def shard(program: Program, index: str) -> Sharded:
     merged = {fold: _merged(fold.summary) for fold in folds}
 
     def merge_fold(node: Expr) -> Expr:
+        # the folds in `folds` are outermost and hold none of the others (checked above)
         if isinstance(node, Reduce) and node.fold in folds:
             k = folds[node.fold]
             reads = tuple(Access(names[k, f.name], (rank, *indices[names[k, f.name]])) for f in node.summary.fields)
             return Reduce(merged[node.fold], (rank,), reads, node.result, node.span)
         return node
 
-    statements = tuple(replace(s, expr=globally(_replace_folds(s.expr, merge_fold))) for s in program.statements)
+    statements = tuple(replace(s, expr=globally(transform(s.expr, merge_fold))) for s in program.statements)
     read = {n.tensor for s in statements for n in walk(s.expr) if isinstance(n, Access)}
     merge_inputs = (*(i for i in program.inputs if i.name in read),
                     *(Input(s.name, 1 + len(s.indices)) for s in states),
@@ -153,19 +161,6 @@ def shard(program: Program, index: str) -> Sharded:
     merge = Program(statements, merge_inputs, program.outputs, extents_out, program.source)
     return Sharded(sharded, local, merge, tuple(s.name for s in states), start, total, rank,
                    any(not fold.summary.commutative for fold in folds))
-
-
-def _replace_folds(e: Expr, fn) -> Expr:
-    """`e` with `fn` applied to the outermost folds over a sharded index (and to
-    nothing inside them)."""
-    if isinstance(e, Reduce):
-        out = fn(e)
-        if out is not e:
-            return out
-    if isinstance(e, Call | Reduce):
-        args = tuple(_replace_folds(a, fn) for a in e.args)
-        return e if all(a is b for a, b in zip(args, e.args)) else replace(e, args=args)
-    return e
 
 
 def _merged(s: Summary) -> Summary:
@@ -180,12 +175,3 @@ def _used_extents(extents, statements) -> tuple:
             for ix in (n.indices if isinstance(n, Access | Reduce) else (n.name,) if isinstance(n, Index | Extent) else ())}
     used |= {ix for s in statements for ix in s.indices}
     return tuple((ix, symbol) for ix, symbol in extents if ix in used)
-
-
-def _fresh(name: str, taken: set[str]) -> str:
-    new, n = name, 1
-    while new in taken:
-        n += 1
-        new = f"{name}{n}"
-    taken.add(new)
-    return new

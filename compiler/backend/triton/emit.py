@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import keyword
-import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -860,7 +859,8 @@ class KernelEmitter:
             o = env0[b.other]
             least, most = (o.offs, o.offs) if o.scalar else (f"tl.min({o.offs}, 0)", f"tl.max({o.offs}, 0)")
             side = (most if largest else least) if b.sign > 0 else f"-{least if largest else most}"
-        offset = self.value(b.offset, T) if constant(b.offset) != 0 else None
+        c = constant(b.offset)
+        offset = self.value(b.offset, T) if c != 0 else None
         if offset is not None and offset.kind == "float":
             x = offset.code if side is None else self.assign(f"{side} + {offset.code}", (), T, stem="side").code
             n = f"{self.extent_param(b.index)}.to(tl.float32)"
@@ -875,7 +875,6 @@ class KernelEmitter:
             spare = "- 1" if outward else "+ 1"
             return f"(tl.ceil({clamped}).to(tl.int32) {spare})"
         past = 1 if b.op in ("le", "gt") else 0
-        c = constant(b.offset)
         if c is not None and side is not None:        # a constant offset: one integer
             total = int(c) + past
             return side if total == 0 else f"{side} {'+' if total > 0 else '-'} {abs(total)}"
