@@ -440,7 +440,7 @@ def compile_cost() -> list[Row]:
     return rows
 
 
-def main(out: Path, groups: list[str], quick: bool = False) -> list[Row]:
+def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | None = None) -> list[Row]:
     import compiler
     import triton
     out.mkdir(parents=True, exist_ok=True)
@@ -449,6 +449,8 @@ def main(out: Path, groups: list[str], quick: bool = False) -> list[Row]:
     bandwidth = copy_bandwidth()
     for group in groups:
         for case in GROUPS[group](compile_, quick):
+            if only and not any(text in case.name for text in only):
+                continue
             rows += run_case(case)
             print(f"  done {case.group}: {case.name}", flush=True)
     rows += compile_cost()

@@ -10,8 +10,10 @@ on stdout as each case ends, and OUT/bench_distributed.json.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import platform
 import tempfile
 import time
@@ -72,16 +74,25 @@ def _context_parallel(q, k, v, causal: bool, world: int):
     return (lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)), context
 
 
-def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
+def _worker(rank: int, world: int, store: str, quick: bool, out: str, only: list[str] | None) -> None:
     import torch.distributed as dist
 
     import compiler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # `kill -USR1` shows where a slow rank is
+    began = time.perf_counter()
+
+    def progress(step: str) -> None:
+        if rank == 0:
+            print(f"  [{time.perf_counter() - began:6.1f} s] {step}", flush=True)
+
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             device_id=device)
     rows = []
     for name, source, (b, h, s, n, d), causal, backward in _cases(quick):
+        if only and not any(text in name for text in only):
+            continue
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16, generator=g)
         k = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g)
@@ -94,6 +105,7 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
                slice((2 * world - 1 - rank) * halves, (2 * world - rank) * halves)]
         local = {"contiguous": (k[:, :, lo:hi], v[:, :, lo:hi]),
                  "zigzag": tuple(torch.cat([t[:, :, z] for z in zig], 2) for t in (k, v))}
+        progress(f"{name}: the whole program")
         program = compiler.compile(source, backend="triton")
         extra = {}                  # the backward's inputs besides Q, K, V, scale: dO, O and the row logsumexp
         if backward:
@@ -108,6 +120,7 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
         contenders = {"einfold, 1 GPU": lambda: program(Q=q, K=k, V=v, scale=scale, **extra)}
         error = {}
         for layout, sp in sharded.items():
+            progress(f"{name}: sharded, {layout}")
             kl, vl = local[layout]
             got = sp(Q=q, K=kl, V=vl, scale=scale, **extra)
             got = got if isinstance(got, tuple) else (got,)
@@ -123,6 +136,7 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str) -> None:
                                                                                               is_causal=causal))
         timings, notes, context = {}, {}, None
         for label, fn in contenders.items():
+            progress(f"{name}: timing {label}")
             timings[label] = _timed(fn, device)
         try:
             if backward:
@@ -171,11 +185,11 @@ def format_table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def main(out: Path, quick: bool = False) -> None:
+def main(out: Path, quick: bool = False, only: list[str] | None = None) -> None:
     import torch.multiprocessing as mp
     world = torch.cuda.device_count()
     if world < 2:
         raise RuntimeError(f"the distributed benchmark needs two GPUs or more; this machine has {world}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast (KINDS.md)
     store = tempfile.mktemp(prefix="einfold-bench-store-")
-    mp.spawn(_worker, args=(world, store, quick, str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, store, quick, str(out), only), nprocs=world, join=True)

@@ -191,10 +191,10 @@ def cmd_bench(args) -> int:
     groups = args.group or list(bench.GROUPS)       # the default: every group of one GPU
     if "distributed" in groups:
         from . import bench_distributed
-        bench_distributed.main(Path(args.out), quick=args.quick)
+        bench_distributed.main(Path(args.out), quick=args.quick, only=args.case)
         groups = [g for g in groups if g != "distributed"]
     if groups:
-        bench.main(Path(args.out), groups, quick=args.quick)
+        bench.main(Path(args.out), groups, quick=args.quick, only=args.case)
     return 0
 
 
@@ -295,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", action="append", choices=BENCH_GROUPS,
                    help="a group of cases to run; repeat for several (default: every group of one GPU)")
     p.add_argument("--quick", action="store_true", help="a few small shapes per group")
+    p.add_argument("--case", action="append", metavar="TEXT",
+                   help="only the cases whose name contains TEXT; repeat for several (default: every case)")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="folder for bench.csv, bench.json and bench.png (default: %(default)s)")
     p.set_defaults(run=cmd_bench)

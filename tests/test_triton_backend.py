@@ -639,3 +639,72 @@ def test_plan_lists_each_kernels_loops_in_nesting_order():
     partial, merge = split.plan(**{**small, "K": torch.randn(700, 4), "V": torch.randn(700, 3)}).kernels
     assert [loop.indices for loop in partial.loops] == [("m",)]
     assert [(loop.indices, loop.folds) for loop in merge.loops] == [((), partial.loops[0].folds)]
+
+
+# ---------------------------------------------------------------- dtype policy of tl.dot operands
+ALIBI = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale - A[h] * abs(i - m)) * V[b,h,m,j]"
+
+
+def gpu_source(source: str, **inputs) -> str:
+    """The module a GPU would run for these (CPU) inputs."""
+    program = compiler.compile(source, backend="triton")
+    return program.backend.source_for(program.binder(inputs), sm_count=None)
+
+
+def dots(module: str) -> list[str]:
+    return [line.strip() for line in module.splitlines() if "tl.dot(" in line]
+
+
+def test_a_float32_parameter_keeps_bfloat16_tensor_core_operands():
+    # float32 slopes beside bfloat16 Q, K, V: both dots stay bf16 x bf16 (P cast to V's
+    # dtype), no IEEE float32 dot; the result takes torch's promotion (float32)
+    q, k, v = (torch.randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(3))
+    module = gpu_source(ALIBI, Q=q, K=k, V=v, A=torch.rand(2), scale=0.2)
+    assert len(dots(module)) == 2 and not any("input_precision" in d for d in dots(module))
+    assert "p.to(tl.bfloat16)" in module
+    assert "float results in torch.float32" in module
+    a = torch.rand(2)
+    got = compiler.compile(ALIBI, backend="triton")(Q=q, K=k, V=v, A=a, scale=0.2)
+    want = compiler.compile(ALIBI, backend="reference")(Q=q, K=k, V=v, A=a, scale=0.2)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+def test_float32_statistics_keep_a_gradient_programs_dots_in_bfloat16():
+    # the saved row logsumexp is float32 beside bf16 tensors; every dot of dQ, dK, dV stays bf16
+    causal = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
+    gradient = compiler.grad(causal, saved=True).text
+    t = {n: torch.randn(1, 2, 64, 32, dtype=torch.bfloat16) for n in ("Q", "K", "V", "O", "dO")}
+    module = gpu_source(gradient, **t, lse_O=torch.randn(1, 2, 64), scale=0.2)
+    assert len(dots(module)) >= 4 and not any("input_precision" in d for d in dots(module))
+
+
+def test_mixed_matrix_dtypes_promote_and_float32_dots_follow_torchs_tf32_setting():
+    a = torch.randn(64, 32, dtype=torch.bfloat16)
+    b = torch.randn(32, 48, dtype=torch.float32)
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "ieee"
+        module = gpu_source("C[i,j] = A[i,k] * B[k,j]", A=a, B=b)
+        assert dots(module) and all('input_precision="ieee"' in d for d in dots(module))
+        matmul.fp32_precision = "tf32"
+        module = gpu_source("C[i,j] = A[i,k] * B[k,j]", A=a, B=b)
+        assert dots(module) and all('input_precision="tf32"' in d for d in dots(module))
+        # bf16 x bf16 has no precision to choose
+        module = gpu_source("C[i,j] = A[i,k] * B[k,j]", A=a, B=b.bfloat16())
+        assert dots(module) and not any("input_precision" in d for d in dots(module))
+    finally:
+        matmul.fp32_precision = before
+
+
+@gpu
+def test_gpu_alibi_with_float32_slopes_and_bfloat16_tensors():
+    q, k, v = bench_inputs((2, 8, 1000, 64), (2, 8, 1000, 64), (2, 8, 1000, 64), dtype=torch.bfloat16)
+    a = torch.rand(8, device="cuda")
+    got = compiler.compile(ALIBI, backend="triton")(Q=q, K=k, V=v, A=a, scale=0.125)
+    i = torch.arange(1000, device="cuda")
+    bias = -a.double()[:, None, None] * (i[:, None] - i[None, :]).abs().double()
+    want = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.125 + bias, -1) @ v.double()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

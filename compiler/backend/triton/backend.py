@@ -73,6 +73,16 @@ def _pass_names() -> tuple[str, ...]:
 _SM_COUNTS: dict[int, int] = {}
 
 
+def _tf32_allowed() -> bool:
+    """Whether torch's float32 matmuls on CUDA may use TF32 (`torch.backends.cuda.matmul.
+    fp32_precision`, which the older `allow_tf32` and `torch.set_float32_matmul_precision`
+    also set); einfold's float32 tl.dot follows it."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def _sm_count(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -113,14 +123,15 @@ class TritonBackend:
                 inputs.append((decl.name, "number", 0, None))
         interpret = self.interpreted(binding)
         return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
-                         None if interpret else _sm_count(binding.device), interpret)
+                         None if interpret else _sm_count(binding.device), interpret,
+                         tf32=not interpret and _tf32_allowed())
 
     def source_for(self, binding: Binding, *, sm_count: int | None = None) -> str:
         """The module these inputs would run as compiled kernels on a GPU (with
         `sm_count` SMs; None: no automatic split), without running anything."""
         from dataclasses import replace
         sig = self.signature(binding, self._extents(binding))
-        return self.build(replace(sig, interpret=False, sm_count=sm_count)).source
+        return self.build(replace(sig, interpret=False, sm_count=sm_count, tf32=_tf32_allowed())).source
 
     def build(self, signature: Signature) -> Built:
         built = self._sources.get(signature)

@@ -129,6 +129,7 @@ class Value:
     const: object = None               # Python value of a literal
     raw: str | None = None             # a load in its stored dtype (for tl.dot)
     raw_dtype: object = None
+    user_tensor: bool = False          # raw reads a program input (not a buffer of this module)
     zero: frozenset = frozenset()      # axes outside whose extent the value is exactly 0
     level: int = 0                     # the scope level it is defined at (at least its axes' levels)
     bounds: tuple[int, int] | None = None  # an int value's range (decides when it needs 64 bits)
@@ -164,6 +165,7 @@ class Signature:
     dtype: torch.dtype                                  # float results
     sm_count: int | None                                # None: no auto split (no GPU)
     interpret: bool = False                             # kernels run under Triton's interpreter
+    tf32: bool = False                                  # float32 tl.dot in TF32 (torch's matmul setting)
 
     def extent(self, name: str) -> int:
         return dict(self.extents)[name]
@@ -201,10 +203,9 @@ class ModuleContext:
         self.sig = signature
         self.fresh_names = fresh_names
         self.cdt = "tl.float64" if signature.dtype == torch.float64 else "tl.float32"
-        self.dot_dtype = None if signature.dtype == torch.float64 else (
-            signature.dtype if signature.dtype in (torch.float16, torch.bfloat16) else torch.float32)
-        if signature.interpret and self.dot_dtype == torch.bfloat16:
-            self.dot_dtype = torch.float32      # Triton's interpreter multiplies bfloat16 tiles wrongly
+        # the operand dtype of a tl.dot none of whose matrices is read from memory (None: no tl.dot)
+        self.dot_dtype = None if signature.dtype == torch.float64 else signature.dtype
+        self.input_names = {name for name, *_ in signature.inputs}
         self.tensors: dict[str, TensorInfo] = {
             name: TensorInfo(kind, rank, dtype) for name, kind, rank, dtype in signature.inputs}
         self.helpers: set[str] = set()
@@ -637,7 +638,8 @@ class KernelEmitter:
             place.lines.append(f"{raw} = tl.load({address})")
         stored = TL_DTYPES.get(info.dtype)
         code = raw if stored == self.ctx.cdt else f"{raw}.to({self.ctx.cdt})"
-        return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)))
+        return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)),
+                     user_tensor=e.tensor in self.ctx.input_names)
 
     def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
         info = self.ctx.tensors[name]
@@ -976,15 +978,37 @@ class KernelEmitter:
         a, b = sorted(sides, key=lambda ax: ax.id)
         if min(a.block, b.block, c.block) < 16:
             return None
-        return a, sides[a] + only_c, b, sides[b], c, outer
+        dtype = self.operand_dtype(sides[a] + sides[b])
+        if dtype is None:
+            return None
+        return a, sides[a] + only_c, b, sides[b], c, outer, dtype
 
-    def dot_operand(self, fs: list[Value], rows: Axis, cols: Axis, c: Axis, body: Scope) -> str:
-        """One tl.dot operand laid out [rows, cols], zero outside c's extent, in the dot dtype."""
-        want = TL_DTYPES[self.ctx.dot_dtype]
+    def operand_dtype(self, matrices: list[Value]) -> torch.dtype | None:
+        """The dtype of a tl.dot's operands: the promoted storage dtype of its
+        matrix factors read from memory, so that bf16 x bf16 stays a bf16 dot
+        (float32 accumulation) whatever else joins the arithmetic (float32
+        statistics, slopes, scales); computed operands (softmax probabilities,
+        this module's float32 buffers) are cast to it, as FlashAttention casts
+        P to V's dtype.  A product of computed matrices only takes the module's
+        float dtype.  None: no tl.dot
+        (float64)."""
+        stored = [f.raw_dtype for f in matrices if f.raw is not None and f.user_tensor]
+        dtype = stored[0] if stored else self.ctx.dot_dtype
+        for other in stored[1:]:
+            dtype = torch.promote_types(dtype, other)
+        if dtype == torch.float64:
+            return None
+        if self.ctx.sig.interpret and dtype == torch.bfloat16:
+            return torch.float32        # Triton's interpreter multiplies bfloat16 tiles wrongly
+        return dtype
+
+    def dot_operand(self, fs: list[Value], rows: Axis, cols: Axis, c: Axis, dtype, body: Scope) -> str:
+        """One tl.dot operand laid out [rows, cols], zero outside c's extent, in `dtype`."""
+        want = TL_DTYPES[dtype]
         target = sort_axes([rows, cols] + [a for f in fs for a in f.axes])
         if len(fs) == 1 and c in fs[0].zero:
             f = fs[0]
-            if f.raw is not None and f.raw_dtype == self.ctx.dot_dtype:
+            if f.raw is not None and f.raw_dtype == dtype:
                 code = f.raw
             elif f.raw is None and want == self.ctx.cdt:
                 code = self.expand(f, target)
@@ -999,10 +1023,12 @@ class KernelEmitter:
         body.lines.append(f"{name} = {code}")
         return name
 
-    def emit_dot(self, a, A, b, B, c, outer, body) -> Value:
-        left = self.dot_operand(A, a, c, c, body)
-        right = self.dot_operand(B, c, b, c, body)
-        precision = ', input_precision="ieee"' if self.ctx.dot_dtype == torch.float32 else ""
+    def emit_dot(self, a, A, b, B, c, outer, dtype, body) -> Value:
+        left = self.dot_operand(A, a, c, c, dtype, body)
+        right = self.dot_operand(B, c, b, c, dtype, body)
+        # float32 operands: TF32 tensor cores only where torch's matmuls may use them
+        precision = f', input_precision="{"tf32" if self.ctx.sig.tf32 else "ieee"}"' \
+            if dtype == torch.float32 else ""
         axes = sort_axes([a, b] + [x for f in A + B for x in f.axes if x is not c])
         v = self.assign(f"tl.dot({left}, {right}{precision})", axes, body)
         for f in outer:

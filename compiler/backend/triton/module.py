@@ -152,8 +152,9 @@ class ModuleBuilder:
         lines.append(f"# outputs: {', '.join(self.outputs)}; float results in {self.sig.dtype}")
         lines.append("# specialised to extents: " + ", ".join(f"{k}={v}" for k, v in self.sig.extents))
         if self.sig.interpret:
+            bfloat16 = any(dtype == torch.bfloat16 for _, _, _, dtype in self.sig.inputs)
             lines.append("# for Triton's interpreter" + (" (bfloat16 tl.dot operands widened to float32)"
-                                                         if self.sig.dtype == torch.bfloat16 else ""))
+                                                         if bfloat16 else ""))
         lines += [f"# note: {n}" for n in self.notes]
         return lines
 
