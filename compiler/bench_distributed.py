@@ -1,6 +1,7 @@
 """`einfold bench --group distributed`: a reduction sharded over the GPUs of one
-host (`Program.shard`) against one GPU running the whole problem, and against
-PyTorch's context-parallel SDPA where this torch has it, in one run.
+host (`Program.shard`; for prefill also with the queries sharded and K/V
+passed around a ring, `rows="i"`) against one GPU running the whole problem,
+and against PyTorch's context-parallel SDPA where this torch has it, in one run.
 
 One process per GPU (NCCL).  Every contender runs the same number of times on
 every rank (a collective inside would otherwise wait forever); its time is the
@@ -52,6 +53,18 @@ def _cases(quick: bool):
             (f"decode L={long_kv}", ATTENTION, (4, 32, 1, long_kv, 128), False, False)]
 
 
+def _sequence_part(t: torch.Tensor, layout: str, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of dimension 2 (the sequence) of `t` in `layout` (zigzag: parts
+    rank and 2W - 1 - rank of 2W)."""
+    n = t.shape[2]
+    if layout == "contiguous":
+        part = n // world
+        return t[:, :, rank * part:(rank + 1) * part if rank < world - 1 else n]
+    halves = n // (2 * world)
+    late = 2 * world - 1 - rank
+    return torch.cat([t[:, :, rank * halves:(rank + 1) * halves], t[:, :, late * halves:(late + 1) * halves]], 2)
+
+
 def _sdpa_backward(q, k, v, do, causal: bool):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -98,13 +111,9 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str, only: list
         k = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g)
         v = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g)
         scale = d ** -0.5
-        part = n // world
-        lo, hi = rank * part, (rank + 1) * part if rank < world - 1 else n
-        halves = n // (2 * world)          # zigzag: parts rank and 2W - 1 - rank of 2W
-        zig = [slice(rank * halves, (rank + 1) * halves),
-               slice((2 * world - 1 - rank) * halves, (2 * world - rank) * halves)]
-        local = {"contiguous": (k[:, :, lo:hi], v[:, :, lo:hi]),
-                 "zigzag": tuple(torch.cat([t[:, :, z] for z in zig], 2) for t in (k, v))}
+        lo = rank * (n // world)
+        local = {layout: tuple(_sequence_part(t, layout, rank, world) for t in (k, v))
+                 for layout in ("contiguous", "zigzag")}
         progress(f"{name}: the whole program")
         program = compiler.compile(source, backend="triton")
         extra = {}                  # the backward's inputs besides Q, K, V, scale: dO, O and the row logsumexp
@@ -129,6 +138,16 @@ def _worker(rank: int, world: int, store: str, quick: bool, out: str, only: list
                                 for a, w in zip(got, whole) if a.shape == w.shape)
             contenders[f"einfold, K/V {layout} over {world} GPUs"] = \
                 lambda sp=sp, kl=kl, vl=vl: sp(Q=q, K=kl, V=vl, scale=scale, **extra)
+        if not backward and s == n:       # prefill: the queries sharded too, K/V around a ring
+            for layout in layouts:
+                ring = program.shard("m", layout=layout, rows="i")
+                ql, (kl, vl) = _sequence_part(q, layout, rank, world), local[layout]
+                progress(f"{name}: ring, {layout}")
+                got = ring(Q=ql, K=kl, V=vl, scale=scale)
+                want = _sequence_part(whole[0], layout, rank, world).float()
+                error[f"ring {layout}"] = float((got.float() - want).norm() / want.norm())
+                contenders[f"einfold, Q, K/V {layout} ring over {world} GPUs"] = \
+                    lambda ring=ring, ql=ql, kl=kl, vl=vl: ring(Q=ql, K=kl, V=vl, scale=scale)
         plan = sharded["contiguous"].plan(Q=q, K=local["contiguous"][0], V=local["contiguous"][1], scale=scale,
                                           **extra)
         contenders["SDPA, 1 GPU"] = (_sdpa_backward(q, k, v, extra.get("dO"), causal) if backward else

@@ -108,10 +108,12 @@ def cmd_ir(args) -> int:
             print(f"# after {name}")
             print(format_program(ir), end="")
 
+    if args.rows and not args.shard:
+        raise _UsageError("--rows shards the outputs' rows beside a reduction: it needs --shard INDEX")
     final = run_pipeline(program, observe=observe)
     if args.shard:
         from .passes.shard import shard
-        print(shard(final, args.shard), end="")     # the local and merge programs of a sharded reduction
+        print(shard(final, args.shard, args.rows), end="")     # the local and merge programs of a sharded reduction
         return 0
     if wanted is None:
         print(format_program(final), end="")
@@ -249,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", metavar="INDEX",
                    help="print the two programs a reduction over INDEX sharded across processes runs "
                         "(Program.shard): each rank's local program and the merge of every rank's states")
+    p.add_argument("--rows", metavar="INDEX",
+                   help="with --shard: the outputs' rows sharded too (context parallelism; the inputs over "
+                        "the --shard index go around a ring)")
     p.set_defaults(run=cmd_ir)
 
     p = _command(sub, "grad", "print the gradient program: the forward inputs and an upstream gradient "

@@ -21,6 +21,14 @@ zigzag layout):
 Under autograd the forward also returns the row statistics its gradient reads
 (`Program._saving`), and the backward runs the gradient program sharded the
 same way (`_ShardedCall`).
+
+With `rows` (context parallelism: the queries sharded as well), each rank holds
+its part of the rows and of `index`; the states of its rows need every part
+of `index`, so the inputs over `index` (K and V) travel around a ring of the
+ranks instead: at each of W steps a rank sends the part it holds to the next
+rank while it runs the local program on that part, and receives the previous
+rank's.  The W (zigzag: 2W) states of its rows then merge in global order with
+the same merge program; nothing else is exchanged.
 """
 from __future__ import annotations
 
@@ -51,6 +59,11 @@ class ShardedPlan:
                 f"merge (each rank, on every rank's states):\n{_indented(self.merge)}")
 
 
+def _part_extent(binding, index: str, rows: slice | None, row_indices: tuple[str, ...]) -> int:
+    """The extent of `index` in one local call: a rows index takes its part's length."""
+    return rows.stop - rows.start if rows is not None and index in row_indices else binding.extents[index]
+
+
 def _indented(plan: Plan) -> str:
     return "\n".join("  " + line for line in str(plan).splitlines())
 
@@ -67,14 +80,16 @@ class ShardedProgram:
     work, as in PyTorch's load-balanced context parallelism).  Parts may differ
     in length; a zigzag rank's two parts are the halves of its local extent."""
 
-    def __init__(self, program: Program, index: str, group=None, layout: str = "contiguous"):
+    def __init__(self, program: Program, index: str, group=None, layout: str = "contiguous",
+                 rows: str | None = None):
         if layout not in LAYOUTS:
             raise ShardError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
         self.program = program
         self.index = index
         self.group = group
         self.layout = layout
-        self.sharded: Sharded = deep(lambda: shard(program.factorised, index), what="the program",
+        self.rows = rows
+        self.sharded: Sharded = deep(lambda: shard(program.factorised, index, rows), what="the program",
                                      source=program.text)
         options = {k: v for k, v in program.schedule_options.items() if k != "float32_outputs"}
         # states stay float32 whatever the inputs' dtype (a bf16 running sum loses the merge)
@@ -98,9 +113,33 @@ class ShardedProgram:
         self._merge_per_part = (any(d is not None for d in self._joined.values())
                                 or self.sharded.start in self._merge_inputs)
         self._gradients: dict[tuple[str, ...], ShardedProgram] = {}     # wrt -> sharded gradient program
+        # with rows: tensor -> its dimensions indexed by the rows index, and the tensors the ring moves
+        self._row_cut: dict[str, tuple[int, ...]] = {}
+        if rows is not None:
+            self._check_rows(statements)
+
+    def _check_rows(self, statements: dict) -> None:
+        """What sharding the rows as well needs of the program (see __call__)."""
+        for st in self.program.checked.statements:
+            for node in walk(st.expr):
+                if isinstance(node, Access):
+                    dims = tuple(d for d, ix in enumerate(node.indices) if ix in self.sharded.rows)
+                    if dims and node.tensor in self._cut:
+                        raise ShardError(f"'{node.tensor}' is indexed by the rows index '{self.rows}' and by the "
+                                         f"sharded index '{self.index}': with rows sharded, a tensor holds a part "
+                                         f"of one of them", self.program.text, node.span)
+                    if dims:
+                        self._row_cut[node.tensor] = dims
+        for o in self.program.outputs:
+            if self._joined[o] is not None:
+                raise ShardError(f"output '{o}' varies over the sharded index '{self.index}': with rows sharded, "
+                                 f"outputs vary over the rows only", self.program.text, statements[o].span)
+        self._joined = {o: next((d for d, ix in enumerate(statements[o].indices) if ix in self.sharded.rows), None)
+                        for o in self.program.outputs}
 
     def __repr__(self) -> str:
-        return f"<einfold.ShardedProgram {self.program.outputs} over {self.index} ({self.layout})>"
+        rows = f", rows {self.rows}" if self.rows else ""
+        return f"<einfold.ShardedProgram {self.program.outputs} over {self.index}{rows} ({self.layout})>"
 
     def _group_size_and_rank(self) -> tuple[int, int]:
         dist = torch.distributed
@@ -126,15 +165,33 @@ class ShardedProgram:
         order = [2 * g if g < world else 2 * (2 * world - 1 - g) + 1 for g in range(2 * world)]
         return mine, order
 
-    def _narrowed(self, inputs: dict, names, part: slice) -> dict:
+    def _narrowed(self, inputs: dict, names, part: slice, cut: dict | None = None) -> dict:
+        """`inputs` among `names`, the tensors in `cut` (default: those over the
+        sharded index) narrowed to `part` along their cut dimensions."""
+        cut = self._cut if cut is None else cut
         out = {}
         for k, v in inputs.items():
             if k not in names:
                 continue
-            for d in self._cut.get(k, ()) if isinstance(v, torch.Tensor) else ():
+            for d in cut.get(k, ()) if isinstance(v, torch.Tensor) else ():
                 v = v.narrow(d, part.start, part.stop - part.start)
             out[k] = v
         return out
+
+    def _layout(self, lengths: list[int], owner: int, what: str) -> list[tuple[slice, int, int]]:
+        """The parts of `owner`'s local extent (`lengths[owner]`), as (local slice,
+        global start, position among the parts in global order)."""
+        world, extent = len(lengths), lengths[owner]
+        if self.layout == "contiguous":
+            return [(slice(0, extent), sum(lengths[:owner]), owner)]
+        if extent % 2:
+            raise ShardError(f"the zigzag layout cuts each rank's part of '{what}' in two halves, and rank "
+                             f"{owner}'s part has an odd length ({extent})")
+        halves = [n // 2 for n in lengths]
+        ordered = halves + halves[::-1]                 # the 2W parts in global order
+        late = 2 * world - 1 - owner
+        return [(slice(0, extent // 2), sum(ordered[:owner]), owner),
+                (slice(extent // 2, extent), sum(ordered[:late]), late)]
 
     def __call__(self, *args, **inputs):
         """Run on this rank's part of the inputs; every rank gets the whole of each
@@ -150,6 +207,10 @@ class ShardedProgram:
         if args:
             self.program._positional_error(args)
         if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values()):
+            if self.rows is not None:
+                raise ShardError(f"gradients of a call with the rows '{self.rows}' sharded are not derived: their "
+                                 f"folds over the rows would need every rank's rows; shard '{self.index}' alone "
+                                 f"(rows replicated) to train through it")
             names = tuple(i.name for i in self.program.checked.inputs)
             if inputs.keys() != set(names):
                 self.program.binder(inputs)      # names what is wrong (a BindError)
@@ -159,6 +220,8 @@ class ShardedProgram:
 
     def _run(self, inputs: dict):
         """The outputs for this rank's `inputs`, outside autograd."""
+        if self.rows is not None:
+            return self._run_ring(inputs)
         world, rank = self._group_size_and_rank()
         binding = self.program.binder(inputs)            # names any mistake in the inputs
         extent = binding.extents[self.index]
@@ -185,12 +248,78 @@ class ShardedProgram:
                                              self.sharded.total: total}.items() if k in self._merge_inputs})
             found = self.merge._run({**merge, **gathered})
             merges.append(found if isinstance(found, tuple) else (found,))
+        return self._joined_outputs(merges, binding)
+
+    def _run_ring(self, inputs: dict):
+        """The outputs for this rank's rows (`rows` sharded): the inputs over the
+        index go around the ring, each rank merges the states of its own rows."""
+        world, rank = self._group_size_and_rank()
+        binding = self.program.binder(inputs)
+        mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64,
+                            device=binding.device)
+        # one host read per call: the parts' lengths size the buffers the ring receives into
+        lengths, row_lengths = self._gather(mine, world).T.tolist()
+        sharded = self.sharded
+        row_parts = self._layout(row_lengths, rank, self.rows)
+        totals = {sharded.total: float(sum(lengths)), sharded.rows_total: float(sum(row_lengths))}
+        moving = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
+        states: list[list[tuple[int, tuple]]] = [[] for _ in row_parts]     # per row part: (position, states)
+        for step in range(world):
+            owner = (rank - step) % world          # whose part of the index this rank holds now
+            pending = self._pass_on(moving, lengths[(owner - 1) % world], world, rank) if step < world - 1 else None
+            for part, start, position in self._layout(lengths, owner, self.index):
+                held = self._narrowed({**inputs, **moving}, self._local_inputs, part)
+                for k, (rows, row_start, _) in enumerate(row_parts):
+                    local = self._narrowed(held, self._local_inputs, rows, self._row_cut)
+                    local.update({sharded.start: float(start), sharded.rows_start: float(row_start), **totals})
+                    found = self.local._run({n: v for n, v in local.items() if n in self._local_inputs})
+                    states[k].append((position, found if isinstance(found, tuple) else (found,)))
+            if pending is not None:
+                moving = pending()
+        merges = []
+        for (rows, row_start, _), found in zip(row_parts, states):
+            found.sort(key=lambda pair: pair[0])                    # global order of the parts
+            stacked = {n: torch.stack([f[1][j] for f in found]) for j, n in enumerate(sharded.states)}
+            merge = self._narrowed(inputs, self._merge_inputs, rows, self._row_cut)
+            merge.update({n: v for n, v in {sharded.rows_start: float(row_start), **totals}.items()
+                          if n in self._merge_inputs})
+            out = self.merge._run({**merge, **stacked})
+            merges.append(out if isinstance(out, tuple) else (out,))
+        return self._joined_outputs(merges, binding)
+
+    def _joined_outputs(self, merges: list[tuple], binding):
+        """The outputs from the merge program's results per part: an output over a
+        sharded index joined along it, the others from the first part; floats in
+        the dtype the unsharded program gives."""
         results = tuple(torch.cat([m[k] for m in merges], self._joined[o]) if self._joined[o] is not None
                         else merges[0][k] for k, o in enumerate(self.program.outputs))
         wide = self.program.schedule_options.get("float32_outputs", ())
         results = tuple(r.to(binding.float_dtype(o in wide)) if r.is_floating_point() else r
                         for o, r in zip(self.program.outputs, results))
         return results[0] if len(results) == 1 else results
+
+    def _pass_on(self, held: dict[str, torch.Tensor], incoming: int, world: int, rank: int):
+        """Send the tensors `held` to the next rank of the ring and receive the previous
+        rank's (whose part of the index has length `incoming`), without waiting;
+        returns the function that waits and gives the received tensors."""
+        dist = torch.distributed
+        peer = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
+        received, ops = {}, []
+        for n, t in held.items():
+            t = t.contiguous()
+            shape = list(t.shape)
+            for d in self._cut[n]:
+                shape[d] = incoming
+            received[n] = torch.empty(shape, dtype=t.dtype, device=t.device)
+            ops.append(dist.P2POp(dist.isend, t, peer((rank + 1) % world), self.group))
+            ops.append(dist.P2POp(dist.irecv, received[n], peer((rank - 1) % world), self.group))
+        requests = dist.batch_isend_irecv(ops)
+
+        def wait() -> dict[str, torch.Tensor]:
+            for r in requests:
+                r.wait()
+            return received
+        return wait
 
     @cached_property
     def _saving(self) -> ShardedProgram:
@@ -239,18 +368,31 @@ class ShardedProgram:
         extent = binding.extents[self.index]
         parts = 1 if self.layout == "contiguous" else 2
         first = slice(0, extent // parts)
+        rows = slice(0, binding.extents[self.rows] // parts) if self.rows else None
         position = torch.zeros((), dtype=torch.float32, device=device)
+        scalars = (self.sharded.start, self.sharded.total, self.sharded.rows_start, self.sharded.rows_total)
         local = self._narrowed(inputs, self._local_inputs, first)
-        local.update({self.sharded.start: position, self.sharded.total: position})
+        if rows is not None:
+            local = self._narrowed(local, self._local_inputs, rows, self._row_cut)
+        local.update({k: position for k in scalars if k in self._local_inputs})
         local_plan = self.local.plan(**local)
         states = {}
         for s in self.sharded.local.statements:
-            shape = [world * parts, *(binding.extents[ix] for ix in s.indices)]
+            shape = [world * parts, *(_part_extent(binding, ix, rows, self.sharded.rows) for ix in s.indices)]
             dtype = torch.float32 if s.dtype == "float" else torch.int64
             states[s.name] = torch.empty(shape, dtype=dtype, device=device)
-        merge = self._narrowed(inputs, self._merge_inputs, first)
-        merge.update({k: position for k in (self.sharded.start, self.sharded.total) if k in self._merge_inputs})
+        merge = self._narrowed(inputs, self._merge_inputs, rows if rows is not None else first,
+                               self._row_cut if rows is not None else None)
+        merge.update({k: position for k in scalars if k in self._merge_inputs})
         merge_plan = self.merge.plan(**merge, **states)
+        if rows is not None:
+            moved = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
+            size = sum(t.numel() * t.element_size() for t in moved.values())
+            exchange = (f"{self.layout} layout of '{self.index}' and of the rows '{self.rows}', {parts} part(s) "
+                        f"per rank; ring: {world - 1} step(s), each passing this rank's part of "
+                        f"{', '.join(moved)} ({size} bytes) to the next rank while the local program runs; "
+                        f"states stay on their rank ({world * parts} per row part, merged in global order)")
+            return ShardedPlan(local_plan, exchange, merge_plan)
         size = parts * sum(t[0].numel() * t.element_size() for t in states.values())
         exchange = (f"{self.layout} layout, {parts} part(s) per rank; all-gather of {len(states)} state "
                     f"tensor(s) ({', '.join(states)}), {size} bytes per rank, {size * (world - 1)} bytes "

@@ -224,7 +224,7 @@ class Program:
         every extent 128); for the reference backend, the IR it evaluates."""
         return deep(lambda: self.backend.source, what="the program", source=self.text)
 
-    def shard(self, index: str, group=None, layout: str = "contiguous"):
+    def shard(self, index: str, group=None, layout: str = "contiguous", rows: str | None = None):
         """This program with the reduction over `index` sharded across the ranks
         of a torch.distributed process group (None: the default group): each
         rank passes the inputs with only its own part of `index` (`layout`
@@ -239,12 +239,22 @@ class Program:
         way: an input indexed by `index` gets the gradient of its part, the
         others the whole gradient.
 
+        `rows` (context parallelism): an index of the outputs sharded as well,
+        in the same layout (the queries of attention).  Each rank then passes
+        its part of the rows too, and of the tensors over `index` (K, V), which
+        travel around a ring of the ranks while each rank summarises its rows
+        against every part; it gets its rows of each output.  No states are
+        exchanged.  A tensor may be indexed by `rows` or by `index`, not both;
+        outputs vary over the rows, not over `index`; such a call has no
+        gradient.
+
         Raises:
             ShardError: the program has no reduction over `index`, or one such
-                reduction sits inside another.
+                reduction sits inside another; with `rows`, a reduction over
+                the rows, a tensor over both indices or an output over `index`.
         """
         from .distributed import ShardedProgram
-        return ShardedProgram(self, index, group, layout)
+        return ShardedProgram(self, index, group, layout, rows)
 
     def explain(self) -> str:
         """The derivation, pass by pass, as text (what `einfold explain`

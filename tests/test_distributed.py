@@ -57,6 +57,23 @@ CASES = {
 # the ranks' part lengths, rank 0 first, and the layout
 SPLITS = {"uneven": ((5, 8), "contiguous"), "empty_first": ((0, 9), "contiguous"),
           "zigzag": ((6, 8), "zigzag")}
+# context parallelism (`shard(index, rows=...)`): the rows sharded too, the inputs over the
+# index passed around the ring.  name -> (source, index, rows, inputs(generator, n rows,
+# n index), options); the rows' part lengths per split below
+RING_CASES = {
+    "ring_causal": (_attention("m <= i"), "m", "i",
+                    lambda g, r, n: {"Q": torch.randn(r, 4, generator=g), "K": torch.randn(n, 4, generator=g),
+                                     "V": torch.randn(n, 3, generator=g), "scale": 0.5}, {}),
+    "ring_bottom_right_causal": (_attention("m <= i + len(m) - len(i)"), "m", "i",
+                                 lambda g, r, n: {"Q": torch.randn(r, 4, generator=g) * 20,
+                                                  "K": torch.randn(n, 4, generator=g),
+                                                  "V": torch.randn(n, 3, generator=g), "scale": 0.5}, {}),
+    "ring_affine_scan": ("Y[i] = affine[m](A[m] * X[i], B[m])", "m", "i",
+                         lambda g, r, n: {"X": torch.rand(r, generator=g) + 0.5,
+                                          "A": torch.rand(n, generator=g) + 0.5, "B": torch.randn(n, generator=g)},
+                         {"summaries": [AFFINE]}),
+}
+RING_ROWS = {"uneven": (3, 4), "empty_first": (0, 5), "zigzag": (4, 6)}
 BACKENDS = ("triton", "reference")
 WORLD = 2
 
@@ -78,6 +95,16 @@ def _sharded_axes(program, index):
     return {k: sorted(v) for k, v in axes.items() if v}
 
 
+def _pieces(lengths, layout, rank):
+    """This rank's parts of an axis cut into `lengths` (rank 0 first) in `layout`, as (start, stop)."""
+    if layout == "contiguous":
+        a = sum(lengths[:rank])
+        return [(a, a + lengths[rank])]
+    halves = [n // 2 for n in lengths] + [n // 2 for n in reversed(lengths)]
+    starts = [sum(halves[:g]) for g in range(2 * WORLD)]
+    return [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * WORLD - 1 - rank)]
+
+
 def run_case(name, split, backend, rank, device):
     source, index, make, options = CASES[name]
     lengths, layout = SPLITS[split]
@@ -87,13 +114,7 @@ def run_case(name, split, backend, rank, device):
               for k, v in make(torch.Generator().manual_seed(1), sum(lengths)).items()}
     whole = program(**inputs)
     whole = whole if isinstance(whole, tuple) else (whole,)
-    if layout == "contiguous":
-        a = sum(lengths[:rank])
-        pieces = [(a, a + lengths[rank])]
-    else:           # 2W parts: rank r holds parts r and 2W - 1 - r, each half of its length
-        halves = [n // 2 for n in lengths] + [n // 2 for n in reversed(lengths)]
-        starts = [sum(halves[:g]) for g in range(2 * WORLD)]
-        pieces = [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * WORLD - 1 - rank)]
+    pieces = _pieces(lengths, layout, rank)
 
     def cut(value, axes):
         return torch.cat([_part(value, axes, a, b) for a, b in pieces], axes[0]) if axes else value
@@ -111,6 +132,31 @@ def run_case(name, split, backend, rank, device):
     return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], plan
 
 
+def run_ring_case(name, split, backend, rank, device):
+    source, index, rows, make, options = RING_CASES[name]
+    lengths, layout = SPLITS[split]
+    row_lengths = RING_ROWS[split]
+    program = compiler.compile(source, backend=backend, **options)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
+              for k, v in make(torch.Generator().manual_seed(1), sum(row_lengths), sum(lengths)).items()}
+    whole = program(**inputs)
+    whole = whole if isinstance(whole, tuple) else (whole,)
+
+    def cut(value, axes, pieces):
+        return torch.cat([_part(value, axes, a, b) for a, b in pieces], axes[0]) if axes else value
+
+    by_index, by_rows = _sharded_axes(program, index), _sharded_axes(program, rows)
+    mine, my_rows = _pieces(lengths, layout, rank), _pieces(row_lengths, layout, rank)
+    part = {k: cut(cut(v, by_index.get(k, ()), mine), by_rows.get(k, ()), my_rows) if isinstance(v, torch.Tensor)
+            else v for k, v in inputs.items()}
+    sharded = program.shard(index, layout=layout, rows=rows)
+    got = sharded(**part)
+    got = got if isinstance(got, tuple) else (got,)
+    want = tuple(cut(w, [0], my_rows) for w in whole)       # every output here is over the rows first
+    return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], str(sharded.plan(**part))
+
+
 def run_autograd_case(layout, backend, rank, device):
     """Causal attention under autograd, K and V sharded: Q's gradient is whole on
     every rank, K's and V's are this rank's parts of the whole program's."""
@@ -123,13 +169,7 @@ def run_autograd_case(layout, backend, rank, device):
     weight = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     whole = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     (program(**whole) * weight).sum().backward()
-    if layout == "contiguous":
-        a = sum(lengths[:rank])
-        pieces = [(a, a + lengths[rank])]
-    else:
-        halves = [n // 2 for n in lengths] + [n // 2 for n in reversed(lengths)]
-        starts = [sum(halves[:g]) for g in range(2 * WORLD)]
-        pieces = [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * WORLD - 1 - rank)]
+    pieces = _pieces(lengths, layout, rank)
     def cut(t):
         return torch.cat([t[a:b] for a, b in pieces])
     ours = {"Q": inputs["Q"].clone().requires_grad_(), "K": cut(inputs["K"]).requires_grad_(),
@@ -174,6 +214,15 @@ def _worker(rank, store, device_kind, queue):
                         queue.put((rank, name, split, be, _by_value(run_case(name, split, be, rank, device))))
                     except Exception as e:           # reported, and the test fails naming it
                         queue.put((rank, name, split, be, repr(e)))
+        for name in RING_CASES:
+            for split in SPLITS:
+                for be in BACKENDS:
+                    if device_kind == "cuda" and be == "reference":
+                        continue
+                    try:
+                        queue.put((rank, name, split, be, _by_value(run_ring_case(name, split, be, rank, device))))
+                    except Exception as e:
+                        queue.put((rank, name, split, be, repr(e)))
         for layout in ("contiguous", "zigzag"):
             for be in BACKENDS:
                 if device_kind == "cuda" and be == "reference":
@@ -193,7 +242,8 @@ def run_everywhere(device_kind):
     processes = [context.Process(target=_worker, args=(r, store, device_kind, queue)) for r in range(WORLD)]
     for p in processes:
         p.start()
-    expected = WORLD * (len(CASES) * len(SPLITS) + 2) * (1 if device_kind == "cuda" else len(BACKENDS))
+    expected = WORLD * ((len(CASES) + len(RING_CASES)) * len(SPLITS) + 2) * (1 if device_kind == "cuda" else
+                                                                              len(BACKENDS))
     results = {}
     for _ in range(expected):
         rank, name, split, be, outcome = queue.get(timeout=900)
@@ -212,8 +262,10 @@ def gloo_results():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("split", list(SPLITS))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *RING_CASES])
 def test_two_gloo_ranks_equal_the_whole_program(gloo_results, name, split, backend):
+    # the ring cases (rows sharded too) exchange K/V around the ring, the others states
+    exchange = "ring: 1 step(s)" if name in RING_CASES else "all-gather of"
     for rank in range(WORLD):
         outcome = gloo_results[rank, name, split, backend]
         assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
@@ -221,7 +273,12 @@ def test_two_gloo_ranks_equal_the_whole_program(gloo_results, name, split, backe
         tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 2e-5, "atol": 2e-5}
         for got, want in pairs:
             torch.testing.assert_close(got, want, **tol)
-        assert "all-gather of" in plan
+        assert exchange in plan and plan.count("all-gather") == (exchange == "all-gather of")
+
+
+def test_a_ring_part_bounds_its_loop_by_both_global_starts(gloo_results):
+    _, plan = gloo_results[0, "ring_causal", "uneven", "triton"]
+    assert "loop m [bounds: m <= i + (-m_start + i_start)]" in plan
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -306,3 +363,32 @@ def test_the_cli_prints_the_local_and_merge_programs(capsys):
     assert main(["ir", "--shard", "q", "-e", "L[i] = logsumexp[m](X[i,m])"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot shard index 'q'" in err
+
+
+def test_what_sharding_the_rows_too_refuses():
+    attention = compiler.compile(_attention("m <= i"), backend="reference")
+    with pytest.raises(ShardError, match="rows index 'm' is the sharded index 'm'"):
+        attention.shard("m", rows="m")
+    with pytest.raises(ShardError, match="index 'r': the program has no such index"):
+        attention.shard("m", rows="r")
+    with pytest.raises(ShardError, match="'B' is indexed by the rows index 'i' and by the sharded index 'm'"):
+        compiler.compile("O[i,j] = softmax[m](Q[i,k] * K[m,k] + B[i,m]) * V[m,j]",
+                         backend="reference").shard("m", rows="i")
+    with pytest.raises(ShardError, match="a reduction over the rows index 'i'"):
+        compiler.compile("Y[j] = sum[m](X[m] * W[m, j]) + sum[i](Z[i, j])", backend="reference").shard("m", rows="i")
+    with pytest.raises(ShardError, match="output 'P' varies over the sharded index 'm'"):
+        compiler.compile("P[i,m] = softmax[m](X[i] * Y[m])", backend="reference").shard("m", rows="i")
+    q, k, v = (torch.randn(4, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    with pytest.raises(ShardError, match="gradients of a call with the rows 'i' sharded"):
+        attention.shard("m", rows="i")(Q=q, K=k, V=v, scale=0.5)
+
+
+def test_the_cli_prints_the_ring_programs_with_rows(capsys):
+    from compiler.cli import main
+    assert main(["ir", "--shard", "m", "--rows", "i", "-e", _attention("m <= i")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# sharded over m; rows i sharded too, the inputs over the index passed around a ring")
+    assert "where(m + m_start <= i + i_start" in out
+    assert "# states of every part stacked along rank (global order)" in out
+    assert main(["ir", "--rows", "i", "-e", _attention("m <= i")]) == 2
+    assert "needs --shard INDEX" in capsys.readouterr().err

@@ -27,6 +27,13 @@ shares its extent: the same axis of the same tensors):
 
 A fold over a sharded index inside another fold over one (its inner fold would
 see one part only) is a ShardError.
+
+With `rows` (context parallelism's sharded queries), an index the outputs vary
+over is sharded too: in both programs its values become `i + rows_start` and
+`len(i)` its global extent, so a causal mask compares global positions.  The
+runtime then moves the inputs of the reduced index around a ring instead of
+gathering states (compiler/distributed.py); a fold over the rows index would
+see this rank's rows only and is a ShardError.
 """
 from __future__ import annotations
 
@@ -66,22 +73,34 @@ class Sharded:
     total: str                    # scalar input of the local program: the global extent
     rank: str                     # the merge program's index over ranks
     ordered: bool                 # some merged summary is not commutative: states merge in index order
+    rows: tuple[str, ...] = ()    # the sharded rows index and those of its extent (none: rows replicated)
+    rows_start: str | None = None  # scalar input of both programs: this rank's first row
+    rows_total: str | None = None  # scalar input of both programs: the global number of rows
 
     def __str__(self) -> str:
         from ..ir import format_program
-        return (f"# sharded over {', '.join(self.indices)}: each rank runs\n{format_program(self.local)}"
-                f"# states gathered along {self.rank} (rank order); every rank then runs\n"
+        rows = f"; rows {', '.join(self.rows)} sharded too, the inputs over the index passed around a ring" \
+            if self.rows else ""
+        return (f"# sharded over {', '.join(self.indices)}{rows}: each rank runs\n{format_program(self.local)}"
+                f"# states {'of every part stacked' if self.rows else 'gathered'} along {self.rank} "
+                f"({'global' if self.rows else 'rank'} order); every rank then runs\n"
                 f"{format_program(self.merge)}")
 
 
-def shard(program: Program, index: str) -> Sharded:
+def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
     """Split `program` (factorised) into its local and merge programs for a
-    reduction whose index `index` is sharded across ranks."""
+    reduction whose index `index` is sharded across ranks (and, with `rows`,
+    the outputs' rows as well)."""
     extents = dict(program.extents)
-    if index not in extents:
-        raise ShardError(f"cannot shard index '{index}': the program has no such index "
-                         f"(its indices: {', '.join(sorted(extents))})", program.source)
+    for name in (index, rows):
+        if name is not None and name not in extents:
+            raise ShardError(f"cannot shard index '{name}': the program has no such index "
+                             f"(its indices: {', '.join(sorted(extents))})", program.source)
     sharded = tuple(ix for ix, symbol in program.extents if symbol == extents[index])
+    row_indices = () if rows is None else tuple(ix for ix, symbol in program.extents if symbol == extents[rows])
+    if rows in sharded:
+        raise ShardError(f"the rows index '{rows}' is the sharded index '{index}' or shares its extent: rows "
+                         f"must be an index of the outputs that the reduction does not run over", program.source)
     taken = ({s.name for s in program.statements} | {i.name for i in program.inputs} | set(extents)
              | {n.name for s in program.statements for n in walk(s.expr) if isinstance(n, Var)})
 
@@ -91,6 +110,7 @@ def shard(program: Program, index: str) -> Sharded:
         return name
 
     start, total, rank = fresh(f"{index}_start"), fresh(f"{index}_total"), fresh("rank")
+    rows_start, rows_total = (fresh(f"{rows}_start"), fresh(f"{rows}_total")) if rows else (None, None)
 
     folds: dict[Reduce, int] = {}        # outermost folds over a sharded index -> their number
 
@@ -98,6 +118,9 @@ def shard(program: Program, index: str) -> Sharded:
         stack = [e]
         while stack:
             node = stack.pop()
+            if isinstance(node, Reduce) and set(node.indices) & set(row_indices):
+                raise ShardError(f"a reduction over the rows index '{rows}' would see this rank's rows only",
+                                 program.source, node.span)
             if isinstance(node, Reduce) and set(node.indices) & set(sharded):
                 inner = next((n for n in walk(node) if n is not node and isinstance(n, Reduce)
                               and set(n.indices) & set(sharded)), None)
@@ -115,15 +138,20 @@ def shard(program: Program, index: str) -> Sharded:
     if not folds:
         raise ShardError(f"no reduction runs over the sharded index '{index}'", program.source)
 
+    offsets = {ix: (start, total) for ix in sharded} | {ix: (rows_start, rows_total) for ix in row_indices}
+
     def globally(e: Expr) -> Expr:
-        """Index values and extents of the sharded indices as global positions."""
+        """Index values and extents of the sharded indices (and rows) as global positions."""
         def shift(node: Expr) -> Expr:
-            if isinstance(node, Index) and node.name in sharded:
-                return Call("add", (node, Access(start, ())))
-            if isinstance(node, Extent) and node.name in sharded:
-                return Access(total, ())
+            if isinstance(node, Index) and node.name in offsets:
+                return Call("add", (node, Access(offsets[node.name][0], ())))
+            if isinstance(node, Extent) and node.name in offsets:
+                return Access(offsets[node.name][1], ())
             return node
         return transform(e, shift)
+
+    def scalars(read: set[str]) -> tuple[Input, ...]:
+        return tuple(Input(name, 0) for name in (start, total, rows_start, rows_total) if name and name in read)
 
     # the local program: every field of every such fold
     states: list[Assign] = []
@@ -136,7 +164,8 @@ def shard(program: Program, index: str) -> Sharded:
             states.append(Assign(name, tuple(ix for ix in free_indices(fold) if ix in free_indices(field)),
                                  field, f.dtype, fold.span))
     used = {n.tensor for s in states for n in walk(s.expr) if isinstance(n, Access)}
-    local_inputs = (*(i for i in program.inputs if i.name in used), Input(start, 0), Input(total, 0))
+    local_inputs = (*(i for i in program.inputs if i.name in used), Input(start, 0), Input(total, 0),
+                    *(i for i in scalars(used) if i.name in (rows_start, rows_total)))
     local = Program(tuple(states), local_inputs, tuple(s.name for s in states),
                     _used_extents(program.extents, states), program.source)
 
@@ -155,12 +184,11 @@ def shard(program: Program, index: str) -> Sharded:
     statements = tuple(replace(s, expr=globally(transform(s.expr, merge_fold))) for s in program.statements)
     read = {n.tensor for s in statements for n in walk(s.expr) if isinstance(n, Access)}
     merge_inputs = (*(i for i in program.inputs if i.name in read),
-                    *(Input(s.name, 1 + len(s.indices)) for s in states),
-                    *(Input(name, 0) for name in (start, total) if name in read))
+                    *(Input(s.name, 1 + len(s.indices)) for s in states), *scalars(read))
     extents_out = (*_used_extents(program.extents, statements), (rank, sympy.Symbol(f"n_{rank}")))
     merge = Program(statements, merge_inputs, program.outputs, extents_out, program.source)
     return Sharded(sharded, local, merge, tuple(s.name for s in states), start, total, rank,
-                   any(not fold.summary.commutative for fold in folds))
+                   any(not fold.summary.commutative for fold in folds), row_indices, rows_start, rows_total)
 
 
 def _merged(s: Summary) -> Summary:
