@@ -148,22 +148,21 @@ class ShardedProgram:
                              "and none is initialised: call torch.distributed.init_process_group first")
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
-    def _parts(self, lengths: torch.Tensor, rank: int, world: int, extent: int):
-        """This rank's parts as (local slice, global start: a 0-d float32 tensor on the
-        device), and for each part in global order its position among the gathered
-        parts (rank-major)."""
+    def _parts(self, lengths: torch.Tensor, owner: int, extent: int, what: str) -> list[tuple[slice, torch.Tensor, int]]:
+        """The parts of `owner`'s local extent of `what` (`lengths`: every rank's, on the
+        device), as (local slice, global start: a 0-d float32 tensor on the device, so
+        that no host read waits for the GPU, position among the parts in global order)."""
         if self.layout == "contiguous":
             starts = torch.cumsum(lengths, 0) - lengths
-            return [(slice(0, extent), starts[rank])], list(range(world))
+            return [(slice(0, extent), starts[owner].to(torch.float32), owner)]
         if extent % 2:
-            raise ShardError(f"the zigzag layout cuts each rank's part of '{self.index}' in two halves, and this "
-                             f"rank's part has an odd length ({extent})")
+            raise ShardError(f"the zigzag layout cuts each rank's part of '{what}' in two halves, and rank "
+                             f"{owner}'s part has an odd length ({extent})")
         half = lengths // 2
         ordered = torch.cat([half, half.flip(0)])            # the lengths of the 2W parts, in global order
-        starts = torch.cumsum(ordered, 0) - ordered
-        mine = [(slice(0, extent // 2), starts[rank]), (slice(extent // 2, extent), starts[2 * world - 1 - rank])]
-        order = [2 * g if g < world else 2 * (2 * world - 1 - g) + 1 for g in range(2 * world)]
-        return mine, order
+        starts = (torch.cumsum(ordered, 0) - ordered).to(torch.float32)
+        late = 2 * lengths.numel() - 1 - owner
+        return [(slice(0, extent // 2), starts[owner], owner), (slice(extent // 2, extent), starts[late], late)]
 
     def _narrowed(self, inputs: dict, names, part: slice, cut: dict | None = None) -> dict:
         """`inputs` among `names`, the tensors in `cut` (default: those over the
@@ -177,21 +176,6 @@ class ShardedProgram:
                 v = v.narrow(d, part.start, part.stop - part.start)
             out[k] = v
         return out
-
-    def _layout(self, lengths: list[int], owner: int, what: str) -> list[tuple[slice, int, int]]:
-        """The parts of `owner`'s local extent (`lengths[owner]`), as (local slice,
-        global start, position among the parts in global order)."""
-        world, extent = len(lengths), lengths[owner]
-        if self.layout == "contiguous":
-            return [(slice(0, extent), sum(lengths[:owner]), owner)]
-        if extent % 2:
-            raise ShardError(f"the zigzag layout cuts each rank's part of '{what}' in two halves, and rank "
-                             f"{owner}'s part has an odd length ({extent})")
-        halves = [n // 2 for n in lengths]
-        ordered = halves + halves[::-1]                 # the 2W parts in global order
-        late = 2 * world - 1 - owner
-        return [(slice(0, extent // 2), sum(ordered[:owner]), owner),
-                (slice(extent // 2, extent), sum(ordered[:late]), late)]
 
     def __call__(self, *args, **inputs):
         """Run on this rank's part of the inputs; every rank gets the whole of each
@@ -228,23 +212,26 @@ class ShardedProgram:
         lengths = self._gather(torch.tensor([extent], dtype=torch.int64, device=binding.device), world).view(-1)
         # starts and the whole length stay on the device as 0-d tensors, which kernels
         # load: reading them on the host would wait for the GPU at every call
-        parts, order = self._parts(lengths, rank, world, extent)
+        parts = self._parts(lengths, rank, extent, self.index)
         total = lengths.sum().to(torch.float32)
         states: dict[str, list[torch.Tensor]] = {n: [] for n in self.sharded.states}
-        for part, start in parts:
+        for part, start, _ in parts:
             local = self._narrowed(inputs, self._local_inputs, part)
-            local.update({self.sharded.start: start.to(torch.float32), self.sharded.total: total})
+            local.update({self.sharded.start: start, self.sharded.total: total})
             found = self.local._run(local)
             for n, t in zip(self.sharded.states, found if isinstance(found, tuple) else (found,)):
                 states[n].append(t)
-        if not self.sharded.ordered:        # commutative merges take the states as gathered
-            order = list(range(len(order)))
+        # the gathered states are rank-major (each rank's parts in turn); ordered merges take
+        # them in global order, commutative ones as gathered
+        order = list(range(world * len(parts)))
+        if self.sharded.ordered and len(parts) == 2:
+            order = [2 * g if g < world else 2 * (2 * world - 1 - g) + 1 for g in range(2 * world)]
         gathered = self._exchange({n: ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
                                    for n, ts in states.items()}, world, order)
         merges = []
-        for part, start in (parts if self._merge_per_part else parts[:1]):
+        for part, start, _ in (parts if self._merge_per_part else parts[:1]):
             merge = self._narrowed(inputs, self._merge_inputs, part)
-            merge.update({k: v for k, v in {self.sharded.start: start.to(torch.float32),
+            merge.update({k: v for k, v in {self.sharded.start: start,
                                              self.sharded.total: total}.items() if k in self._merge_inputs})
             found = self.merge._run({**merge, **gathered})
             merges.append(found if isinstance(found, tuple) else (found,))
@@ -257,21 +244,22 @@ class ShardedProgram:
         binding = self.program.binder(inputs)
         mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64,
                             device=binding.device)
+        every, every_row = self._gather(mine, world).T
         # one host read per call: the parts' lengths size the buffers the ring receives into
-        lengths, row_lengths = self._gather(mine, world).T.tolist()
+        lengths = every.tolist()
         sharded = self.sharded
-        row_parts = self._layout(row_lengths, rank, self.rows)
-        totals = {sharded.total: float(sum(lengths)), sharded.rows_total: float(sum(row_lengths))}
+        row_parts = self._parts(every_row, rank, binding.extents[self.rows], self.rows)
+        totals = {sharded.total: every.sum().to(torch.float32), sharded.rows_total: every_row.sum().to(torch.float32)}
         moving = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
         states: list[list[tuple[int, tuple]]] = [[] for _ in row_parts]     # per row part: (position, states)
         for step in range(world):
             owner = (rank - step) % world          # whose part of the index this rank holds now
             pending = self._pass_on(moving, lengths[(owner - 1) % world], world, rank) if step < world - 1 else None
-            for part, start, position in self._layout(lengths, owner, self.index):
+            for part, start, position in self._parts(every, owner, lengths[owner], self.index):
                 held = self._narrowed({**inputs, **moving}, self._local_inputs, part)
                 for k, (rows, row_start, _) in enumerate(row_parts):
                     local = self._narrowed(held, self._local_inputs, rows, self._row_cut)
-                    local.update({sharded.start: float(start), sharded.rows_start: float(row_start), **totals})
+                    local.update({sharded.start: start, sharded.rows_start: row_start, **totals})
                     found = self.local._run({n: v for n, v in local.items() if n in self._local_inputs})
                     states[k].append((position, found if isinstance(found, tuple) else (found,)))
             if pending is not None:
@@ -281,7 +269,7 @@ class ShardedProgram:
             found.sort(key=lambda pair: pair[0])                    # global order of the parts
             stacked = {n: torch.stack([f[1][j] for f in found]) for j, n in enumerate(sharded.states)}
             merge = self._narrowed(inputs, self._merge_inputs, rows, self._row_cut)
-            merge.update({n: v for n, v in {sharded.rows_start: float(row_start), **totals}.items()
+            merge.update({n: v for n, v in {sharded.rows_start: row_start, **totals}.items()
                           if n in self._merge_inputs})
             out = self.merge._run({**merge, **stacked})
             merges.append(out if isinstance(out, tuple) else (out,))

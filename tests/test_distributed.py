@@ -204,33 +204,18 @@ def _worker(rank, store, device_kind, queue):
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
     device = torch.device(device_kind, rank) if device_kind == "cuda" else torch.device("cpu")
+    backends = [be for be in BACKENDS if not (device_kind == "cuda" and be == "reference")]
+    # (name, split or layout, backend, the function that runs it)
+    runs = [(name, split, be, run) for cases, run in ((CASES, run_case), (RING_CASES, run_ring_case))
+            for name in cases for split in SPLITS for be in backends]
+    runs += [("autograd", layout, be, lambda _, *rest: run_autograd_case(*rest))
+             for layout in ("contiguous", "zigzag") for be in backends]
     try:
-        for name in CASES:
-            for split in SPLITS:
-                for be in BACKENDS:
-                    if device_kind == "cuda" and be == "reference":
-                        continue
-                    try:
-                        queue.put((rank, name, split, be, _by_value(run_case(name, split, be, rank, device))))
-                    except Exception as e:           # reported, and the test fails naming it
-                        queue.put((rank, name, split, be, repr(e)))
-        for name in RING_CASES:
-            for split in SPLITS:
-                for be in BACKENDS:
-                    if device_kind == "cuda" and be == "reference":
-                        continue
-                    try:
-                        queue.put((rank, name, split, be, _by_value(run_ring_case(name, split, be, rank, device))))
-                    except Exception as e:
-                        queue.put((rank, name, split, be, repr(e)))
-        for layout in ("contiguous", "zigzag"):
-            for be in BACKENDS:
-                if device_kind == "cuda" and be == "reference":
-                    continue
-                try:
-                    queue.put((rank, "autograd", layout, be, _by_value(run_autograd_case(layout, be, rank, device))))
-                except Exception as e:
-                    queue.put((rank, "autograd", layout, be, repr(e)))
+        for name, split, be, run in runs:
+            try:
+                queue.put((rank, name, split, be, _by_value(run(name, split, be, rank, device))))
+            except Exception as e:           # reported, and the test fails naming it
+                queue.put((rank, name, split, be, repr(e)))
     finally:
         dist.destroy_process_group()
 
@@ -363,6 +348,15 @@ def test_the_cli_prints_the_local_and_merge_programs(capsys):
     assert main(["ir", "--shard", "q", "-e", "L[i] = logsumexp[m](X[i,m])"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot shard index 'q'" in err
+
+
+def test_renamed_indices_shard_into_the_same_programs():
+    from compiler.passes.shard import shard
+    spellings = [_attention("m <= i"),
+                 "O[qp,j] = softmax[kp](where(kp <= qp, Q[qp,k] * K[kp,k] * scale, -inf)) * V[kp,j]"]
+    texts = [str(shard(compiler.compile(src, backend="reference").factorised, index, rows))
+             for src, index, rows in zip(spellings, ("m", "kp"), ("i", "qp"))]
+    assert texts[1].replace("qp", "i").replace("kp", "m") == texts[0]
 
 
 def test_what_sharding_the_rows_too_refuses():
