@@ -118,9 +118,9 @@ def cmd_ir(args) -> int:
     if wanted is None:
         print(format_program(final), end="")
     if wanted in ("all", "schedule"):
-        from .backend import outline
-        print("# after schedule")            # the Triton backend's kernels and loops, for any sizes
-        print(outline("triton", final, program.outputs))
+        from .schedule import schedule
+        print("# after schedule")            # kernels, grids, loops and buffers, for any sizes
+        print(schedule(final, program.outputs))
     return 0
 
 

@@ -73,8 +73,8 @@ def explain(program) -> str:
         for st in program.factorised.statements:
             out.append(f"  {st.name}[{', '.join(st.indices)}] = {format_expr(_with_field_names(st.expr))}")
         out.append("")
-    from .backend import outline
-    plan = outline(program.backend_name, program.factorised, program.outputs, **program.schedule_options)
+    from .backend import outline_of
+    plan = outline_of(program)
     out.append(f"outputs: {', '.join(program.outputs)}")
     out.append("plan (for any sizes; the sizes of a call choose tiles and splits: Program.plan(**inputs)):")
     out += _indent(str(plan))

@@ -18,7 +18,7 @@ from .errors import BackendError, BindError, CheckError, EinfoldError, ParseErro
 from .ir import Program as IRProgram
 from .parse import deepest_statement, parse
 from .passes import run_pipeline
-from .schedule import Plan
+from .schedule import Plan, Schedule
 
 # summaries: user summaries usable by name; split: force a split count for every
 # reduction (a schedule option: the Triton backend splits, the oracle has no schedule);
@@ -110,12 +110,18 @@ class Program:
         return self
 
     @cached_property
-    def backend(self):
-        """The backend object (made on first use: it imports torch and Triton).  Its
-        analysis walks the program recursively, so it is made under deep()."""
-        backend_class = backends.choose(self.backend_name)
-        return deep(lambda: backend_class(self.factorised, self.outputs, **self.schedule_options),
+    def schedule(self) -> Schedule:
+        """The schedule stage's result (compiler.schedule): the kernels, their grids,
+        streamed loops and buffers, for any sizes.  It walks the program
+        recursively, so it is made under deep()."""
+        from .schedule import schedule
+        return deep(lambda: schedule(self.factorised, self.outputs, self.schedule_options.get("split")),
                     what="the program", source=self.text)
+
+    @cached_property
+    def backend(self):
+        """The backend object (made on first use: it imports torch and Triton)."""
+        return backends.choose(self.backend_name).for_program(self)
 
     # inputs that do not set the dtype of float results (a gradient program's statistics)
     statistic_inputs: frozenset = frozenset()

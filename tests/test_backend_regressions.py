@@ -22,6 +22,7 @@ import torch
 
 import compiler
 from compiler.backend.triton import TritonBackend
+from compiler.schedule import schedule
 from compiler.bind import Binder, Binding
 from compiler.ir import Access, walk
 from compiler.random_inputs import random_inputs
@@ -68,7 +69,7 @@ def backend_for(src, outputs=None, split=None):
     if split is None:
         program = compiler.compile(src, backend="triton", outputs=outputs)
         return ref, program.backend
-    return ref, TritonBackend(ref.factorised, ref.outputs, split=split)
+    return ref, TritonBackend(schedule(ref.factorised, ref.outputs, split))
 
 
 def inputs_for(ref, sizes, dtype=torch.float32, seed=0):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from compiler.backend import outline
+from compiler.schedule import schedule
 from compiler.check import check
 from compiler.cli import main
 from compiler.ir import format_program
@@ -65,14 +65,17 @@ def test_ir_print_after_all(capsys):
     for (name, pass_), text in zip(PIPELINE, sections[1:]):
         program = pass_(program)
         assert text == format_program(program), name
-    assert sections[-1] == str(outline("triton", program, program.outputs)) + "\n"
+    assert sections[-1] == str(schedule(program, program.outputs)) + "\n"
 
 
 def test_ir_print_after_schedule_shows_kernels_loops_and_bounds(capsys):
     causal = "O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]"
     code, out, err = run_cli(capsys, "ir", "-e", causal, "--print-after", "schedule")
-    assert code == 0 and err == "" and out.startswith("# after schedule\nbackend triton: 1 kernel(s)\n")
-    assert "    loop m [bounds: m <= i]: fold1_r_l_u { loop k: sum }\n" in out
+    assert code == 0 and err == "" and out.startswith("# after schedule\nschedule: 1 kernel(s), outputs O\n")
+    assert "\nkernel einfold_O: grid (i, j)  # one program per (i, j) tile" in out
+    # the fold is printed once and the statement reads its fields
+    assert "  O[i, j] = f0.u / f0.l\n" in out
+    assert "  loop m [bounds: m <= i]: fold1_r_l_u { loop k: sum }\n" in out
 
 
 def test_ir_print_after_one_pass(capsys):

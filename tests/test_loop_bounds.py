@@ -11,6 +11,7 @@ import torch
 
 import compiler
 from compiler.backend.triton import TritonBackend, outline
+from compiler.schedule import schedule
 from compiler.bind import Binder
 from compiler.random_inputs import random_inputs
 
@@ -44,7 +45,7 @@ def _cache_dir(tmp_path_factory, monkeypatch):
 
 def run(source: str, sizes: dict, start: float | None = None):
     ref = compiler.compile(source, backend="reference")
-    backend = TritonBackend(ref.factorised, ref.outputs)
+    backend = TritonBackend(schedule(ref.factorised, ref.outputs))
     inputs = random_inputs(ref.checked, {ix: sizes.get(ix, 4) for ix, _ in ref.checked.extents},
                            dtype=torch.float32, device=DEVICE)
     if start is not None:

@@ -13,6 +13,7 @@ import torch
 import compiler
 from compiler import reference
 from compiler.backend.triton import TritonBackend, auto_split, cache
+from compiler.schedule import schedule
 from compiler.bind import Binder, bind
 from compiler.check import check
 from compiler.errors import BackendError
@@ -52,7 +53,8 @@ def triton_backend(src, outputs=None, **options):
         program = compiler.compile(src, backend="triton", outputs=outputs)
         assert program.factorised == ref.factorised
         return ref, program.backend
-    return ref, TritonBackend(ref.factorised, ref.outputs, **options)
+    return ref, TritonBackend(schedule(ref.factorised, ref.outputs, options.get("split")),
+                              float32_outputs=options.get("float32_outputs", ()))
 
 
 def run(backend, ref, inputs):
@@ -78,7 +80,7 @@ def assert_matches_oracle(src, inputs, outputs=None, **options):
 
 def unfactorised(src, inputs, outputs=None):
     checked = check(parse(src), outputs=tuple(outputs) if outputs else None)
-    backend = TritonBackend(checked, checked.outputs)
+    backend = TritonBackend(schedule(checked, checked.outputs))
     binding = bind(checked, inputs)
     got = backend.run(binding)
     want = reference.run(checked, inputs, binding.extents)     # the oracle on the same, unfactorised IR
@@ -162,7 +164,7 @@ def test_layernorm_is_one_kernel(dtype):
 def test_layernorm_statistics_as_outputs_share_the_kernel():
     # the checked (unfactorised) IR: mu and var are outputs that Y reads
     checked = check(parse(LAYERNORM), outputs=("mu", "var", "Y"))
-    backend = TritonBackend(checked, checked.outputs)
+    backend = TritonBackend(schedule(checked, checked.outputs))
     x = randn(5, 37) * 3 + 10
     got = backend.run(bind(checked, {"X": x}))
     torch.testing.assert_close(got["mu"].cpu(), x.cpu().mean(1))
@@ -179,7 +181,7 @@ def test_a_statement_that_reads_itself_is_refused():
     st = checked.statements[0]
     bad = replace(checked, statements=(replace(st, expr=Call("add", (st.expr, Access("Y", ("i",))))),))
     with pytest.raises(BackendError, match="reads itself"):
-        TritonBackend(bad, bad.outputs)
+        TritonBackend(schedule(bad, bad.outputs))
     del Assign
 
 
@@ -333,7 +335,7 @@ def affine():
 @pytest.mark.parametrize("split", [None, 3])
 def test_non_commutative_affine_recurrence_in_order(split):
     program = compiler.compile("H[i] = affine[t](A[i,t], Bv[i,t])", summaries=[affine()], backend="reference")
-    backend = TritonBackend(program.factorised, program.outputs, split=split)
+    backend = TritonBackend(schedule(program.factorised, program.outputs, split))
     a = torch.rand(5, 23, generator=torch.Generator().manual_seed(0), device="cpu").to(DEVICE) * 1.2
     b = randn(5, 23)
     got = backend.run(Binder(program.checked, extents_of=program.factorised)({"A": a, "Bv": b}))["H"]
@@ -359,7 +361,7 @@ def test_user_summary_through_compile():
 
 def test_identity_guard_only_where_the_formulas_need_it():
     from compiler.algebra import BUILTINS
-    from compiler.backend.triton.analysis import exact_identity
+    from compiler.algebra.properties import exact_identity
     assert exact_identity(BUILTINS["sum"], ("acc",)) and exact_identity(BUILTINS["argmax"], ("m", "p"))
     assert exact_identity(affine(), ("A", "B"))
     ref, backend = triton_backend(LAYERNORM)            # Chan's merge guards its division itself
@@ -432,7 +434,7 @@ def test_split_of_dependent_folds_materialises_the_inner_one():
     # unfactorised softmax: the sum reads the max; the max becomes a buffer of its own split kernel
     src = "Y[i,j] = exp(X[i,j]) / sum[j](exp(X[i,j] - max[j](X[i,j]))) * exp(-max[j](X[i,j]))"
     checked = check(parse(src))
-    backend = TritonBackend(checked, checked.outputs, split=2)
+    backend = TritonBackend(schedule(checked, checked.outputs, 2))
     x = randn(4, 50)
     got = backend.run(bind(checked, {"X": x}))["Y"]
     torch.testing.assert_close(got.cpu(), torch.softmax(x.cpu(), 1), rtol=1e-4, atol=1e-6)

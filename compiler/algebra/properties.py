@@ -55,3 +55,30 @@ def additive(s: Summary) -> bool:
     a, b = sympy.Symbol("a", real=True), sympy.Symbol("b", real=True)
     merged = _one_field_combine(s, a, b)
     return merged is not None and sympy.simplify(merged - (a + b)) == 0
+
+
+@lru_cache(maxsize=None)
+def exact_identity(summary: Summary, fields: tuple[str, ...]) -> bool:
+    """Whether combine(e, e) = e, combine(e, x) = x and combine(x, e) = x hold exactly
+    in floating point on `fields` (x: lifts of random elements).  A tree reduction on
+    the GPU combines two padding elements; a formula such as exp(a.m - max(a.m, b.m))
+    gives NaN there, so such summaries get an identity-guarded combine."""
+    import torch
+
+    from .formula import evaluate
+    g = torch.Generator().manual_seed(1)
+    n = 16
+    xs = {f"x{j}": torch.randn(n, generator=g, dtype=torch.float64) * 3 for j in range(summary.arity)}
+    index = {f: summary.field_names.index(f) for f in fields}
+    e = {f: torch.full((n,), float(summary.identity[index[f]].value), dtype=torch.float64) for f in fields}
+    x = {f: evaluate(summary.lift[index[f]], xs).expand(n).double() for f in fields}
+
+    def combine(a, b):
+        env = {f"a.{f}": a[f] for f in fields} | {f"b.{f}": b[f] for f in fields}
+        return {f: evaluate(summary.combine[index[f]], env).expand(n) for f in fields}
+
+    for a, b, want in ((e, e, e), (e, x, x), (x, e, x)):
+        got = combine(a, b)
+        if not all(torch.equal(got[f], want[f]) for f in fields):
+            return False
+    return True

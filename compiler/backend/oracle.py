@@ -24,6 +24,11 @@ class OracleBackend:
         self.outputs = outputs
         self.float32_outputs = tuple(float32_outputs)
 
+    @classmethod
+    def for_program(cls, program) -> OracleBackend:
+        """The backend of a compiled Program: the oracle evaluates its factorised IR."""
+        return cls(program.factorised, program.outputs, **program.schedule_options)
+
     @property
     def source(self) -> str:
         return ("# reference backend: the float64 torch oracle evaluates this IR statement by "
@@ -54,3 +59,8 @@ def outline(program: Program, outputs: tuple[str, ...], **options) -> Plan:
                     for s in program.statements)
     buffers = tuple(s.name for s in program.statements if s.name not in outputs)
     return Plan("reference", kernels, buffers)
+
+
+def outline_of(program) -> Plan:
+    """The oracle's plan of a compiled Program."""
+    return outline(program.factorised, program.outputs)

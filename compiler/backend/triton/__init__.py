@@ -1,7 +1,8 @@
 """The "triton" backend: generated, fused Triton kernels.
 
-    analysis.py  which statements share a kernel, grid and epilogue indices,
-                 materialised reductions (names only, independent of sizes)
+The backend runs a Schedule (compiler.schedule decides kernels, grids, loops
+and buffers for any sizes); per signature it chooses tiles and splits:
+
     emit.py      one kernel's source from templates: tiles, loops, folds
     ops.py       the operator emission table
     module.py    the whole module (kernels + launcher), split decisions, Plan
@@ -19,14 +20,15 @@ first use, so the command line can read kernel plans without importing torch."""
 from __future__ import annotations
 
 
-def outline(program, outputs: tuple[str, ...], *, split: int | None = None):
+def outline(program, outputs: tuple[str, ...], *, split: int | None = None, **options):
     """The kernels for any sizes (sizes then choose tiles and automatic splits)."""
-    from ...schedule import Kernel, Plan
-    from .analysis import form, loops
-    kernels = form(program, tuple(outputs), split).kernels
-    return Plan("triton", tuple(Kernel(k.name, tuple(s.name for s in k.statements), k.why, loops(k))
-                                for k in kernels),
-                tuple(b for k in kernels for b in k.buffers))
+    from ...schedule import schedule
+    return schedule(program, tuple(outputs), split).outline("triton")
+
+
+def outline_of(program):
+    """The kernels of a compiled Program for any sizes, from its schedule."""
+    return program.schedule.outline("triton")
 
 
 def __getattr__(name: str):
@@ -36,4 +38,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["TritonBackend", "auto_split", "outline"]
+__all__ = ["TritonBackend", "auto_split", "outline", "outline_of"]

@@ -16,9 +16,7 @@ if not torch.cuda.is_available():
 
 from ...bind import Binding
 from ...errors import BackendError
-from ...ir import Program
-from ...schedule import Plan
-from .analysis import form
+from ...schedule import Plan, Schedule
 from .cache import load
 from .emit import Signature
 from .module import Built, ModuleBuilder, auto_split
@@ -95,18 +93,26 @@ def _sm_count(device: torch.device) -> int | None:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, program: Program, outputs: tuple[str, ...], *, split: int | None = None,
-                 float32_outputs: tuple[str, ...] = ()):
+    def __init__(self, schedule: Schedule, *, float32_outputs: tuple[str, ...] = ()):
+        """Runs a Schedule (compiler.schedule: the schedule stage's result) as Triton
+        kernels; it neither lowers nor inlines: kernels, grids, loops and buffers
+        are the schedule's, tiles and splits are chosen per signature here."""
+        split = schedule.split
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
             raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
-        self.program = program
-        self.outputs = tuple(outputs)
+        self.schedule = schedule
+        self.program = schedule.program
+        self.outputs = schedule.outputs
         self.split = split
         self.float32_outputs = tuple(float32_outputs)
-        self.structure = form(program, self.outputs, split)
         self._sources: dict[Signature, Built] = {}                  # generated once per signature
         self._built: dict[Signature, tuple[Built, object]] = {}     # ... and its loaded launcher
         self._last: Built | None = None
+
+    @classmethod
+    def for_program(cls, program) -> TritonBackend:
+        """The backend of a compiled Program: it runs the program's schedule stage."""
+        return cls(program.schedule, float32_outputs=program.schedule_options.get("float32_outputs", ()))
 
     # ------------------------------------------------------------ specialisation
     @staticmethod
@@ -136,8 +142,7 @@ class TritonBackend:
     def build(self, signature: Signature) -> Built:
         built = self._sources.get(signature)
         if built is None:
-            built = ModuleBuilder(self.program, self.outputs, self.structure, signature, self.split,
-                                  _pass_names()).build()
+            built = ModuleBuilder(self.schedule, signature, _pass_names()).build()
             self._sources[signature] = built
         self._last = built
         return built
@@ -162,7 +167,7 @@ class TritonBackend:
         return entry
 
     def _extents(self, binding: Binding) -> dict[str, int]:
-        """Every index name's extent: the passes and the analysis introduce names
+        """Every index name's extent: the passes and the schedule introduce names
         (renamed bound indices) that share an extent symbol with a bound one."""
         by_symbol = {}
         for name, symbol in self.program.extents:
@@ -172,7 +177,7 @@ class TritonBackend:
         for name, symbol in self.program.extents:
             if name not in n and symbol in by_symbol:
                 n[name] = by_symbol[symbol]
-        for fresh, original in self.structure.fresh_names.items():
+        for fresh, original in self.schedule.fresh_names:
             n[fresh] = n[original]
         return n
 

@@ -1,4 +1,4 @@
-"""Triton source generation: one kernel per KernelSpec (two when split), built
+"""Triton source generation: one kernel per KernelSchedule (two when split), built
 from small templates with holes.
 
 A kernel is a tree of *scopes*: the program (root, level 0: grid tiles), the
@@ -37,17 +37,15 @@ from ...algebra import BUILTINS
 from ...errors import BackendError
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_expr, free_indices, walk
 from . import ops as emission
-from .analysis import (
-    KernelSpec,
-    assume_relation,
-    constant,
+from ...algebra.properties import exact_identity
+from ...schedule import KernelSchedule
+from ...schedule.bounds import assume_relation, constant, index_bounds
+from ...schedule.folds import (
     contraction_names,
     contractions,
     dot_batch_names,
-    exact_identity,
     flatten_mul,
     free,
-    index_bounds,
     restrict,
     value_only_names,
 )
@@ -291,7 +289,7 @@ ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty
 
 
 class KernelEmitter:
-    def __init__(self, ctx: ModuleContext, spec: KernelSpec, mode: str = "full", split: int = 1):
+    def __init__(self, ctx: ModuleContext, spec: KernelSchedule, mode: str = "full", split: int = 1):
         self.ctx = ctx
         self.spec = spec
         self.mode = mode                 # "full", "partial" (split states) or "merge"
@@ -1221,7 +1219,7 @@ class KernelEmitter:
 
     def guard_identity(self, s, fields, a: dict, b: dict, new: dict, body: Scope) -> dict:
         """combine(a, b) with the identity passed through exactly, for summaries whose
-        formulas are not exact there (see analysis.exact_identity)."""
+        formulas are not exact there (see algebra.properties.exact_identity)."""
         if exact_identity(s, tuple(fields)):
             return new
         ids = {f: emission.literal(s.identity[s.field_names.index(f)].value) for f in fields}

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ir import Program
-from ...schedule import Kernel, Loop, Plan
-from .analysis import KernelSpec, Structure, loops
+from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
 from .ops import HELPERS
 from .tuning import binding, candidates, decorator
@@ -48,26 +46,25 @@ def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
 
 
 class ModuleBuilder:
-    def __init__(self, program: Program, outputs: tuple[str, ...], structure: Structure,
-                 signature: Signature, split: int | None, passes: tuple[str, ...]):
-        self.program = program
-        self.outputs = outputs
-        self.structure = structure
+    def __init__(self, schedule: Schedule, signature: Signature, passes: tuple[str, ...]):
+        self.program = schedule.program
+        self.outputs = schedule.outputs
+        self.schedule = schedule
         self.sig = signature
-        self.split = split
+        self.split = schedule.split
         self.passes = passes
-        self.ctx = ModuleContext(signature, structure.fresh_names)
+        self.ctx = ModuleContext(signature, dict(schedule.fresh_names))
         # the launcher's tensor table holds inputs, statements and buffers by name; the
         # module's globals are the kernels (their split variants included)
-        self.ctx.reserved |= {i.name for i in program.inputs} | {s.name for s in program.statements}
-        self.ctx.reserved |= {b for spec in structure.kernels for b in spec.buffers}
-        self.ctx.module_names |= {spec.name + suffix for spec in structure.kernels
+        self.ctx.reserved |= {i.name for i in self.program.inputs} | {s.name for s in self.program.statements}
+        self.ctx.reserved |= set(schedule.buffers)
+        self.ctx.module_names |= {spec.name + suffix for spec in schedule.kernels
                                   for suffix in ("", "_partial", "_merge")}
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
         self.notes: list[str] = []
 
-    def _register(self, spec: KernelSpec) -> None:
+    def _register(self, spec: KernelSchedule) -> None:
         cdt = torch.float64 if self.sig.dtype == torch.float64 else torch.float32
         for st in spec.statements:
             if st.name in spec.buffers:
@@ -76,7 +73,7 @@ class ModuleBuilder:
                 dtype = {"float": self.sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
                 self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), dtype)
 
-    def _split_for(self, spec: KernelSpec, full: KernelEmitter) -> tuple[int, str]:
+    def _split_for(self, spec: KernelSchedule, full: KernelEmitter) -> tuple[int, str]:
         if not spec.program_folds:
             return 1, "" if self.split in (None, 1) else "no fold streams per program; nothing to split"
         if spec.dependent:
@@ -104,7 +101,7 @@ class ModuleBuilder:
     def build(self) -> Built:
         plan_kernels: list[Kernel] = []
         buffers: list[str] = []
-        for spec in self.structure.kernels:
+        for spec in self.schedule.kernels:
             self._register(spec)
             hint = self.split if self.split and spec.program_folds and not spec.dependent else 1
             full = KernelEmitter(self.ctx, spec, "full", hint)
@@ -117,7 +114,7 @@ class ModuleBuilder:
                 # launch-bound, where the autotuner's per-call host cost showed (decode at
                 # L = 8k: 0.044 ms -> 0.080 ms, H200)
                 self.kernels += [(partial, n_split), (merge, n_split)]
-                streamed = loops(spec)
+                streamed = spec.loops
                 merged = Loop((), tuple(dict.fromkeys(f.summary.name for f in spec.program_folds)))
                 plan_kernels.append(Kernel(partial.name, partial.writes,
                                            f"{partial.why}; the program folds split over {n_split} programs per "
@@ -135,7 +132,7 @@ class ModuleBuilder:
                 if not self.sig.interpret:
                     self._tune(code)
                 plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else ""),
-                                           loops(spec)))
+                                           spec.loops))
             buffers += list(spec.buffers)
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)))
 
@@ -188,9 +185,9 @@ class ModuleBuilder:
                 lines.append("    if grid > 0:                       # an empty output launches nothing")
                 lines.append(f"        {code.name}[({dims})](")
             lines.append("            " + ", ".join(args) + ")")
-        for spec in self.structure.kernels:
+        for spec in self.schedule.kernels:
             for b in spec.buffers:
-                shape = ", ".join(f'n["{i}"]' for i in self.structure.buffer_indices[b])
+                shape = ", ".join(f'n["{i}"]' for i in self.schedule.indices_of(b))
                 dtype = "torch.float64" if self.sig.dtype == torch.float64 else "torch.float32"
                 lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), dtype={dtype}, '
                                 f'device=device)')

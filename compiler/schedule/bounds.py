@@ -1,0 +1,236 @@
+"""Loop bounds from index predicates: a conjunct of a mask such as `m <= i`,
+`i - m < W` or `m <= i + len(m) - len(i)` bounds a fold's loop over `m` when
+the elements where it fails contribute nothing (their masked argument acts as
+the summary's identity).  A loop over `m` then starts at the first and stops
+after the last tile where every such relation can hold, and the tiles where a
+relation holds everywhere run without its mask (`assume_relation`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..ir import Call, Const, Expr, Index, Reduce, Var, format_expr, free_indices, transform, walk
+from ..ops import OPS
+
+
+_FLIP = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
+
+
+def _conjuncts(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "and":
+        return _conjuncts(e.args[0]) + _conjuncts(e.args[1])
+    return [e]
+
+
+def constant(e: Expr) -> float | None:
+    """The value of an expression made of constants only (`-inf` is neg(inf))."""
+    if not all(isinstance(n, Const | Call) for n in walk(e)):
+        return None
+    from ..algebra.formula import evaluate
+    return float(evaluate(e, {}))
+
+
+def acts_as_identity(summary, k: int, value) -> bool:
+    """Whether an element whose k-th argument is `value` contributes nothing to a
+    fold, whatever the other arguments: its lift is the identity, or (rescaled
+    fields) its leader argument is the leader's identity and its weight is 0.
+    Checked numerically in float64 on random other arguments."""
+    import torch
+
+    from ..algebra.formula import evaluate
+    g = torch.Generator().manual_seed(0)
+    xs = {f"x{j}": torch.randn(16, generator=g, dtype=torch.float64) * 3 for j in range(summary.arity)}
+    xs[f"x{k}"] = torch.full((16,), float(value), dtype=torch.float64)
+    identity = dict(zip(summary.field_names, (float(c.value) for c in summary.identity)))
+    covered = set()
+    for rs in summary.rescaled:
+        r = torch.randn(16, generator=g, dtype=torch.float64) * 3
+        if not torch.all(evaluate(rs.leader_arg, xs) == identity[rs.leader]):
+            return False
+        if not torch.all(evaluate(rs.weight, {**xs, "r": r}) == 0):
+            return False
+        covered |= {rs.leader} | {f for f, _ in rs.values}
+    for name, lift in zip(summary.field_names, summary.lift):
+        if name not in covered and not torch.all(evaluate(lift, xs).expand(16) == identity[name]):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Bound:
+    """`index op sign * other + offset`, read off a conjunct of a masking predicate:
+    `other` is an index outside the fold (None: the bound is the same for the whole
+    program), `offset` an expression of scalars, extents and constants.  So
+    `m <= i` is (m, le, i, +1, 0), a window `i - m < W` is (m, gt, i, +1, -W),
+    bottom-right causal `m <= i + len(m) - len(i)` is (m, le, i, +1, len(m) - len(i))."""
+
+    index: str
+    op: str                 # le, lt, ge, gt
+    other: str | None
+    sign: int               # +1 or -1: the coefficient of `other`
+    offset: Expr
+    conjunct: Expr          # the predicate conjunct it was read off
+
+    @property
+    def upper(self) -> bool:
+        return self.op in ("le", "lt")
+
+    @property
+    def side(self) -> Expr:
+        """The right-hand side as an expression."""
+        if self.other is None:
+            return self.offset
+        other = Index(self.other) if self.sign > 0 else Call("neg", (Index(self.other),))
+        c = constant(self.offset)
+        if c == 0:
+            return other
+        if c is not None and c < 0:
+            return Call("sub", (other, Const(-c if c != int(c) else -int(c))))
+        if isinstance(self.offset, Call) and self.offset.op == "neg":
+            return Call("sub", (other, self.offset.args[0]))
+        return Call("add", (other, self.offset))
+
+    def __str__(self) -> str:
+        return f"{self.index} {OPS[self.op].symbol} {format_expr(self.side)}"
+
+
+def _linear(e: Expr) -> tuple[dict[str, int], list[tuple[int, Expr]]] | None:
+    """`e` as sum(c * index) + sum(+-term) with integer c and index-free terms, or None."""
+    if isinstance(e, Index):
+        return {e.name: 1}, []
+    if not free_indices(e) and not any(isinstance(n, Index | Reduce) for n in walk(e)):
+        return {}, [(1, e)]         # the same everywhere in the kernel: scalars, extents, constants
+    if isinstance(e, Call) and e.op in ("add", "sub"):
+        parts = [_linear(a) for a in e.args]
+        if None in parts:
+            return None
+        (c0, t0), (c1, t1) = parts
+        k = 1 if e.op == "add" else -1
+        coeffs = dict(c0)
+        for n, c in c1.items():
+            coeffs[n] = coeffs.get(n, 0) + k * c
+        return {n: c for n, c in coeffs.items() if c}, t0 + [(k * s, t) for s, t in t1]
+    if isinstance(e, Call) and e.op == "neg":
+        part = _linear(e.args[0])
+        return None if part is None else ({n: -c for n, c in part[0].items()}, [(-s, t) for s, t in part[1]])
+    if isinstance(e, Call) and e.op == "mul":
+        for a, b in (e.args, e.args[::-1]):
+            c = constant(a)
+            if c in (1, -1):
+                part = _linear(b)
+                return None if part is None else ({n: int(c) * v for n, v in part[0].items()},
+                                                  [(int(c) * s, t) for s, t in part[1]])
+    return None
+
+
+def _sum_of(terms: list[tuple[int, Expr]]) -> Expr:
+    out: Expr | None = None
+    for sign, t in terms:
+        if out is None:
+            out = t if sign > 0 else Call("neg", (t,))
+        else:
+            out = Call("add" if sign > 0 else "sub", (out, t))
+    return Const(0) if out is None else out
+
+
+def _bound(c: Expr, index: str, bound: tuple[str, ...]) -> Bound | None:
+    """The bound `c` puts on `index`, if it is a comparison linear in `index` with
+    coefficient +-1, involving at most one other index (outside the fold's
+    `bound` indices), also with coefficient +-1."""
+    if not (isinstance(c, Call) and c.op in _FLIP):
+        return None
+    left, right = _linear(c.args[0]), _linear(c.args[1])
+    if left is None or right is None:
+        return None
+    coeffs = dict(left[0])                  # left - right  op  0
+    for n, v in right[0].items():
+        coeffs[n] = coeffs.get(n, 0) - v
+    coeffs = {n: v for n, v in coeffs.items() if v}
+    terms = left[1] + [(-s, t) for s, t in right[1]]
+    own = coeffs.pop(index, 0)
+    if abs(own) != 1 or any(n in bound for n in coeffs) or len(coeffs) > 1 \
+            or any(abs(v) != 1 for v in coeffs.values()):
+        return None
+    # own * index + co * other + terms  op  0
+    op = c.op if own > 0 else _FLIP[c.op]
+    other, co = next(iter(coeffs.items()), (None, 0))
+    offset = _sum_of([(-own * s, t) for s, t in terms])
+    return Bound(index, op, other, -own * co if other else 1, offset, c)
+
+
+def index_bounds(fold: Reduce) -> dict[str, list[Bound]]:
+    """Per bound index b of `fold`: the bounds (b op sign * other + offset) such that
+    elements where one fails contribute nothing.  Where the relation fails,
+    every where(...) with it among its conjuncts selects its else branch, wherever
+    it sits in an argument (the argument itself, a factor of a product, inside an
+    exponential); the argument must then be a constant that acts as the identity,
+    for any finite value of everything else (checked numerically).  So
+    where(m <= i, x, -inf) under a softmax's max, K * where(m <= i, g, 0) under a
+    sum and exp(min(where(m <= i, x, -inf) - L, 0)) * dO under a sum all bound m.
+    A loop over b starts at the first and stops after the last tile where every
+    such relation can hold (a causal mask's upper triangle, a window's far past)."""
+    out: dict[str, list[Bound]] = {}
+    conjuncts = dict.fromkeys(c for arg in fold.args for w in walk(arg)
+                              if isinstance(w, Call) and w.op == "where" for c in _conjuncts(w.args[0]))
+    for c in conjuncts:
+        for index in fold.indices:
+            found = _bound(c, index, fold.indices)
+            if found is None or found in out.get(index, []):
+                continue
+            # one argument that acts as the identity there suffices, whatever the others are
+            if any(_masks(arg, c) and _vanishes(fold, k, arg, c) for k, arg in enumerate(fold.args)):
+                out.setdefault(index, []).append(found)
+    return out
+
+
+def _masks(arg: Expr, relation: Expr) -> bool:
+    return any(_selects_by(w, relation) for w in walk(arg))
+
+
+def _selects_by(e: Expr, relation: Expr) -> bool:
+    return isinstance(e, Call) and e.op == "where" and relation in _conjuncts(e.args[0])
+
+
+def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
+    """Whether argument k of `fold` acts as the identity wherever `relation` fails:
+    its masks take their else branches, the rest stands for random finite values."""
+    import torch
+
+    from ..algebra.formula import evaluate
+    leaves: dict[Expr, Var] = {}
+
+    def failing(e: Expr) -> Expr | None:
+        if _selects_by(e, relation):
+            return failing(e.args[2])
+        if not any(_selects_by(w, relation) for w in walk(e)):
+            return e if constant(e) is not None else leaves.setdefault(e, Var(f"v{len(leaves)}"))
+        if not isinstance(e, Call):
+            return None                       # a mask inside a reduction or an access: unknown
+        parts = [failing(a) for a in e.args]
+        return None if None in parts else Call(e.op, tuple(parts))
+
+    masked = failing(arg)
+    if masked is None:
+        return False
+    g = torch.Generator().manual_seed(2)
+    env = {v.name: torch.randn(16, generator=g, dtype=torch.float64) * 3 for v in leaves.values()}
+    values = evaluate(masked, env).expand(16)
+    return bool(torch.all(values == values[0])) and acts_as_identity(fold.summary, k, float(values[0]))
+
+
+def assume_relation(fold: Reduce, relation: Bound) -> Reduce:
+    """`fold` on the tiles where `relation` holds for every element: that
+    conjunct of the masking predicates is true there, and a predicate left with
+    no conjunct selects its value outright (interior tiles pay for no mask)."""
+    def rewrite(arg: Expr) -> Expr:
+        if not (isinstance(arg, Call) and arg.op == "where"):
+            return arg
+        kept = [c for c in _conjuncts(arg.args[0]) if c != relation.conjunct]
+        if len(kept) == len(_conjuncts(arg.args[0])):
+            return arg
+        if not kept:
+            return arg.args[1]
+        condition = kept[0]
+        for c in kept[1:]:
+            condition = Call("and", (condition, c))
+        return Call("where", (condition, arg.args[1], arg.args[2]))
+    return replace(fold, args=tuple(transform(a, rewrite) for a in fold.args))

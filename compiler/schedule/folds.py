@@ -1,0 +1,243 @@
+"""Facts about the folds of an expression that kernel formation and tiling read:
+which folds a statement's kernel streams (top folds), which contract like a
+matrix product (tl.dot candidates), which indices only values vary over, and
+the rewrites that place them: inlining with capture-avoiding renaming, and
+restriction of a shared fold to the fields one projection reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+from ..algebra import BUILTINS
+from ..errors import BackendError
+from ..ir import (
+    Access,
+    Assign,
+    Call,
+    Expr,
+    Extent,
+    Index,
+    Reduce,
+    Var,
+    children,
+    free_indices,
+    walk,
+    with_children,
+)
+from ..passes.fuse import rename_indices
+
+
+@cache
+def free(e: Expr) -> frozenset:
+    return frozenset(free_indices(e))
+
+
+# ---------------------------------------------------------------- inlining
+def rename(e: Expr, mapping: dict[str, str], avoid: frozenset, fresh_names: dict[str, str]) -> Expr:
+    """Capture-avoiding renaming of free indices (the fuse pass's), with fresh names
+    `origin_<n>` not in `avoid`, recorded in `fresh_names` (fresh -> original)."""
+    targets = set(mapping.values())
+
+    def fresh(b: str) -> str:
+        origin = fresh_names.get(b, b)
+        n = 1
+        while f"{origin}_{n}" in avoid or f"{origin}_{n}" in targets or f"{origin}_{n}" in fresh_names:
+            n += 1
+        fresh_names[f"{origin}_{n}"] = origin
+        return f"{origin}_{n}"
+
+    return rename_indices(e, mapping, fresh)
+
+
+def all_index_names(e: Expr) -> set[str]:
+    names = set()
+    for n in walk(e):
+        if isinstance(n, Access):
+            names.update(n.indices)
+        elif isinstance(n, Index | Extent):
+            names.add(n.name)
+        elif isinstance(n, Reduce):
+            names.update(n.indices)
+    return names
+
+
+def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict[str, str],
+           reading: tuple[str, ...] = ()) -> Expr:
+    """Replace accesses to the statements in `defs` by their (inlined) bodies."""
+    if isinstance(e, Access) and e.tensor in defs:
+        if e.tensor in reading:
+            cycle = " -> ".join(reading[reading.index(e.tensor):] + (e.tensor,))
+            raise BackendError(f"statement '{e.tensor}' reads itself ({cycle}); the IR is not a program")
+        st = defs[e.tensor]
+        body = inline(st.expr, defs, avoid, fresh_names, reading + (e.tensor,))
+        mapping = dict(zip(st.indices, e.indices))
+        return rename(body, mapping, avoid | all_index_names(body) | set(e.indices), fresh_names)
+    return with_children(e, tuple(inline(c, defs, avoid, fresh_names, reading) for c in children(e)))
+
+
+# ---------------------------------------------------------------- restricted folds
+def _substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:
+    if isinstance(e, Var):
+        return mapping.get(e.name, e)
+    return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
+
+
+def restrict(fold: Reduce, available: frozenset) -> Reduce | None:
+    """`fold` folding only the fields that vary over no free index outside
+    `available`, with just the arguments those fields read (the fold itself when
+    every field qualifies; None when none does).
+
+    A fold shared by several projections may vary over more indices than one of
+    them: after factorise, attention's logsumexp L[i] reads the fields (r, l) of
+    the fold (r, l, u) whose u also varies over the value index j.  Where j does
+    not exist (L's own kernel) or lives in a deeper loop, the projection folds
+    the restricted summary (r, l) instead."""
+    s = fold.summary
+    bound = set(fold.indices)
+    ok = {k for k, a in enumerate(fold.args) if set(free(a)) - bound <= available}
+    keep = [f for f in s.field_names if s.arguments_of(f) <= ok]
+    if len(keep) == len(s.field_names):
+        return fold
+    if not keep:
+        return None
+    used = sorted(set().union(*(s.arguments_of(f) for f in keep)))
+    xs = {f"x{k}": Var(f"x{j}") for j, k in enumerate(used)}
+    index = {f: s.field_names.index(f) for f in keep}
+    finalize = s.finalize
+    if not {v.name for v in walk(finalize) if isinstance(v, Var)} <= set(keep):
+        finalize = Var(keep[0])            # never evaluated: every use projects a kept field
+    rescaled = tuple(
+        replace(rs, leader_arg=_substitute(rs.leader_arg, xs), weight=_substitute(rs.weight, xs),
+                values=tuple((f, _substitute(v, xs)) for f, v in rs.values if f in index))
+        for rs in s.rescaled if rs.leader in index)
+    summary = replace(
+        s, fields=tuple(s.fields[index[f]] for f in keep), arity=len(used),
+        identity=tuple(s.identity[index[f]] for f in keep),
+        lift=tuple(_substitute(s.lift[index[f]], xs) for f in keep),
+        combine=tuple(s.combine[index[f]] for f in keep), finalize=finalize, rescaled=rescaled,
+        notes=s.notes + (f"restricted to the fields ({', '.join(keep)})",))
+    return replace(fold, summary=summary, args=tuple(fold.args[k] for k in used), result=None)
+
+
+def narrow_projections(e: Expr, lhs: tuple[str, ...]) -> Expr:
+    """Projections whose fold varies over an index that neither the statement's left
+    side nor an enclosing reduction provides read a restricted fold (see `restrict`)."""
+    def visit(node: Expr, bound: frozenset) -> Expr:
+        inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
+        node = with_children(node, tuple(visit(c, inner) for c in children(node)))
+        if isinstance(node, Reduce) and node.result is not None:
+            available = frozenset(lhs) | bound
+            if not free(node.fold) <= available:
+                narrowed = restrict(node.fold, available)
+                if narrowed is not None and node.result in narrowed.summary.field_names:
+                    return replace(narrowed, result=node.result)
+        return node
+    return visit(e, frozenset())
+
+
+# ---------------------------------------------------------------- folds
+def top_folds(e: Expr, lhs: tuple[str, ...]) -> list[Reduce]:
+    """Folds whose free indices are names of the left-hand side (not bound by an
+    enclosing reduction), innermost first, each once."""
+    out: dict[Reduce, None] = {}
+
+    def visit(node: Expr, bound: frozenset) -> None:
+        inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
+        for c in children(node):
+            visit(c, inner)
+        if isinstance(node, Reduce) and not (free(node) & bound):
+            out[node.fold] = None
+
+    visit(e, frozenset())
+    return list(out)
+
+
+def replace_folds(e: Expr, table: dict[Reduce, Access]) -> Expr:
+    """Replace the (unshadowed) occurrences of materialised Reduce nodes by reads."""
+    def visit(node: Expr, bound: frozenset) -> Expr:
+        if isinstance(node, Reduce) and node in table and not (free(node) & bound):
+            return table[node]
+        inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
+        return with_children(node, tuple(visit(c, inner) for c in children(node)))
+    return visit(e, frozenset())
+
+
+def flatten_mul(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "mul":
+        return flatten_mul(e.args[0]) + flatten_mul(e.args[1])
+    return [e]
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """A matrix-product-like fold: a sum over one index of a product, or a rescaled
+    summary's weights times values that carry another free index (attention's P V).
+    `sides` vary over only some of the factors that read the reduced index (the rows
+    and columns of tl.dot); `batch` over all of them: tiling a batch index, or two
+    side indices of one factor, would make an operand 3-D, which tl.dot does not take.
+    `bound`: the indices of the folds around it (not the names of outer indices)."""
+    reduced: frozenset
+    sides: frozenset
+    batch: frozenset
+    factors: tuple[frozenset, ...]
+    bound: frozenset
+
+    def clashes(self, a: str, b: str) -> bool:
+        """Whether outer indices a and b are both sides of one operand."""
+        inner = self.reduced | self.bound
+        return a not in inner and b not in inner and any(a in f and b in f for f in self.factors)
+
+
+def contractions(e: Expr) -> list[Contraction]:
+    out = []
+
+    def visit(n: Expr, bound: frozenset) -> None:
+        parts = None
+        if isinstance(n, Reduce) and n.summary == BUILTINS["sum"] and len(n.indices) == 1:
+            parts = flatten_mul(n.args[0])
+        elif isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) and value_only_names(n):
+            parts = list(n.args)
+        if parts is not None:
+            reduced = frozenset(n.indices)
+            factors = tuple(f for f in (frozenset(free_indices(p)) for p in parts) if f & reduced)
+            if factors:
+                batch = frozenset.intersection(*factors) - reduced
+                sides = frozenset().union(*factors) - batch - reduced
+                if sides:
+                    out.append(Contraction(reduced, sides, batch, factors, bound))
+        inner = bound | set(n.indices) if isinstance(n, Reduce) else bound
+        for c in children(n):
+            visit(c, inner)
+
+    visit(e, frozenset())
+    return out
+
+
+def contraction_names(e: Expr) -> set[str]:
+    """Index names that take part in a matrix-product-like contraction as its reduced
+    index or a row or column; their tiles are kept at least 16 wide so that the
+    emitter can use tl.dot."""
+    return {i for c in contractions(e) for i in c.reduced | c.sides}
+
+
+def dot_batch_names(e: Expr) -> set[str]:
+    """Indices that every operand of some contraction reads (attention's batch and
+    head): taken one value at a time, never as a tile dimension."""
+    return {i for c in contractions(e) for i in c.batch - c.bound}
+
+
+def value_only_names(e: Expr) -> set[str]:
+    """Free indices of a rescaled fold that its weights do not vary over (attention's
+    output feature index j): tiling them would recompute the weights per tile, so the
+    schedule prefers to keep them whole."""
+    names: set[str] = set()
+    for n in walk(e):
+        if isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()):
+            for rs in n.summary.rescaled:
+                used = {v.name for part in (rs.weight, rs.leader_arg) for v in walk(part) if isinstance(v, Var)}
+                weight_free = set()
+                for k, a in enumerate(n.args):
+                    if f"x{k}" in used:
+                        weight_free |= set(free_indices(a))
+                names |= set(free_indices(n)) - weight_free
+    return names

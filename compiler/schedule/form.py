@@ -1,0 +1,320 @@
+"""Kernel formation, the schedule stage's pass: which statements share a kernel,
+what the grid is, and which reductions must be materialised in global memory.
+
+Everything here works on IR names, for any sizes; a backend turns names into
+tile axes.
+
+Vocabulary (for one kernel whose widest statement has left-hand indices L):
+
+- a *fold* is a Reduce node without its projection (`node.fold`);
+- a *top fold* is a fold reachable from the statement whose free indices are
+  all names of L (it may sit inside another fold's arguments, but it does not
+  read that fold's bound indices, so it can be hoisted out of its loop);
+- the *grid* G is the intersection of the top folds' free indices (all of L
+  when there are none): one program per G-tile, every top fold with free
+  indices G is computed once per program (a *program fold*);
+- the *epilogue* E = L minus G is looped inside the program, in tiles; top
+  folds that also vary over E indices are computed inside that loop.
+
+A single-kernel schedule therefore always exists; when the grid would be empty
+while the output is not (a full reduction next to an elementwise output, or
+reductions with disjoint free indices) the program count would be 1, so those
+reductions are *materialised*: each becomes a buffer statement with its own
+kernel, read back by an access."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import BackendError
+from ..ir import Access, Assign, Composite, Expr, Program, Reduce, alpha_key, children, reads, walk, with_children
+from ..passes.lower import lower
+from .bounds import index_bounds
+from .folds import free, inline, narrow_projections, replace_folds, top_folds
+from .ir import KernelSchedule, Schedule
+from .plan import Loop
+
+
+@dataclass
+class _Draft:
+    """A kernel while statements join it (frozen into a KernelSchedule at the end)."""
+    name: str
+    statements: tuple[Assign, ...]         # stored by this kernel; same-kernel reads inlined
+    grid: tuple[str, ...]                  # G, in left-hand order
+    epilogue: tuple[str, ...]              # E = L - G, in left-hand order
+    why: str
+    buffers: tuple[str, ...] = ()          # which of `statements` are intermediate buffers
+    program_folds: tuple[Reduce, ...] = ()  # top folds with free indices exactly G
+    dependent: bool = False                # some program fold reads another one
+    separate: str = ""                     # why it is not part of the previous kernel
+    reads: str = ""                        # buffers it reads instead of recomputing folds
+
+    @property
+    def lhs(self) -> tuple[str, ...]:
+        return self.grid + self.epilogue
+
+
+def _grid_of(expr: Expr, lhs: tuple[str, ...]) -> tuple[tuple[str, ...], list[Reduce]]:
+    folds = top_folds(expr, lhs)
+    if not folds:
+        return lhs, folds
+    common = set(lhs)
+    for f in folds:
+        common &= free(f)
+    return tuple(i for i in lhs if i in common), folds
+
+
+def _describe(folds) -> str:
+    names = []
+    for f in folds:
+        text = f"{f.summary.name}[{', '.join(f.indices)}]"
+        if text not in names:
+            names.append(text)
+    return ", ".join(names)
+
+
+class Former:
+    """Builds the kernel list of a program (independent of extents)."""
+
+    def __init__(self, program: Program, outputs: tuple[str, ...], split: int | None):
+        self.program = program
+        self.outputs = outputs
+        self.split = split
+        self.avoid = frozenset(i for i, _ in program.extents)
+        self.fresh_names: dict[str, str] = {}
+        self.kernels: list[_Draft] = []
+        self.buffer_count = 0
+        self.taken = {s.name for s in program.statements} | {i.name for i in program.inputs}
+        self.buffer_indices: dict[str, tuple[str, ...]] = {}
+        self.stored: dict[tuple[str, Reduce], str] = {}     # (kernel, projection it stores) -> buffer
+
+    def run(self) -> Schedule:
+        defs = {s.name: s for s in self.program.statements}
+        non_outputs = {n: s for n, s in defs.items() if n not in self.outputs}
+        for s in self._widest_first(non_outputs):
+            last = self.kernels[-1] if self.kernels else None
+            joined = None
+            if last is not None and not last.buffers:
+                group_defs = {**non_outputs, **{t.name: t for t in last.statements}}
+                wide = inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,))
+                expr = narrow_projections(wide, s.indices)
+                grid, _ = _grid_of(expr, s.indices)
+                folds = top_folds(wide, s.indices)
+                if grid == last.grid and (s.indices == last.grid or s.indices == last.lhs or
+                                          (last.lhs == last.grid and s.indices[:len(grid)] == grid)):
+                    joined = replace(s, expr=expr)
+                elif set(s.indices) < set(last.grid) and folds and set(folds) <= set(last.program_folds):
+                    # fewer indices than the kernel's grid, and only folds the kernel already
+                    # streams (attention's row logsumexp beside its output): it projects those
+                    # folds' states, and the programs of the first tile of each missing grid
+                    # index store it
+                    joined = replace(s, expr=wide)
+            if joined is not None:
+                expr, stored = self._reuse(joined.expr, s.indices, exclude=last)
+                if stored and stored not in last.reads:
+                    last.reads += f"; {s.name} reads {stored} instead of recomputing it per program"
+                self._join(last, replace(joined, expr=expr))
+            else:
+                if s.name in reads(s.expr):
+                    raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
+                expr = narrow_projections(inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,)),
+                                          s.indices)
+                expr, stored = self._reuse(expr, s.indices)
+                self._add(replace(s, expr=expr), buffer=False)
+                if stored:
+                    self.kernels[-1].reads = f"; reads {stored} instead of recomputing it per program"
+                    self.kernels[-1].why += self.kernels[-1].reads
+                if last is not None:
+                    own = self.kernels[-1]
+                    earlier = [t.name for k in self.kernels[:-1] for t in k.statements if t.name in reads(expr)]
+                    because = (f"reads {', '.join(earlier)} from memory" if earlier else
+                               f"its grid ({', '.join(own.grid)}) or output indices differ from {last.name}'s")
+                    own.separate = f"; a kernel of its own: {because}"
+                    own.why += own.separate
+        kernels = tuple(KernelSchedule(k.name, k.statements, k.grid, k.epilogue, k.why, loops(k), k.buffers,
+                                       k.program_folds, k.dependent) for k in self.kernels)
+        return Schedule(self.program, self.outputs, self.split, kernels, tuple(self.buffer_indices.items()),
+                        tuple(self.fresh_names.items()))
+
+    def _widest_first(self, non_outputs: dict[str, Assign]) -> list[Assign]:
+        """The output statements in an order that respects what reads what, taking
+        the one with the most indices first among those ready: a row statistic then
+        joins the kernel of the row tile's output whichever comes first in the text."""
+        def needs(e: Expr, seen: frozenset = frozenset()) -> set[str]:
+            out = set()
+            for name in reads(e) - seen:
+                out |= {name} if name not in non_outputs else needs(non_outputs[name].expr, seen | {name})
+            return out
+
+        pending = [s for s in self.program.statements if s.name in self.outputs]
+        depends = {s.name: needs(s.expr) for s in pending}
+        ordered = []
+        while pending:
+            waiting = {t.name for t in pending}
+            ready = [s for s in pending if not (depends[s.name] - {s.name}) & waiting] or pending[:1]
+            pick = max(ready, key=lambda s: len(s.indices))        # the first of the widest
+            ordered.append(pick)
+            pending.remove(pick)
+        return ordered
+
+    # ------------------------------------------------------------
+    def _join(self, k: _Draft, s: Assign) -> None:
+        statements = k.statements + (s,)
+        widest = max(statements, key=lambda t: len(t.indices))
+        epilogue = tuple(i for i in widest.indices if i not in k.grid)
+        folds = []
+        for t in statements:
+            folds += [f for f in top_folds(t.expr, t.indices) if f not in folds]
+        k.statements = statements
+        k.epilogue = epilogue
+        k.program_folds = tuple(f for f in folds if free(f) == set(k.grid))
+        k.dependent = _dependent(k.program_folds)
+        k.why = _why(k.grid, epilogue, folds, len(statements)) + k.reads + k.separate
+
+    def _add(self, s: Assign, buffer: bool) -> None:
+        grid, folds = _grid_of(s.expr, s.indices)
+        if not grid and s.indices and folds:
+            # No index shared by every reduction: one program would do all the work.
+            # Materialise the reductions that do not vary over the whole output.
+            todo = [f for f in folds if free(f) != set(s.indices)]
+            s = self._materialise(s, todo, "it shares no output index with the others")
+            grid, folds = _grid_of(s.expr, s.indices)
+        program_folds = tuple(f for f in folds if free(f) == set(grid))
+        if self.split and self.split > 1 and _dependent(program_folds):
+            # A split kernel merges independent states; materialise what others read.
+            inner = [f for f in program_folds if any(f in _sub_folds(g) for g in program_folds if g != f)]
+            s = self._materialise(s, inner, "a split fold reads it")
+            grid, folds = _grid_of(s.expr, s.indices)
+            program_folds = tuple(f for f in folds if free(f) == set(grid))
+        epilogue = tuple(i for i in s.indices if i not in grid)
+        why = _why(grid, epilogue, folds, 1)
+        if buffer:
+            why = f"materialises {s.name}: {why}"
+        self.kernels.append(_Draft(
+            name=self._kernel_name(s.name), statements=(s,), grid=grid, epilogue=epilogue, why=why,
+            buffers=(s.name,) if buffer else (), program_folds=program_folds,
+            dependent=_dependent(program_folds)))
+
+    def _reuse(self, expr: Expr, lhs: tuple[str, ...], exclude: _Draft | None = None) -> tuple[Expr, str]:
+        """Folds nested in `expr` that miss one of its grid indices are recomputed by
+        every program along that index (the backward's D = rowsum(dO * O) inside the
+        dK loop, a layernorm's row statistics inside a column sum).  Where an earlier
+        kernel streams the same fold once per program (a program fold: one value per
+        row of its grid, so never a score-sized buffer), that kernel also stores it
+        into a float32 buffer (even where it stores the same value as an output: in
+        the output's dtype, a bf16 S would make Y less accurate than recomputing it
+        does) and `expr` reads the buffer instead (`exclude`: the
+        kernel `expr` joins, which cannot read what its own programs store)."""
+        grid = set(_grid_of(expr, lhs)[0])
+        table: dict[Reduce, Access] = {}
+        notes: dict[str, list[str]] = {}         # what, by whom -> buffers
+        for node in walk(expr):
+            if not isinstance(node, Reduce) or node in table or grid <= free(node):
+                continue
+            key, order = alpha_key(node.fold)
+            for k in self.kernels:
+                match = None if k is exclude else next((f for f in k.program_folds if alpha_key(f)[0] == key), None)
+                if match is None:
+                    continue
+                theirs = dict(zip(alpha_key(match)[1], order))          # k's names -> expr's names
+                indices = tuple(g for g in k.grid if g in free(match))
+                projection = replace(match, result=node.result)
+                name = self.stored.get((k.name, projection))
+                if name is None:
+                    name = self.stored[(k.name, projection)] = self._buffer_name()
+                    self._join(k, Assign(name, indices, projection, "float"))
+                    k.buffers += (name,)
+                    self.buffer_indices[name] = indices
+                table[node] = Access(name, tuple(theirs[g] for g in indices))
+                names = notes.setdefault(f"{node.summary.name}[{', '.join(node.indices)}], stored by {k.name}", [])
+                names += [name] if name not in names else []
+                break
+        if not table:
+            return expr, ""
+        def substitute(n: Expr) -> Expr:
+            return table[n] if n in table else with_children(n, tuple(substitute(c) for c in children(n)))
+        return substitute(expr), ", ".join(f"{', '.join(names)} ({what})" for what, names in notes.items())
+
+    def _buffer_name(self) -> str:
+        name = f"buf{self.buffer_count}"
+        self.buffer_count += 1
+        while name in self.taken:
+            name = f"buf{self.buffer_count}"
+            self.buffer_count += 1
+        self.taken.add(name)
+        return name
+
+    def _kernel_name(self, stem: str) -> str:
+        """einfold_<statement>, unless that or one of its split variants (_partial,
+        _merge) is another kernel's name (a statement named `Y_merge` next to Y)."""
+        variants = ("", "_partial", "_merge")
+        taken = {k.name + v for k in self.kernels for v in variants}
+        name, n = f"einfold_{stem}", 1
+        while any(name + v in taken for v in variants):
+            n += 1
+            name = f"einfold_{stem}_{n}"
+        return name
+
+    def _materialise(self, s: Assign, todo: list[Reduce], reason: str) -> Assign:
+        table: dict[Reduce, Access] = {}
+        for f in todo:                                  # innermost first
+            body = replace_folds(f, table)
+            indices = tuple(i for i in s.indices if i in free(f))
+            name = self._buffer_name()
+            self.buffer_indices[name] = indices
+            note = f"{f.summary.name}[{', '.join(f.indices)}] over ({', '.join(indices)})"
+            self._add(Assign(name, indices, body, "float"), buffer=True)
+            self.kernels[-1].why = f"materialises {note} into {name} ({reason})"
+            table[f] = Access(name, indices)
+        return replace(s, expr=replace_folds(s.expr, table))
+
+
+def _sub_folds(f: Reduce) -> set[Reduce]:
+    return {n.fold for a in f.args for n in walk(a) if isinstance(n, Reduce)}
+
+
+def _dependent(program_folds) -> bool:
+    return any(f in _sub_folds(g) for g in program_folds for f in program_folds if f != g)
+
+
+def _why(grid, epilogue, folds, n_statements) -> str:
+    if not folds:
+        return f"elementwise over ({', '.join(grid)}): one fused kernel"
+    parts = [f"one program per ({', '.join(grid)}) tile" if grid else "one program"]
+    parts.append(f"folds {_describe(folds)} streamed over their indices")
+    if epilogue:
+        parts.append(f"epilogue loop over ({', '.join(epilogue)})")
+    if n_statements > 1:
+        parts.append(f"{n_statements} statements share it")
+    return "; ".join(parts)
+
+
+def loops(spec: _Draft) -> tuple[Loop, ...]:
+    """The streamed loops of a kernel, in program order: one per set of reduced
+    indices of its top folds (folds over the same indices share it), each with
+    the loops of the folds inside its folds' arguments; then the epilogue."""
+    return (*_fold_loops([f for s in spec.statements for f in top_folds(s.expr, s.indices)]),
+            *((Loop(spec.epilogue, ()),) if spec.epilogue else ()))
+
+
+def _fold_loops(folds: list[Reduce]) -> tuple[Loop, ...]:
+    by_indices: dict[tuple[str, ...], list[Reduce]] = {}
+    for f in folds:
+        if f not in by_indices.setdefault(f.indices, []):
+            by_indices[f.indices].append(f)
+    out = []
+    for indices, group in by_indices.items():
+        inner = [n.fold for f in group for a in f.args for n in top_folds(a, tuple(free(a)))]
+        names = tuple(dict.fromkeys(f.summary.name for f in group))
+        bounds = tuple(dict.fromkeys(str(b) for f in group for relations in index_bounds(f).values()
+                                     for b in relations))
+        out.append(Loop(indices, names, _fold_loops(inner), bounds))
+    return tuple(out)
+
+
+def schedule(program: Program, outputs: tuple[str, ...], split: int | None = None) -> Schedule:
+    """The schedule stage: factorised IR -> Schedule (kernels, grids, loops, buffers).
+    Composites (softmax, logsumexp, ...) are lowered to reductions first; `split`
+    (None: the backend's default) materialises what a forced split cannot merge."""
+    if any(isinstance(n, Composite) for s in program.statements for n in walk(s.expr)):
+        program = lower(program)
+    return Former(program, tuple(outputs), split).run()

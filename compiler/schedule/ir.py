@@ -1,0 +1,87 @@
+"""The Schedule IR: what the schedule stage decides for any sizes.
+
+A Schedule is the program's kernels in launch order.  Each kernel stores some
+statements (reads of statements in the same kernel inlined), runs one program
+per tile of its grid indices, loops over its epilogue indices inside the
+program, streams its folds in loops (nesting order, with the bounds that index
+predicates give them) and may store intermediate buffers that later kernels
+read.  Sizes are not known here: a backend specialises a Schedule to a call's
+signature (tile sizes, splits) and reports what it launches as a Plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Assign, Program, Reduce, format_expr, walk
+from .plan import Kernel, Loop, Plan
+
+
+@dataclass(frozen=True)
+class KernelSchedule:
+    name: str
+    statements: tuple[Assign, ...]         # stored by this kernel; same-kernel reads inlined
+    grid: tuple[str, ...]                  # G: one program per tile of these, in left-hand order
+    epilogue: tuple[str, ...]              # E = L - G: looped inside the program, in left-hand order
+    why: str                               # one line: what it does and why it is a kernel of its own
+    loops: tuple[Loop, ...]                # streamed loops in program order, nested ones inside
+    buffers: tuple[str, ...] = ()          # which of `statements` are intermediate buffers
+    program_folds: tuple[Reduce, ...] = ()  # top folds with free indices exactly G
+    dependent: bool = False                # some program fold reads another one (not splittable)
+
+    @property
+    def lhs(self) -> tuple[str, ...]:
+        return self.grid + self.epilogue
+
+    def __str__(self) -> str:
+        grid = f"grid ({', '.join(self.grid)})" if self.grid else "one program"
+        epilogue = f", epilogue ({', '.join(self.epilogue)})" if self.epilogue else ""
+        lines = [f"kernel {self.name}: {grid}{epilogue}  # {self.why}"]
+        # each fold the statements project is printed once, named, and read as fN.field
+        folds: dict[str, str] = {}
+        for s in self.statements:
+            for node in walk(s.expr):
+                if isinstance(node, Reduce) and node.result is not None:
+                    folds.setdefault(format_expr(node.fold), f"f{len(folds)}")
+        program = {format_expr(f) for f in self.program_folds}
+        for text, name in folds.items():
+            lines.append(f"  {name} = {text}" + ("  # one per program" if text in program else ""))
+        for s in self.statements:
+            text = format_expr(s.expr)
+            for fold, name in sorted(folds.items(), key=lambda item: -len(item[0])):
+                text = text.replace(fold + ".", name + ".")
+            stored = "  # buffer" if s.name in self.buffers else ""
+            lines.append(f"  {s.name}[{', '.join(s.indices)}] = {text}{stored}")
+        if self.dependent:
+            lines.append("  not splittable: a program fold reads another")
+        lines += [f"  {loop}" for loop in self.loops]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    program: Program                        # the scheduled IR (composites lowered)
+    outputs: tuple[str, ...]
+    split: int | None                       # the split the user asked for (None: the backend's default)
+    kernels: tuple[KernelSchedule, ...]     # in launch order
+    buffer_indices: tuple[tuple[str, tuple[str, ...]], ...] = ()   # intermediate buffer -> its indices
+    fresh_names: tuple[tuple[str, str], ...] = ()   # bound index renamed by inlining -> the original
+
+    def indices_of(self, buffer: str) -> tuple[str, ...]:
+        return dict(self.buffer_indices)[buffer]
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return tuple(b for k in self.kernels for b in k.buffers)
+
+    def outline(self, backend: str = "triton") -> Plan:
+        """The kernels as a Plan, for any sizes (sizes then choose tiles and splits)."""
+        return Plan(backend, tuple(Kernel(k.name, tuple(s.name for s in k.statements), k.why, k.loops)
+                                   for k in self.kernels), self.buffers)
+
+    def __str__(self) -> str:
+        lines = [f"schedule: {len(self.kernels)} kernel(s), outputs {', '.join(self.outputs)}"
+                 + (f", split={self.split}" if self.split else "")]
+        lines += [str(k) for k in self.kernels]
+        buffers = ", ".join(f"{b}[{', '.join(ix)}]" for b, ix in self.buffer_indices)
+        lines.append(f"intermediate buffers: {buffers or 'none'}")
+        return "\n".join(lines)
+

@@ -1,0 +1,89 @@
+"""The schedule stage as text: factorised IR -> Schedule IR (kernels, grids,
+the folds each kernel projects, streamed loops with their bounds, buffers),
+printed by `einfold ir --print-after schedule`, for any sizes.  The Triton
+backend runs the Schedule it is given: it neither lowers nor inlines."""
+from dataclasses import FrozenInstanceError
+
+import pytest
+
+import compiler
+from compiler.schedule import Schedule, schedule
+from compiler.schedule import form as formation
+
+
+def scheduled(source: str, split=None) -> Schedule:
+    program = compiler.compile(source, backend="reference")
+    return schedule(program.factorised, program.outputs, split)
+
+
+CASES = {
+    "a row statistic folded into the kernel that reads it": (
+        "mu[i] = mean[k](X[i,k]); Y[i,k] = (X[i,k] - mu[i]) * G[k]; S[i] = sum[k](Y[i,k] * W[k])",
+        """\
+schedule: 1 kernel(s), outputs S
+kernel einfold_S: grid (i)  # one program per (i) tile; folds fold1_s1_s1_p1_s1_p0[k] streamed over their indices
+  f0 = fold1_s1_s1_p1_s1_p0[k](X[i, k], -(G[k] * W[k] / len(k)), G[k] * W[k] * X[i, k])  # one per program
+  S[i] = f0.s1_p0 + f0.s1_p1 * f0.s1
+  loop k: fold1_s1_s1_p1_s1_p0
+intermediate buffers: none"""),
+    "a full reduction beside a row reduction is materialised": (
+        "A[] = sum[i](X[i]); B[j] = max[k](Z[j,k]); Y[j] = A[] + B[j]",
+        """\
+schedule: 2 kernel(s), outputs Y
+kernel einfold_buf0: one program  # materialises sum[i] over () into buf0 (it shares no output index with the others)
+  buf0[] = sum[i](X[i])  # buffer
+  loop i: sum
+kernel einfold_Y: grid (j)  # one program per (j) tile; folds max[k] streamed over their indices
+  Y[j] = max[k](Z[j, k]) + buf0
+  loop k: max
+intermediate buffers: buf0[]"""),
+    "a window bounds its loop on both sides; the output and its logsumexp share one fold": (
+        "O[i,j] = softmax[m](where(i - m < 3 and m <= i, Q[i,k]*K[m,k], -inf)) * V[m,j]\n"
+        "L[i] = logsumexp[m](where(i - m < 3 and m <= i, Q[i,k]*K[m,k], -inf))",
+        """\
+schedule: 1 kernel(s), outputs O, L
+kernel einfold_O: grid (i, j)  # one program per (i, j) tile; folds fold1_r_l_u[m] streamed over their indices; 2 statements share it
+  f0 = fold1_r_l_u[m](where(i - m < 3 and m <= i, sum[k](K[m, k] * Q[i, k]), -inf), V[m, j])  # one per program
+  O[i, j] = f0.u / f0.l
+  L[i] = where(abs(f0.r) < inf, f0.r + log(f0.l), f0.r)
+  loop m [bounds: m > i - 3, m <= i]: fold1_r_l_u { loop k: sum }
+intermediate buffers: none"""),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_schedule_text(case):
+    source, want = CASES[case]
+    assert str(scheduled(source)) == want
+
+
+def test_a_forced_split_materialises_the_fold_another_program_fold_reads():
+    src = "Y[i] = sum[j](tanh(X[i,j] - mean[k](X[i,k])))"
+    assert "  not splittable: a program fold reads another\n" in str(scheduled(src))
+    assert str(scheduled(src, split=2)) == """\
+schedule: 2 kernel(s), outputs Y, split=2
+kernel einfold_buf0: grid (i)  # materialises sum[j] over (i) into buf0 (a split fold reads it)
+  buf0[i] = sum[j](X[i, j])  # buffer
+  loop j: sum
+kernel einfold_Y: grid (i)  # one program per (i) tile; folds sum[j] streamed over their indices
+  Y[i] = sum[j](tanh(X[i, j] - buf0[i] / len(j)))
+  loop j: sum
+intermediate buffers: buf0[i]"""
+
+
+def test_the_schedule_is_a_frozen_value():
+    s = scheduled("Y[i] = softmax[j](X[i,j])")
+    with pytest.raises(FrozenInstanceError):
+        s.kernels[0].grid = ()
+    assert s == scheduled("Y[i] = softmax[j](X[i,j])") and hash(s) == hash(scheduled("Y[i] = softmax[j](X[i,j])"))
+
+
+def test_a_program_schedules_once_and_explain_reads_that(monkeypatch):
+    runs = []
+    real = formation.Former.run
+    monkeypatch.setattr(formation.Former, "run", lambda self: runs.append(1) or real(self))
+    program = compiler.compile("O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]", backend="triton")
+    program.explain()
+    program.explain()
+    assert program.backend.schedule is program.schedule
+    assert len(runs) == 1
