@@ -28,6 +28,10 @@ CASES = {
     "logsumexp": ("L[i] = logsumexp[j](X[i,j])", lambda X: torch.logsumexp(X, -1)),
     "cross_entropy": ("L[i] = logsumexp[j](X[i,j]) - X[i,j] * T[i,j]",
                       lambda X, T: torch.logsumexp(X, -1) - (X * T).sum(-1)),
+    # scalar losses: the log-sum-exp sits inside a reduction over the rows
+    "cross_entropy_mean": ("L[] = mean[i](logsumexp[j](X[i,j]) - sum[j](X[i,j] * T[i,j]))",
+                           lambda X, T: (torch.logsumexp(X, -1) - (X * T).sum(-1)).mean()),
+    "logsumexp_total": ("L[] = sum[i](logsumexp[j](X[i,j]))", lambda X: torch.logsumexp(X, -1).sum()),
     "layernorm": ("mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)\n"
                   "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + 1e-5)",
                   lambda X: torch.nn.functional.layer_norm(X, X.shape[-1:], eps=1e-5)),
@@ -42,7 +46,7 @@ def _inputs(name: str, offset: float, seed: int) -> dict[str, torch.Tensor]:
     inputs = {"X": offset + 3 * torch.randn(5, 37, dtype=torch.float64, generator=g)}
     if name == "attention":
         inputs["V"] = torch.randn(37, 6, dtype=torch.float64, generator=g)
-    if name == "cross_entropy":
+    if name.startswith("cross_entropy"):
         inputs["T"] = torch.nn.functional.one_hot(torch.randint(0, 37, (5,), generator=g), 37).double()
     return inputs
 

@@ -13,6 +13,8 @@ Rewrites of sum[I](body), then one symbolic simplification:
    so no exponential inside the sum exceeds 1 (no overflow at logits of 1e4);
 3. simplify with sympy, reductions kept as opaque symbols (sums of exponentials
    known positive): exp(M) cancels in ratios, log(exp(M) * l) = M + log(l);
+   logs of products with exponentials first wherever they sit (a cross-entropy
+   summed over rows holds its log-sum-exp inside sum[i]), then the statement;
 4. rescale: what remains as a sum of exponential terms in a denominator or a
    logarithm (a sink logit beside the softmax sum) is rescaled by its largest
    exponent;
@@ -29,7 +31,7 @@ import sympy
 
 from ..algebra import BUILTINS
 from ..algebra.properties import extremum
-from ..ir import Call, Const, Expr, Program, Reduce, free_indices, transform, walk
+from ..ir import Call, Const, Expr, Program, Reduce, children, free_indices, transform, walk
 from .symbolic import SymbolTable, from_sympy, to_sympy
 
 
@@ -95,17 +97,39 @@ def signed_sum(parts: list[tuple[int, Expr]]) -> Expr:
 
 def split_sums_of_exponentials(e: Expr) -> Expr:
     """sum_I (a + b) = sum_I a + sum_I b, where a term holds an exponential that
-    varies over I: each term then gets its own max shift."""
+    varies over I (each term then gets its own max shift), or a sum of
+    exponentials that does not (sum_v T (Z - lse) = sum_v T Z - lse sum_v T:
+    lse leaves the sum).  Otherwise the sum stays whole: a cross-entropy summed
+    over rows, sum_i (lse_i - s_i), would cancel as sum_i lse_i - sum_i s_i."""
     if not is_sum(e):
         return e
     parts = terms(e.args[0])
-    if len(parts) < 2 or not any(_has_varying_exp(t, e.indices) for _, t in parts):
+    if len(parts) < 2 or not any(_has_varying_exp(t, e.indices) or _holds_invariant_exp_sum(t, e.indices)
+                                 for _, t in parts):
         return e
     return signed_sum([(sign, replace(e, args=(t,))) for sign, t in parts])
 
 
 def _has_varying_exp(e: Expr, indices) -> bool:
-    return any(_unbounded_exp(n, indices) for n in walk(e))
+    """Whether `e` holds an exponential varying over `indices` outside any nested
+    reduction: one inside sum[j](exp(x)) gets that sum's own shift, and splitting
+    the outer sum for it would only make sum_i(lse_i - s_i) cancel as
+    sum_i lse_i - sum_i s_i."""
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        if _unbounded_exp(node, indices):
+            return True
+        if not isinstance(node, Reduce):
+            stack.extend(children(node))
+    return False
+
+
+def _holds_invariant_exp_sum(e: Expr, indices) -> bool:
+    """Whether `e` holds a reduction over an exponential that does not vary over
+    `indices` (a log-sum-exp inside a sum over its own index)."""
+    return any(isinstance(n, Reduce) and not _varies(n, indices)
+               and any(isinstance(x, Call) and x.op == "exp" for a in n.args for x in walk(a)) for n in walk(e))
 
 
 def _unbounded_exp(e: Expr, indices) -> bool:
@@ -180,6 +204,17 @@ def simplify(e: Expr) -> Expr:
     return from_sympy(s, table)
 
 
+def simplify_logs(e: Expr) -> Expr:
+    """log(exp(M) * l) = M + log(l) wherever the log sits (step 3 runs on the
+    statement, where reductions are opaque: a cross-entropy summed over rows
+    holds its log-sum-exp inside sum[i])."""
+    if isinstance(e, Call) and e.op == "log":
+        num, den = factors(e.args[0])
+        if any(isinstance(f, Call) and f.op == "exp" for f in num + den):
+            return simplify(e)
+    return e
+
+
 def _exponent(term: Expr) -> tuple[Expr, Expr] | None:
     """term = exp(a) * rest: (a, rest), the exp factors of the numerator combined;
     None if the term has no exp factor."""
@@ -252,6 +287,7 @@ def stabilise(program: Program) -> Program:
         expr = transform(expr, pull_out_invariants)
         shifted = transform(expr, shift_exponentials)
         if shifted != expr:
-            shifted = transform(transform(simplify(shifted), rescale_exponential_sums), guard_infinite_shift)
+            shifted = simplify(transform(shifted, simplify_logs))
+            shifted = transform(transform(shifted, rescale_exponential_sums), guard_infinite_shift)
         statements.append(replace(st, expr=shifted))
     return replace(program, statements=tuple(statements))
