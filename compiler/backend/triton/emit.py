@@ -128,6 +128,7 @@ class Value:
     raw: str | None = None             # a load in its stored dtype (for tl.dot)
     raw_dtype: object = None
     user_tensor: bool = False          # raw reads a program input (not a buffer of this module)
+    tensor: str | None = None          # the tensor raw reads
     zero: frozenset = frozenset()      # axes outside whose extent the value is exactly 0
     level: int = 0                     # the scope level it is defined at (at least its axes' levels)
     bounds: tuple[int, int] | None = None  # an int value's range (decides when it needs 64 bits)
@@ -637,7 +638,7 @@ class KernelEmitter:
         stored = TL_DTYPES.get(info.dtype)
         code = raw if stored == self.ctx.cdt else f"{raw}.to({self.ctx.cdt})"
         return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)),
-                     user_tensor=e.tensor in self.ctx.input_names)
+                     user_tensor=e.tensor in self.ctx.input_names, tensor=e.tensor)
 
     def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
         info = self.ctx.tensors[name]
@@ -925,6 +926,13 @@ class KernelEmitter:
     # sum: contraction-aware
     def sum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
         factors = [self.as_float(self.value(f, body)) for f in flatten_mul(fold.args[0])]
+        if looped and (dot := self.dot_plan(factors, dims(RA))) is not None and not dot[5]:
+            # a matrix product accumulates in tl.dot's accumulator
+            acc = self.state_var(prefix, "acc")
+            FA = sort_axes(a for a in self.dot_axes(*dot[:5]) if a not in RA)
+            init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
+            self.emit_dot(*dot, body, into=acc)
+            return {"acc": Value(acc, FA)}
         contrib = self.contract(factors, RA, body)
         FA = sort_axes(a for a in contrib.axes if a not in RA)
         if not looped:
@@ -1001,7 +1009,9 @@ class KernelEmitter:
         return dtype
 
     def dot_operand(self, fs: list[Value], rows: Axis, cols: Axis, c: Axis, dtype, body: Scope) -> str:
-        """One tl.dot operand laid out [rows, cols], zero outside c's extent, in `dtype`."""
+        """One tl.dot operand laid out [rows, cols], zero outside c's extent, in `dtype`:
+        a loaded tile as it is (transposed or converted where it must be), else a
+        temporary named after the tensor it reads or numbered."""
         want = TL_DTYPES[dtype]
         target = sort_axes([rows, cols] + [a for f in fs for a in f.axes])
         if len(fs) == 1 and c in fs[0].zero:
@@ -1017,18 +1027,35 @@ class KernelEmitter:
             code = f"({self.masked([c], target, product, '0.0')}).to({want})"
         if dims(target)[0] is not rows:
             code = f"tl.trans({code})"
+        if re.fullmatch(r"(tl\.trans\()?[A-Za-z_]\w*(\.to\(tl\.\w+\))?\)?", code):
+            return code
         name = self.temp("op")
         body.lines.append(f"{name} = {code}")
         return name
 
-    def emit_dot(self, a, A, b, B, c, outer, dtype, body) -> Value:
+    @staticmethod
+    def dot_axes(a, A, b, B, c) -> tuple[Axis, ...]:
+        return sort_axes([a, b] + [x for f in A + B for x in f.axes if x is not c])
+
+    def emit_dot(self, a, A, b, B, c, outer, dtype, body, into: str | None = None) -> Value:
+        """tl.dot of the operands; `into`: the accumulator it adds to in place (no outer factors)."""
         left = self.dot_operand(A, a, c, c, dtype, body)
         right = self.dot_operand(B, c, b, c, dtype, body)
         # float32 operands: TF32 tensor cores only where torch's matmuls may use them
         precision = f', input_precision="{"tf32" if self.ctx.sig.tf32 else "ieee"}"' \
             if dtype == torch.float32 else ""
-        axes = sort_axes([a, b] + [x for f in A + B for x in f.axes if x is not c])
-        v = self.assign(f"tl.dot({left}, {right}{precision})", axes, body)
+        axes = self.dot_axes(a, A, b, B, c)
+        if into is not None:
+            body.lines.append(f"{into} = tl.dot({left}, {right}, {into}{precision})")
+            return Value(into, axes)
+        # the product of two loaded tensors is named after them (q and k: qk)
+        stem = "t"
+        if len(A) == 1 and len(B) == 1 and A[0].tensor and B[0].tensor and not outer:
+            stem = ident(A[0].tensor.lower() + B[0].tensor.lower())
+        name = self.local(stem) if stem != "t" else self.temp()
+        body.lines.append(f"{name} = tl.dot({left}, {right}{precision})")
+        self.tile(axes)
+        v = Value(name, axes, level=body.level)
         for f in outer:
             axes = sort_axes(list(axes) + list(f.axes))
             v = self.assign(f"{self.expand(v, axes)} * {self.expand(f, axes)}", axes, body)
@@ -1121,15 +1148,27 @@ class KernelEmitter:
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
                 p_code = self.broadcast(p_code, PU)
-            p = self.assign(p_code, PU, body, stem="p", zero=frozenset(dims(RA)))
+            if p_code == w.code:
+                p = replace(w, zero=frozenset(dims(RA)))     # nothing to mask: the weights are the p
+            else:
+                p = self.assign(p_code, PU, body, stem="p", zero=frozenset(dims(RA)))
             for fname, v_expr in rs.values:
                 v = self.as_float(self.formula(v_expr, xs, body))
-                contrib = self.contract([p] if v.const == 1.0 else [p, v], RA, body)
-                FT = sort_axes(list(contrib.axes) + list(alpha.axes))
+                factors = [p] if v.const == 1.0 else [p, v]
+                dot = self.dot_plan(factors, dims(RA))
                 t = self.state_var(prefix, fname)
-                init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
-                body.lines.append(f"{t} = {self.expand(Value(t, FT), FT)} * {self.expand(alpha, FT)} + "
-                                  f"{self.expand(contrib, FT)}")
+                FT = None if dot is None or dot[5] else sort_axes(a for a in self.dot_axes(*dot[:5]) if a not in RA)
+                if FT is not None and set(alpha.axes) <= set(FT):
+                    # rescale the accumulator, then tl.dot adds the tile's weighted values to it
+                    init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
+                    body.lines.append(f"{t} = {t} * {self.expand(alpha, FT)}")
+                    self.emit_dot(*dot, body, into=t)
+                else:
+                    contrib = self.contract(factors, RA, body)
+                    FT = sort_axes(list(contrib.axes) + list(alpha.axes))
+                    init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
+                    body.lines.append(f"{t} = {self.expand(Value(t, FT), FT)} * {self.expand(alpha, FT)} + "
+                                      f"{self.expand(contrib, FT)}")
                 if base2:
                     self.ctx.helpers.add("natural")
                     state[fname] = Value(f"_natural({self.expand(Value(t, FT), FT)}, "

@@ -59,33 +59,28 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
         mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
         x_K0 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[:, None].to(tl.int64) * K_s2 + offs_k[None, :].to(tl.int64) * K_s3)
-        op2 = x_Q1
-        op3 = tl.trans(x_K0)
-        t4 = tl.dot(op2, op3)
-        t5 = (scale_val * t4)
-        x_V6 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3)
+        qk = tl.dot(x_Q1, tl.trans(x_K0))
+        t2 = (scale_val * qk)
+        x_V3 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3)
         # r: running max (the leader); the fields l, u are repaired when it moves
         # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t7 = tl.max(t5, 1)
-        r_new = tl.maximum(f0_r, t7)
+        t4 = tl.max(t2, 1)
+        r_new = tl.maximum(f0_r, t4)
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = r_use * a
         alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
-        w = tl.exp2(tl.fma(t5, a[:, None], -r2[:, None]))
-        p = w
-        t8 = tl.sum(p, 1)
-        f0_l = f0_l * alpha + t8
-        op9 = p.to(tl.bfloat16)
-        op10 = tl.trans(x_V6)
-        t11 = tl.dot(op9, op10)
-        f0_u = f0_u * alpha[:, None] + t11
+        w = tl.exp2(tl.fma(t2, a[:, None], -r2[:, None]))
+        t5 = tl.sum(w, 1)
+        f0_l = f0_l * alpha + t5
+        f0_u = f0_u * alpha[:, None]
+        f0_u = tl.dot(w.to(tl.bfloat16), tl.trans(x_V3), f0_u)
         f0_r = r_new
-    t12 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
+    t6 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
     # O[b, h, i, j]
-    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(t12, O_ptr.dtype.element_ty))
+    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(t6, O_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -55,8 +55,7 @@ def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, B
         r2 = r_use * a
         alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
         w = tl.exp2(tl.fma(x_X0, a[:, None], -r2[:, None]))
-        p = w
-        t2 = tl.sum(p, 1)
+        t2 = tl.sum(w, 1)
         f0_l = f0_l * alpha + t2
         f0_r = r_new
     t3 = tl.abs(f0_r)

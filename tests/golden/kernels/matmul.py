@@ -33,10 +33,7 @@ def einfold_C(n_i, n_j, n_k, A_ptr, A_s0, A_s1, B_ptr, B_s0, B_s1, C_ptr, C_s0, 
         mask_k = offs_k < n_k
         x_A0 = tl.load(A_ptr + offs_i[:, None].to(tl.int64) * A_s0 + offs_k[None, :].to(tl.int64) * A_s1)
         x_B1 = tl.load(B_ptr + offs_k[None, :].to(tl.int64) * B_s0 + offs_j[:, None].to(tl.int64) * B_s1)
-        op2 = x_A0
-        op3 = tl.trans(x_B1)
-        t4 = tl.dot(op2, op3)
-        f0_acc += t4
+        f0_acc = tl.dot(x_A0, tl.trans(x_B1), f0_acc)
     # C[i, j]
     tl.store(C_ptr + offs_i[:, None].to(tl.int64) * C_s0 + offs_j[None, :].to(tl.int64) * C_s1, tl.cast(f0_acc, C_ptr.dtype.element_ty))
 

@@ -75,10 +75,9 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
         r2 = r_use * a
         alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
         w = tl.exp2(tl.fma(t3, a, -r2))
-        p = w
-        t6 = tl.sum(p, 0)
+        t6 = tl.sum(w, 0)
         f0_l = f0_l * alpha + t6
-        t7 = tl.sum(p[None, :] * x_V4.to(tl.float32), 1)
+        t7 = tl.sum(w[None, :] * x_V4.to(tl.float32), 1)
         f0_u = f0_u * alpha + t7
         f0_r = r_new
     tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(f0_l, f0_r))

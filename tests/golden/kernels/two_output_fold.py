@@ -55,41 +55,37 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
         mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
         x_K0 = tl.load(K_ptr + offs_m[:, None].to(tl.int64) * K_s0 + offs_k[None, :].to(tl.int64) * K_s1, mask=mask_m[:, None], other=0.0)
-        op2 = x_Q1
-        op3 = tl.trans(x_K0)
-        t4 = tl.dot(op2, op3, input_precision="ieee")
-        t5 = (scale_val * t4)
-        x_V6 = tl.load(V_ptr + offs_m[None, :].to(tl.int64) * V_s0 + offs_j[:, None].to(tl.int64) * V_s1, mask=mask_m[None, :], other=0.0)
+        qk = tl.dot(x_Q1, tl.trans(x_K0), input_precision="ieee")
+        t2 = (scale_val * qk)
+        x_V3 = tl.load(V_ptr + offs_m[None, :].to(tl.int64) * V_s0 + offs_j[:, None].to(tl.int64) * V_s1, mask=mask_m[None, :], other=0.0)
         # r: running max (the leader); the fields l, u are repaired when it moves
         # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t7 = tl.max(tl.where(mask_m[None, :], t5, -float("inf")), 1)
-        r_new = tl.maximum(f0_r, t7)
+        t4 = tl.max(tl.where(mask_m[None, :], t2, -float("inf")), 1)
+        r_new = tl.maximum(f0_r, t4)
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = r_use * a
         alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
-        w = tl.exp2(tl.fma(t5, a[:, None], -r2[:, None]))
+        w = tl.exp2(tl.fma(t2, a[:, None], -r2[:, None]))
         p = tl.where(mask_m[None, :], w, 0.0)
-        t8 = tl.sum(p, 1)
-        f0_l = f0_l * alpha + t8
-        op9 = p
-        op10 = tl.trans(x_V6)
-        t11 = tl.dot(op9, op10, input_precision="ieee")
-        f0_u = f0_u * alpha[:, None] + t11
+        t5 = tl.sum(p, 1)
+        f0_l = f0_l * alpha + t5
+        f0_u = f0_u * alpha[:, None]
+        f0_u = tl.dot(p, tl.trans(x_V3), f0_u, input_precision="ieee")
         f0_r = r_new
-    t12 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
+    t6 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
     # O[i, j]
-    tl.store(O_ptr + offs_i[:, None].to(tl.int64) * O_s0 + offs_j[None, :].to(tl.int64) * O_s1, tl.cast(t12, O_ptr.dtype.element_ty), mask=mask_i[:, None])
-    t13 = tl.abs(f0_r)
-    t14 = (t13 < float("inf"))
-    t15 = tl.log(_natural(f0_l, f0_r))
-    t16 = (f0_r + t15)
-    t17 = tl.where(t14, t16, f0_r)
+    tl.store(O_ptr + offs_i[:, None].to(tl.int64) * O_s0 + offs_j[None, :].to(tl.int64) * O_s1, tl.cast(t6, O_ptr.dtype.element_ty), mask=mask_i[:, None])
+    t7 = tl.abs(f0_r)
+    t8 = (t7 < float("inf"))
+    t9 = tl.log(_natural(f0_l, f0_r))
+    t10 = (f0_r + t9)
+    t11 = tl.where(t8, t10, f0_r)
     # L[i]
     if pid_j == 0:
-        tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t17, L_ptr.dtype.element_ty), mask=mask_i)
+        tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t11, L_ptr.dtype.element_ty), mask=mask_i)
 
 
 def launch(t, n, device):
