@@ -13,7 +13,9 @@ Every revision builds its cases from its own `bench.GROUPS` on the same inputs;
 the contenders of a case are timed in turn, three rounds (median of do_bench
 each, then the median round), so clock and thermal drift hit them alike.
 Prints each earlier revision's time over this tree's (> 1: this tree is
-faster) and writes the rows to $OUT/compare.json.
+faster) and writes the rows to $OUT/compare.json.  COMPARE_CASES=TEXT[,TEXT]
+keeps the cases whose name contains one of the texts (compiling and
+autotuning every case twice takes minutes).
 """
 from __future__ import annotations
 
@@ -38,9 +40,12 @@ def main(names: list[str], groups: list[str]) -> None:
     for group in groups:
         per_revision = {tag: bench.GROUPS[group](lambda src, p=packages[tag]: p.compile(src, backend="triton"), False)
                         for tag, bench in benches.items()}
+        wanted = [w for w in os.environ.get("COMPARE_CASES", "").split(",") if w]
         for cases in zip(*per_revision.values()):
             cases = dict(zip(per_revision, cases))
             name = cases["new"].name
+            if wanted and not any(w in f"{group} {name}" for w in wanted):
+                continue
             assert all(c.name == name for c in cases.values()), [c.name for c in cases.values()]
             x = cases["new"].make()
             ref = next(iter(cases["new"].baselines.values()))(x)
