@@ -332,6 +332,27 @@ def affine():
                             examples=20)
 
 
+def test_user_sum_and_max_lower_like_the_built_in_ones():
+    """The emitter picks a fold's lowering by the summary's algebra (FOLD_LOWERINGS),
+    not its name: a user's sum contracts through tl.dot, a user's max uses tl.max."""
+    from compiler.algebra.user import fn
+    from compiler.random_inputs import relative_error
+    mysum = compiler.summary("mysum", fields=("s",), identity=(0.0,), lift=lambda x: (x,),
+                             combine=lambda a, b: (a.s + b.s,), finalize=lambda s: s.s, examples=20)
+    mymax = compiler.summary("mymax", fields=("m",), identity=(-math.inf,), lift=lambda x: (x,),
+                             combine=lambda a, b: (fn.where(a.m > b.m, a.m, b.m),), finalize=lambda s: s.m,
+                             examples=20)
+    src = "C[i,j] = mysum[k](A[i,k] * B[k,j])\nM[i] = mymax[k](A[i,k])"
+    program = compiler.compile(src, summaries=[mysum, mymax], backend="triton")
+    source = program.backend.source
+    assert "tl.dot(" in source and "tl.max(" in source and "tl.reduce(" not in source
+    inputs = {"A": randn(37, 19), "B": randn(19, 23)}
+    got = program(**inputs)
+    want = compiler.compile(src, summaries=[mysum, mymax], backend="reference")(**inputs)
+    for g, w in zip(got, want):
+        assert relative_error(g, w) < 1e-5
+
+
 @pytest.mark.parametrize("split", [None, 3])
 def test_non_commutative_affine_recurrence_in_order(split):
     program = compiler.compile("H[i] = affine[t](A[i,t], Bv[i,t])", summaries=[affine()], backend="reference")

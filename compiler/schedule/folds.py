@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cache
 
-from ..algebra import BUILTINS
+from ..algebra.properties import additive
 from ..errors import BackendError
 from ..ir import (
     Access,
@@ -193,7 +193,7 @@ def contractions(e: Expr) -> list[Contraction]:
 
     def visit(n: Expr, bound: frozenset) -> None:
         parts = None
-        if isinstance(n, Reduce) and n.summary == BUILTINS["sum"] and len(n.indices) == 1:
+        if isinstance(n, Reduce) and additive(n.summary) and len(n.indices) == 1:
             parts = flatten_mul(n.args[0])
         elif isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) and value_only_names(n):
             parts = list(n.args)

@@ -33,11 +33,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ...algebra import BUILTINS
 from ...errors import BackendError
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_expr, free_indices, walk
 from . import ops as emission
-from ...algebra.properties import exact_identity
+from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, constant, index_bounds
 from ...schedule.folds import (
@@ -795,15 +794,10 @@ class KernelEmitter:
         return state
 
     def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list) -> dict[str, Value]:
-        """Emit one tile's update of the fold's state into `body`."""
-        s = fold.summary
-        if s == BUILTINS["sum"]:
-            return self.sum_fold(fold, prefix, body, RA, looped, init)
-        if s in (BUILTINS["max"], BUILTINS["min"]):
-            return self.extremum_fold(fold, prefix, body, RA, looped, init)
-        if self.rescaled_ok(s):
-            return self.rescaled_fold(fold, prefix, body, RA, init)
-        return self.generic_fold(fold, s.field_names, prefix, body, RA, looped, init)
+        """Emit one tile's update of the fold's state into `body`: the first lowering
+        of FOLD_LOWERINGS whose algebraic precondition the summary meets."""
+        lowering = next(method for _, applies, method in FOLD_LOWERINGS if applies(fold.summary))
+        return getattr(self, lowering)(fold, prefix, body, RA, looped, init)
 
     def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T):
         """For a single loop bounded above by a predicate (m <= i: causal), the
@@ -925,22 +919,23 @@ class KernelEmitter:
 
     # sum: contraction-aware
     def sum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
+        (field_name,) = fold.summary.field_names
         factors = [self.as_float(self.value(f, body)) for f in flatten_mul(fold.args[0])]
         if looped and (dot := self.dot_plan(factors, dims(RA))) is not None and not dot[5]:
             # a matrix product accumulates in tl.dot's accumulator
-            acc = self.state_var(prefix, "acc")
+            acc = self.state_var(prefix, field_name)
             FA = sort_axes(a for a in self.dot_axes(*dot[:5]) if a not in RA)
             init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
             self.emit_dot(*dot, body, into=acc)
-            return {"acc": Value(acc, FA)}
+            return {field_name: Value(acc, FA)}
         contrib = self.contract(factors, RA, body)
         FA = sort_axes(a for a in contrib.axes if a not in RA)
         if not looped:
-            return {"acc": contrib}
-        acc = self.state_var(prefix, "acc")
+            return {field_name: contrib}
+        acc = self.state_var(prefix, field_name)
         init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
         body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
-        return {"acc": Value(acc, FA)}
+        return {field_name: Value(acc, FA)}
 
     def contract(self, factors: list[Value], RA, body: Scope) -> Value:
         """sum over the RA axes of the product of `factors`: tl.dot when it is a
@@ -1064,8 +1059,9 @@ class KernelEmitter:
     # max / min
     def extremum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
         s = fold.summary
+        (field_name,) = s.field_names
         x = self.as_float(self.value(fold.args[0], body))
-        fn, combine = ("tl.max", "tl.maximum") if s == BUILTINS["max"] else ("tl.min", "tl.minimum")
+        fn, combine = ("tl.max", "tl.maximum") if extremum(s) == "max" else ("tl.min", "tl.minimum")
         identity = emission.literal(s.identity[0].value)
         U = sort_axes(list(x.axes) + list(RA))
         padded = self.masked(RA, U, self.expand(x, U), identity)
@@ -1073,30 +1069,15 @@ class KernelEmitter:
             padded = self.broadcast(padded, U)
         tile = self.reduce_axes(padded, U, RA, fn, body)
         if not looped:
-            return {"acc": tile}
+            return {field_name: tile}
         FA = tile.axes
-        acc = self.state_var(prefix, "acc")
+        acc = self.state_var(prefix, field_name)
         init.append(f"{acc} = tl.full({self.shape(FA)}, {identity}, {self.ctx.cdt})")
         body.lines.append(f"{acc} = {combine}({acc}, {tile.code})")
-        return {"acc": Value(acc, FA)}
+        return {field_name: Value(acc, FA)}
 
     # rescaled (FlashAttention-style)
-    @staticmethod
-    def rescaled_fields(s) -> set[str]:
-        return {r.leader for r in s.rescaled} | {f for r in s.rescaled for f, _ in r.values}
-
-    def rescaled_ok(self, s) -> bool:
-        if not s.rescaled:
-            return False
-        covered = self.rescaled_fields(s)
-        rest = [f for f in s.field_names if f not in covered]
-        for f in rest:
-            used = {v.name.split(".", 1)[1] for v in walk(s.combine[s.field_names.index(f)]) if isinstance(v, Var)}
-            if used & covered:
-                return False
-        return True
-
-    def rescaled_fold(self, fold, prefix, body, RA, init) -> dict[str, Value]:
+    def rescaled_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
         s = fold.summary
         cdt = self.ctx.cdt
         xs = {f"x{k}": self.as_float(self.value(a, body)) for k, a in enumerate(fold.args)}
@@ -1180,7 +1161,7 @@ class KernelEmitter:
         body.lines.extend(updates)
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
-            state.update(self.generic_fold(fold, rest, prefix, body, RA, True, init, xs=xs))
+            state.update(self.generic_fold(fold, prefix, body, RA, True, init, fields=rest, xs=xs))
         return state
 
     @staticmethod
@@ -1194,8 +1175,9 @@ class KernelEmitter:
                 and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),)))
 
     # any summary
-    def generic_fold(self, fold, fields, prefix, body, RA, looped, init, xs=None) -> dict[str, Value]:
+    def generic_fold(self, fold, prefix, body, RA, looped, init, fields=None, xs=None) -> dict[str, Value]:
         s = fold.summary
+        fields = s.field_names if fields is None else fields
         cdt = self.ctx.cdt
         if xs is None:
             xs = {f"x{k}": self.as_float(self.value(a, body)) for k, a in enumerate(fold.args)}
@@ -1310,7 +1292,7 @@ class KernelEmitter:
             load = f"tl.load({address}, mask={mask}, other={ident_lit})" if mask else f"tl.load({address})"
             loaded[f] = self.assign(load, target, body, stem=f"part_{ident(f)}_")
         new: dict[str, Value] = {}
-        covered = self.rescaled_fields(s) if self.rescaled_ok(s) else set()
+        covered = rescaled_fields(s) if rescaled_lowering(s) else set()
         for rs in (s.rescaled if covered else ()):
             lit = emission.literal(s.identity[s.field_names.index(rs.leader)].value)
             comb = "tl.maximum" if rs.leader_monoid == "max" else "tl.minimum"
@@ -1534,3 +1516,33 @@ class KernelEmitter:
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles))
+
+
+def rescaled_fields(s) -> set[str]:
+    return {r.leader for r in s.rescaled} | {f for r in s.rescaled for f, _ in r.values}
+
+
+def rescaled_lowering(s) -> bool:
+    """Whether a summary folds as running leaders with repaired fields: it has a
+    rescaled structure (factorise's), and its other fields combine without
+    reading the rescaled ones."""
+    if not s.rescaled:
+        return False
+    covered = rescaled_fields(s)
+    for f in s.field_names:
+        if f not in covered:
+            used = {v.name.split(".", 1)[1] for v in walk(s.combine[s.field_names.index(f)]) if isinstance(v, Var)}
+            if used & covered:
+                return False
+    return True
+
+
+# How a fold's tile updates its state, by the summary's algebra (never its name); the
+# first row whose precondition holds is used.  A user's sum or max lowers like the
+# built-in one.
+FOLD_LOWERINGS = (
+    ("sum: a contraction (tl.dot) or tl.sum", additive, "sum_fold"),
+    ("max / min: tl.max / tl.min", lambda s: extremum(s) is not None, "extremum_fold"),
+    ("rescaled: running leader, repaired fields (FlashAttention)", rescaled_lowering, "rescaled_fold"),
+    ("any summary: tl.reduce with its combine (ordered: tl.associative_scan)", lambda s: True, "generic_fold"),
+)
