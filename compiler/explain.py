@@ -61,7 +61,7 @@ def explain(program) -> str:
     out = ["source:", *_indent(program.text.strip()), ""]
     out += ["checked (every reduction explicit):", *_indent(format_program(program.checked)), ""]
     for (_, before), (name, after) in zip(program.trace, program.trace[1:]):
-        if name != "factorise" and after != before:
+        if name not in ("factorise", "base2") and format_program(after) != format_program(before):
             out += [f"after {name}:", *_indent(format_program(after)), ""]
     folds = _folds(program.factorised)
     if folds:

@@ -45,7 +45,7 @@ class Program:
     Attributes:
         text: the source text.
         checked: the checked IR (every reduction explicit), before the passes.
-        factorised: the IR after the passes (lower, fuse, stabilise, factorise).
+        factorised: the IR after the passes (compiler.passes.PIPELINE).
         trace: (stage, IR) for check and each pass in order, as compiled
             (`explain` reads it; nothing runs twice).
         outputs: the names of the statements a call returns, in statement order.

@@ -6,6 +6,7 @@ two.  Tests marked `gpu` run realistic sizes against torch on the device machine
 import math
 import os
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from compiler.schedule import schedule
 from compiler.bind import Binder, bind
 from compiler.check import check
 from compiler.errors import BackendError
+from compiler.ir import Reduce, transform, walk
+from compiler.random_inputs import relative_error
 from compiler.parse import parse
 
 warnings.filterwarnings("ignore", message="einfold: no CUDA tensors")
@@ -332,11 +335,38 @@ def affine():
                             examples=20)
 
 
+def test_base2_is_a_pass_the_emitter_follows():
+    """passes/base2 marks the weights exp(x - r) of a leader's own argument; the
+    emitter evaluates marked weights in base 2 (exp2 of one fma) and others as
+    their formula says, with the same values."""
+    from compiler.passes.base2 import use_base2
+    src = "O[i,j] = softmax[m](Q[i,k] * K[m,k]) * V[m,j]"
+    ref = compiler.compile(src, backend="reference")
+    (fold,) = {n.fold for n in walk(ref.factorised.statements[0].expr) if isinstance(n, Reduce)
+               and n.summary.rescaled}
+    assert all(rs.base2 for rs in fold.summary.rescaled)
+
+    def unmark(e):
+        if isinstance(e, Reduce) and e.summary.rescaled:
+            rescaled = tuple(replace(rs, base2=False) for rs in e.summary.rescaled)
+            return replace(e, summary=replace(e.summary, rescaled=rescaled))
+        return e
+    plain = replace(ref.factorised, statements=tuple(replace(s, expr=transform(s.expr, unmark))
+                                                     for s in ref.factorised.statements))
+    assert use_base2(plain) == ref.factorised
+    inputs = {"Q": randn(37, 16), "K": randn(41, 16), "V": randn(41, 8)}
+    want = ref(**inputs)
+    for program, base2 in ((ref.factorised, True), (plain, False)):
+        backend = TritonBackend(schedule(program, ref.outputs))
+        (got,) = run(backend, ref, inputs)
+        assert ("tl.exp2(tl.fma(" in backend.source) == base2
+        assert relative_error(got, want) < 1e-5
+
+
 def test_user_sum_and_max_lower_like_the_built_in_ones():
     """The emitter picks a fold's lowering by the summary's algebra (FOLD_LOWERINGS),
     not its name: a user's sum contracts through tl.dot, a user's max uses tl.max."""
     from compiler.algebra.user import fn
-    from compiler.random_inputs import relative_error
     mysum = compiler.summary("mysum", fields=("s",), identity=(0.0,), lift=lambda x: (x,),
                              combine=lambda a, b: (a.s + b.s,), finalize=lambda s: s.s, examples=20)
     mymax = compiler.summary("mymax", fields=("m",), identity=(-math.inf,), lift=lambda x: (x,),

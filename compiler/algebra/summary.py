@@ -45,6 +45,7 @@ class Rescaled:
     weight: Expr                           # w, over x-vars and Var("r")
     repair: Expr                           # h, over Var("r") and Var("r_new")
     values: tuple[tuple[str, Expr], ...]   # (field name, v_k over x-vars)
+    base2: bool = False                    # weights evaluated as exp2(x log2 e - r log2 e) (passes/base2.py)
 
 
 @dataclass(frozen=True, slots=True)

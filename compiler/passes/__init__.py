@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir import Program
+from .base2 import use_base2
 from .canonicalise import canonicalise
 from .factorise import factorise
 from .fuse import fuse
@@ -19,6 +20,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("canonicalise", canonicalise),
     ("stabilise", stabilise),
     ("factorise", factorise),
+    ("base2", use_base2),
 )
 
 

@@ -37,13 +37,18 @@ class KernelSchedule:
         lines = [f"kernel {self.name}: {grid}{epilogue}  # {self.why}"]
         # each fold the statements project is printed once, named, and read as fN.field
         folds: dict[str, str] = {}
+        notes: dict[str, list[str]] = {}
         for s in self.statements:
             for node in walk(s.expr):
                 if isinstance(node, Reduce) and node.result is not None:
-                    folds.setdefault(format_expr(node.fold), f"f{len(folds)}")
-        program = {format_expr(f) for f in self.program_folds}
+                    text = format_expr(node.fold)
+                    if text not in folds:
+                        folds[text] = f"f{len(folds)}"
+                        notes[text] = ["base-2 weights"] if any(rs.base2 for rs in node.summary.rescaled) else []
+        for f in self.program_folds:
+            notes.get(format_expr(f), []).insert(0, "one per program")
         for text, name in folds.items():
-            lines.append(f"  {name} = {text}" + ("  # one per program" if text in program else ""))
+            lines.append(f"  {name} = {text}" + (f"  # {'; '.join(notes[text])}" if notes[text] else ""))
         for s in self.statements:
             text = format_expr(s.expr)
             for fold, name in sorted(folds.items(), key=lambda item: -len(item[0])):

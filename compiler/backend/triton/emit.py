@@ -1089,7 +1089,7 @@ class KernelEmitter:
             fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
             body.lines.append(f"# {rs.leader}: running {rs.leader_monoid} (the leader); the fields "
                               f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
-            base2 = self.base2_arg(rs)
+            base2 = rs.base2
             if base2:
                 # exp(x - r) in base 2 at one fma per element: w = exp2(fma(x, a, -r2)) with a = log2(e)
                 # and r2 = r a rounded.  The product x a is not rounded, so every weight of a row errs
@@ -1163,16 +1163,6 @@ class KernelEmitter:
         if rest:
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, fields=rest, xs=xs))
         return state
-
-    @staticmethod
-    def base2_arg(rs) -> bool:
-        """Whether the weight and repair are exp(x - r) and exp(r - r_new) of the leader's
-        own argument x (the form the stabilise and factorise passes derive): those run
-        as exp2 of the difference times log2(e)."""
-        x = rs.leader_arg
-        return (isinstance(x, Var) and rs.leader_monoid == "max"
-                and rs.weight == Call("exp", (Call("sub", (x, Var("r"))),))
-                and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),)))
 
     # any summary
     def generic_fold(self, fold, prefix, body, RA, looped, init, fields=None, xs=None) -> dict[str, Value]:

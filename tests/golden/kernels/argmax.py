@@ -2,7 +2,7 @@
 #
 # source:
 #   Y[i] = argmax[j](X[i,j], j)
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: Y; float results in torch.float32
 # specialised to extents: i=1000, j=4099
 

@@ -2,7 +2,7 @@
 #
 # source:
 #   O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: O; float results in torch.bfloat16
 # specialised to extents: b=2, h=4, i=1024, j=64, k=64, m=1024
 

@@ -2,7 +2,7 @@
 #
 # source:
 #   L[i] = logsumexp[j](X[i,j])
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: L; float results in torch.float32
 # specialised to extents: i=4096, j=4096
 

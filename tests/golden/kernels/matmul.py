@@ -2,7 +2,7 @@
 #
 # source:
 #   C[i,j] = A[i,k] * B[k,j]
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: C; float results in torch.bfloat16
 # specialised to extents: i=1024, j=2048, k=512
 

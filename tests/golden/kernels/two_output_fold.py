@@ -4,7 +4,7 @@
 #   S[i,m] = Q[i,k] * K[m,k] * scale
 #   O[i,j] = softmax[m](S[i,m]) * V[m,j]
 #   L[i] = logsumexp[m](S[i,m])
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: O, L; float results in torch.float32
 # specialised to extents: i=1000, j=64, k=64, m=777
 
