@@ -64,6 +64,8 @@ def explain(program) -> str:
         if name not in ("factorise", "base2") and format_program(after) != format_program(before):
             out += [f"after {name}:", *_indent(format_program(after)), ""]
     folds = _folds(program.factorised)
+    if program.factorised.notes:
+        out += ["factorise:", *_indent("\n".join(program.factorised.notes)), ""]
     if folds:
         out.append("after factorise: each group of reductions over one index is one pass")
         for fold in folds:

@@ -163,6 +163,8 @@ class Program:
     outputs: tuple[str, ...]
     extents: tuple[tuple[str, sympy.Symbol], ...]   # index -> extent symbol (shared by unified indices)
     source: str = field(default="", compare=False, repr=False)
+    # what a pass says of reductions it left as they are (factorise: why no rule applied)
+    notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def extent(self, index: str) -> sympy.Symbol:
         return dict(self.extents)[index]

@@ -316,6 +316,14 @@ def _separable_rule(st: _State, base: Reduce) -> str | None:
     if not all(body.is_polynomial(Ss) for body in bodies.values()):
         return "a reader is not a polynomial in it"
     count = to_sympy(_count(st.group.indices), table)
+    xs, y = to_sympy(base.args[0], table), sympy.Symbol("_y", real=True)
+    for d, body in bodies.items():
+        centred = sympy.expand(body.subs(xs, y + Ss / count))
+        if Ss not in centred.free_symbols and centred.is_polynomial(y) and sympy.Poly(centred, y).degree() >= 2:
+            # sum (x - mean)^p expanded in powers of the mean cancels catastrophically once
+            # the mean is large against the spread: left as two passes (the mean, then the sum)
+            return (f"{_fmt(d)} is a power of (x - mean) of degree {sympy.Poly(centred, y).degree()}: "
+                    f"its expansion in powers of the mean cancels; it folds after the mean, in a second pass")
     name = unused_name("s", st.names.values(), first_plain=False)
     st.names[base] = name
     st.components.append(_base_component(base, name, st.args))
@@ -373,7 +381,9 @@ RULES = (
 )
 
 
-def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, ...], dict] | None:
+def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, ...], dict] | list[str]:
+    """The group's derived summary, its arguments and the replacements of its members;
+    or, where no rule resolves a dependency, why (the rules' reports)."""
     members = group.members
     st = _State(group, {m: [o for o in members if o is not m and o in set(walk(m)) - {m}] for m in members})
     for m in members:
@@ -392,7 +402,9 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         if m in st.handled:
             continue
         if st.inside[m]:
-            return None          # a dependency no rule resolves: leave the group as it is
+            # a dependency no rule resolves: leave the group as it is, and say why
+            return [f"reductions over {', '.join(group.indices)} left as they are (a pass per dependency):",
+                    *(f"  {line}" for line in st.report)]
         name = st.names.get(m) or unused_name("s", st.names.values(), first_plain=False)
         st.names[m] = name
         st.components.append(_base_component(m, name, st.args))
@@ -497,10 +509,13 @@ def _connected(members: list[Reduce]) -> list[list[Reduce]]:
 
 def factorise(program: Program) -> Program:
     exprs = [st.expr for st in program.statements]
+    notes: list[str] = []
     for number, group in enumerate(_groups(program.statements), start=1):
         result = _factorise_group(group, number)
-        if result is not None:
-            # the projections' formulas (sum x = count * mean, ...) simplify in context
-            exprs = [e if (new := _substitute(e, result[2])) == e else simplify(new) for e in exprs]
-    return replace(program, statements=tuple(
-        replace(st, expr=e) for st, e in zip(program.statements, exprs)))
+        if isinstance(result, list):
+            notes += result
+            continue
+        # the projections' formulas (sum x = count * mean, ...) simplify in context
+        exprs = [e if (new := _substitute(e, result[2])) == e else simplify(new) for e in exprs]
+    return replace(program, statements=tuple(replace(st, expr=e) for st, e in zip(program.statements, exprs)),
+                   notes=program.notes + tuple(notes))

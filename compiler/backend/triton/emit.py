@@ -192,6 +192,9 @@ class KernelCode:
     tunable: dict[str, tuple[str, str]] = field(default_factory=dict)
     grid_blocks: list[tuple[str, str | None]] = field(default_factory=list)
     tiles: frozenset[tuple[str, ...]] = frozenset()   # block names of every tile shape it holds
+    # grid indices that some statement it stores lacks (attention's j beside its row
+    # logsumexp L[i]): at extent 0 they still launch one tile, so L is written
+    optional: frozenset[str] = frozenset()
 
 
 class ModuleContext:
@@ -299,6 +302,7 @@ class KernelEmitter:
         self.constexprs: dict[str, int] = {}
         self.tunable: dict[str, tuple[str, str]] = {}
         self.grid_blocks: list[tuple[str, str | None]] = []
+        self.optional: frozenset[str] = frozenset()
         self.temp_ids = itertools.count()
         self.axis_ids = itertools.count()
         self.fold_ids = itertools.count()
@@ -1360,9 +1364,15 @@ class KernelEmitter:
                 else:
                     b = min(self._np(g), max(1, TILE_BUDGET // max(blocks.values())))
             blocks[g] = b
+        lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
+        for g in lacking:
+            if self.ctx.extent(g) == 0:
+                blocks[g] = max(blocks.get(g, 0), 1)    # masked, so that its one tile reads nothing
         axes = {}
         for g in spec.grid:
             axes[g] = self.new_axis(g, 0, "grid", blocks.get(g, 0))
+        self.optional = frozenset(g for g in lacking if not axes[g].scalar)
+        for g in spec.grid:
             if g in self.contraction and blocks.get(g) and g not in whole and self.mode == "full":
                 self.tunable[axes[g].block_name] = ("grid", g)
         self.root.env.update(axes)
@@ -1385,8 +1395,10 @@ class KernelEmitter:
         for p, g in enumerate(order):
             ax = axes[g]
             n = self.extent_param(g)
-            count = n if ax.scalar else f"tl.cdiv({n}, {ax.block_name})"
+            count = self.tile_count(ax)
             launcher = f'n["{g}"]' if ax.scalar else f'triton.cdiv(n["{g}"], {ax.block})'
+            if g in self.optional:
+                launcher = f"max({launcher}, 1)"
             factors.append(launcher)
             self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
             coord = f"pid_{ax.var}"
@@ -1421,6 +1433,14 @@ class KernelEmitter:
 
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
 
+    def tile_count(self, ax: Axis) -> str:
+        """The number of programs along a grid axis (an optional tiled index: at least one)."""
+        n = self.extent_param(ax.name)
+        if ax.scalar:
+            return n
+        count = f"tl.cdiv({n}, {ax.block_name})"
+        return f"tl.maximum({count}, 1)" if ax.name in self.optional else count
+
     def grouped_order(self, order, axes) -> list[list[str]] | None:
         """Programs of a kernel whose grid is exactly two tuned matrix-product tiles
         (rows i, columns j) run in groups of GROUP tile rows, column by column, so
@@ -1429,8 +1449,7 @@ class KernelEmitter:
         if len(order) != 2 or not all(axes[g].block_name in self.tunable for g in order):
             return None
         cols, rows = axes[order[0]], axes[order[1]]
-        n_rows = f"tl.cdiv({self.extent_param(rows.name)}, {rows.block_name})"
-        n_cols = f"tl.cdiv({self.extent_param(cols.name)}, {cols.block_name})"
+        n_rows, n_cols = self.tile_count(rows), self.tile_count(cols)
         r, c = f"pid_{rows.var}", f"pid_{cols.var}"
         return [[f"# grouped order: {self.GROUP} tile rows at a time, for L2 reuse",
                  f"in_group = {self.GROUP} * {n_cols}",
@@ -1505,7 +1524,7 @@ class KernelEmitter:
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
-                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles))
+                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional)
 
 
 def rescaled_fields(s) -> set[str]:

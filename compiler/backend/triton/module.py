@@ -169,9 +169,10 @@ class ModuleBuilder:
             args = [expr for _, expr in code.params]
             if code.name in self.tuned:
                 # the autotuner binds every tile (each candidate is complete): the grid follows its choice
-                factors = [f'triton.cdiv(n["{g}"], META["{b}"])' if b is not None else f
+                factors = [(f'max(triton.cdiv(n["{g}"], META["{b}"]), 1)' if g in code.optional else
+                            f'triton.cdiv(n["{g}"], META["{b}"])') if b is not None else f
                            for (g, b), f in zip(code.grid_blocks, code.grid)]
-                sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks) or "True"
+                sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks if g not in code.optional) or "True"
                 second = " n_split" if code.split_axis else ""
                 lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},{second})")
                 lines.append(f"    if {sizes}:                       # an empty output launches nothing")

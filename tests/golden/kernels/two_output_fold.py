@@ -36,8 +36,8 @@ def _natural(t, r):
 @triton.jit
 def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, V_ptr, V_s0, V_s1, O_ptr, O_s0, O_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
-    pid_j = pid % tl.cdiv(n_j, BLOCK_j)
-    pid = pid // tl.cdiv(n_j, BLOCK_j)
+    pid_j = pid % tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
+    pid = pid // tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
     mask_j = offs_j < n_j
     pid_i = pid
@@ -92,7 +92,7 @@ def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
     # einfold_O: one program per (i, j) tile; folds fold1_r_l_u[m] streamed over their indices; 2 statements share it [grid (i/64, j/64)]
-    grid = lambda META: (triton.cdiv(n["j"], META["BLOCK_j"]) * triton.cdiv(n["i"], META["BLOCK_i"]),)
-    if n["j"] > 0 and n["i"] > 0:                       # an empty output launches nothing
+    grid = lambda META: (max(triton.cdiv(n["j"], META["BLOCK_j"]), 1) * triton.cdiv(n["i"], META["BLOCK_i"]),)
+    if n["i"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
             n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], t["K"].stride(0), t["K"].stride(1), t["Q"], t["Q"].stride(0), t["Q"].stride(1), t["V"], t["V"].stride(0), t["V"].stride(1), t["O"], t["O"].stride(0), t["O"].stride(1), t["L"], t["L"].stride(0))
