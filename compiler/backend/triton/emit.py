@@ -292,12 +292,18 @@ ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty
 
 
 class KernelEmitter:
-    def __init__(self, ctx: ModuleContext, spec: KernelSchedule, mode: str = "full", split: int = 1):
+    """The kernel of a KernelSchedule.  A split kernel is two: PartialEmitter (each
+    program folds a chunk of its program folds' tiles and stores the states) and
+    MergeEmitter (folds the partial states with the combine and finishes)."""
+    suffix = ""
+    tuned = True            # autotuned tiles, longest programs first, an unmasked interior
+    chunked = False         # each program folds one chunk of its folds' tiles (PartialEmitter)
+
+    def __init__(self, ctx: ModuleContext, spec: KernelSchedule, split: int = 1):
         self.ctx = ctx
         self.spec = spec
-        self.mode = mode                 # "full", "partial" (split states) or "merge"
         self.split = split               # requested split: program folds stream at least this many tiles
-        self.name = spec.name + {"full": "", "partial": "_partial", "merge": "_merge"}[mode]
+        self.name = spec.name + self.suffix
         self.params: dict[str, str] = {}
         self.constexprs: dict[str, int] = {}
         self.tunable: dict[str, tuple[str, str]] = {}
@@ -709,15 +715,16 @@ class KernelEmitter:
         key = ("fold", fold, tuple((n, env0[n].id) for n in names))
         state = self.lookup(key, scope)
         if state is None:
-            if self.mode == "merge" and T is self.root and (self.spec.name, fold) in self.ctx.split_layouts:
-                state = self.merge_fold(fold, env0)
-            else:
-                state = self.emit_fold(fold, env0, T)
+            state = self.fold_at(fold, env0, T)
             # the state exists from T on: values computed from it are placed there or deeper,
             # even where a field varies over fewer indices than the fold (and so than T's axes)
             state = {f: v if v.level >= T.level else replace(v, level=T.level) for f, v in state.items()}
             T.memo[key] = state
         return state, key, T
+
+    def fold_at(self, fold: Reduce, env0: dict[str, Axis], T: Scope) -> dict[str, Value]:
+        """The state of `fold` computed in scope T."""
+        return self.emit_fold(fold, env0, T)
 
     def emit_fold(self, fold: Reduce, env0: dict[str, Axis], T: Scope) -> dict[str, Value]:
         s = fold.summary
@@ -742,7 +749,7 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
                 ax = self.new_axis(b, T.level + 1, "loop", self.loop_block(b))
-                if b in self.contraction and self.mode == "full":
+                if b in self.contraction and self.tuned:
                     self.tunable[ax.block_name] = ("loop", b)
             bound.append(ax)
             if ax.kind == "loop":
@@ -769,7 +776,7 @@ class KernelEmitter:
             interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T)
             T.lines.extend(init)
             headers, depth = [], 0
-            chunk = self.mode == "partial" and T is self.root
+            chunk = self.chunked and T is self.root
             for p, ax in enumerate(loops):
                 n = self.extent_param(ax.name)
                 lo, hi = "0", n
@@ -807,7 +814,7 @@ class KernelEmitter:
         """For a single loop bounded above by a predicate (m <= i: causal), the
         tiles below the boundary satisfy it everywhere: emit their update without
         the predicate.  Returns (first boundary tile start, interior body) or None."""
-        if len(loops) != 1 or self.mode != "full" or loops[0].scalar:
+        if len(loops) != 1 or not self.tuned or loops[0].scalar:
             return None
         ax = loops[0]
         upper = [b for b in relations.get(ax.name, []) if b.upper and (b.other is None or b.other in env0)]
@@ -1255,6 +1262,249 @@ class KernelEmitter:
         return v.code
 
     # ------------------------------------------------------------ split: merge of partial states
+    def grid_axes(self) -> list[str]:
+        """Declare the grid axes; returns the launcher's grid factors."""
+        spec = self.spec
+        ext = self.ctx.extent
+        # Tile up to two grid indices, the last first, that are not batch-like: in a kernel
+        # with a contraction, read by every access or by every operand of the contraction
+        # (tiling those makes every operand 3-D), nor two sides of one operand; other grid
+        # indices are one program each.
+        accesses = [n for st in spec.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
+        batch = self.dot_batch | {g for g in spec.grid if self.contractions and accesses
+                                  and all(g in a.indices for a in accesses)}
+        candidates = [g for g in spec.grid if ext(g) > 1]
+        tiled: list[str] = []
+        for g in reversed([g for g in candidates if g not in batch]):
+            if len(tiled) < 2 and not any(c.clashes(g, t) for c in self.contractions for t in tiled):
+                tiled.insert(0, g)
+        if not tiled and not self.contractions:
+            tiled = candidates[-2:]
+        blocks = {}
+        whole: set[str] = set()
+        streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
+        projections = [n for st in spec.statements for n in walk(st.expr)
+                       if isinstance(n, Reduce) and n.result is not None]
+        for g in reversed(spec.grid):
+            if g not in tiled:
+                continue
+            b = self.free_block(g)
+            if b and self._np(g) <= WHOLE_MAX and any(g not in free_indices(p) for p in projections):
+                # tiles of g would each recompute the fields that do not vary over g
+                # (attention's r and l over the value index j): keep g whole
+                b = max(16, self._np(g))
+                whole.add(g)
+            if not b and streamed and self.contiguous(g):
+                # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
+                # column wide would read memory with a stride per element; a tile of
+                # columns reads whole lines, and the streamed rows share the budget
+                b = min(self._np(g), COLUMN_BLOCK)
+                self.loop_cap = max(1, TILE_BUDGET // b)
+            if not b:
+                if streamed:        # the streamed tile and the other grid tiles share the budget
+                    b = min(self._np(g), max(1, TILE_BUDGET // (streamed * max(blocks.values(), default=1))))
+                elif not blocks:
+                    b = min(self._np(g), ROW_BLOCK)
+                else:
+                    b = min(self._np(g), max(1, TILE_BUDGET // max(blocks.values())))
+            blocks[g] = b
+        lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
+        for g in lacking:
+            if self.ctx.extent(g) == 0:
+                blocks[g] = max(blocks.get(g, 0), 1)    # masked, so that its one tile reads nothing
+        axes = {}
+        for g in spec.grid:
+            axes[g] = self.new_axis(g, 0, "grid", blocks.get(g, 0))
+        self.optional = frozenset(g for g in lacking if not axes[g].scalar)
+        for g in spec.grid:
+            if g in self.contraction and blocks.get(g) and g not in whole and self.tuned:
+                self.tunable[axes[g].block_name] = ("grid", g)
+        self.root.env.update(axes)
+        lines = self.root.lines
+        factors = []
+        self.split_prologue(lines)
+        if spec.grid:
+            lines.append("pid = tl.program_id(0)")
+        order = list(reversed(spec.grid))
+        # programs whose loops run longest (the last rows under m <= i) start first, so that
+        # short ones fill the tail; the index keeps its place in the order, so programs that
+        # run together still share their key and value tiles in L2 (moving it outermost
+        # cost 8-14% at S = 1024 on the H100)
+        longest_first = self.longest_first(axes)
+        grouped = self.grouped_order(order, axes)
+        for p, g in enumerate(order):
+            ax = axes[g]
+            n = self.extent_param(g)
+            count = self.tile_count(ax)
+            launcher = f'n["{g}"]' if ax.scalar else f'triton.cdiv(n["{g}"], {ax.block})'
+            if g in self.optional:
+                launcher = f"max({launcher}, 1)"
+            factors.append(launcher)
+            self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
+            coord = f"pid_{ax.var}"
+            if grouped and p < 2:
+                lines += grouped[p]
+            elif p == len(order) - 1:
+                lines.append(f"{coord} = {count} - 1 - pid" if g == longest_first else f"{coord} = pid")
+            else:
+                lines.append(f"{coord} = {count} - 1 - pid % {count}" if g == longest_first
+                             else f"{coord} = pid % {count}")
+                lines.append(f"pid = pid // {count}")
+            if ax.scalar:
+                lines.append(f"{ax.offs} = {coord}")
+            else:
+                # a tile start past 2**31 needs 64-bit arithmetic (program ids are 32-bit)
+                wide = ".to(tl.int64)" if self.ctx.extent(g) + ax.block >= 2**31 else ""
+                lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
+                lines.append(f"{ax.mask} = {ax.offs} < {n}")
+        return factors
+
+    def longest_first(self, axes) -> str | None:
+        """A tiled grid index that bounds a program fold's loop from above (m <= i):
+        the higher its tile, the longer that program runs."""
+        if not self.tuned:
+            return None
+        for fold in self.spec.program_folds:
+            for relations in index_bounds(fold).values():
+                for b in relations:
+                    if b.upper and b.sign > 0 and b.other in axes and not axes[b.other].scalar:
+                        return b.other
+        return None
+
+    GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
+
+    def tile_count(self, ax: Axis) -> str:
+        """The number of programs along a grid axis (an optional tiled index: at least one)."""
+        n = self.extent_param(ax.name)
+        if ax.scalar:
+            return n
+        count = f"tl.cdiv({n}, {ax.block_name})"
+        return f"tl.maximum({count}, 1)" if ax.name in self.optional else count
+
+    def grouped_order(self, order, axes) -> list[list[str]] | None:
+        """Programs of a kernel whose grid is exactly two tuned matrix-product tiles
+        (rows i, columns j) run in groups of GROUP tile rows, column by column, so
+        that programs running together share operand tiles in L2.  Returns the
+        coordinate lines for the two axes (in `order`), or None."""
+        if len(order) != 2 or not all(axes[g].block_name in self.tunable for g in order):
+            return None
+        cols, rows = axes[order[0]], axes[order[1]]
+        n_rows, n_cols = self.tile_count(rows), self.tile_count(cols)
+        r, c = f"pid_{rows.var}", f"pid_{cols.var}"
+        return [[f"# grouped order: {self.GROUP} tile rows at a time, for L2 reuse",
+                 f"in_group = {self.GROUP} * {n_cols}",
+                 f"first_row = (pid // in_group) * {self.GROUP}",
+                 f"group_rows = tl.minimum({n_rows} - first_row, {self.GROUP})",
+                 f"{r} = first_row + (pid % in_group) % group_rows",
+                 f"{c} = (pid % in_group) // group_rows"],
+                []]
+
+    def tiling_note(self) -> str:
+        """The grid in words: which indices are one program each and which are tiled."""
+        parts = []
+        for g in self.spec.grid:
+            ax = self.root.env[g]
+            parts.append(g if ax.scalar else f"{g}/{ax.block}")
+        return f"grid ({', '.join(parts)})" if parts else "one program"
+
+    def split_prologue(self, lines: list[str]) -> None:
+        """Lines before the program coordinates (a split kernel's split index)."""
+
+    def store_results(self, root: Scope) -> list[str]:
+        """Store the statements (in the program, then in the epilogue loop); their names."""
+        spec = self.spec
+        writes: list[str] = []
+        full = set(spec.grid) | set(spec.epilogue)
+        for st in spec.statements:
+            if set(st.indices) <= set(spec.grid):
+                self.store(st.name, st.indices, self.value(st.expr, root), root)
+                writes.append(st.name)
+        if spec.epilogue:
+            epi = Scope(root, 1, dict(root.env), "epilogue")
+            headers = []
+            for depth, e in enumerate(spec.epilogue):
+                b = self.free_block(e) or self.loop_block(e)
+                ax = self.new_axis(e, 1, "epilogue", b)
+                epi.env[e] = ax
+                header = f"for start_{ax.var} in range(0, {self.extent_param(e)}, {ax.block_name}):"
+                headers += indent([header], depth)
+                epi.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+                epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(e)}")
+            for st in spec.statements:
+                if set(st.indices) == full and set(st.indices) != set(spec.grid):
+                    self.store(st.name, st.indices, self.value(st.expr, epi), epi)
+                    writes.append(st.name)
+            root.lines.append(f"# epilogue: loop over tiles of {', '.join(spec.epilogue)}")
+            root.lines.extend(headers)
+            root.lines.extend(indent(epi.lines, len(spec.epilogue)))
+        return writes
+
+    def build(self) -> KernelCode:
+        spec = self.spec
+        factors = self.grid_axes()
+        root = self.root
+        writes = self.store_results(root)
+        params = list(self.params)
+        signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
+        source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
+        return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
+                          self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
+                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional)
+
+
+class PartialEmitter(KernelEmitter):
+    """A split kernel's first half: program (tile, split_id) folds chunk split_id of
+    its program folds' tiles and stores every field of their states to buffers."""
+    suffix = "_partial"
+    tuned = False
+    chunked = True
+
+    def split_prologue(self, lines: list[str]) -> None:
+        lines.append("split_id = tl.program_id(1)")
+        self.params.setdefault("n_split", "n_split")
+
+    def store_results(self, root: Scope) -> list[str]:
+        spec = self.spec
+        writes: list[str] = []
+        for f in spec.program_folds:
+            state, _, _ = self.fold_state(f, root)
+            layout = {}
+            for fname, v in state.items():
+                names = tuple(a.name for a in v.axes)
+                buf = self.ctx.buffer_name(f"{spec.name}_state{list(spec.program_folds).index(f)}_"
+                                           f"{ident(fname)}")
+                layout[fname] = (buf, names)
+                state_dtype = torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
+                self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), state_dtype)
+                self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(state_dtype)))
+                ptr, strides = self.tensor_params(buf, 1 + len(names))
+                axes = [root.env[n] for n in names]
+                target = sort_axes(axes)
+                address = f"{ptr} + split_id.to(tl.int64) * {strides[0]}"
+                if axes:
+                    address += " + " + self.offsets(axes, strides[1:], target)
+                mask = self.mask_code(target, target)
+                root.lines.append(f"tl.store({address}, {self.full_shape(v, target)}"
+                                  + (f", mask={mask})" if mask else ")"))
+            self.ctx.split_layouts[(spec.name, f)] = layout
+            writes += [b for b, _ in layout.values()]
+        return writes
+
+
+class MergeEmitter(KernelEmitter):
+    """A split kernel's second half: folds the n_split partial states of each program
+    fold in order with the summary's combine, then finishes like the whole kernel."""
+    suffix = "_merge"
+    tuned = False
+
+    def split_prologue(self, lines: list[str]) -> None:
+        self.params.setdefault("n_split", "n_split")
+
+    def fold_at(self, fold: Reduce, env0: dict[str, Axis], T: Scope) -> dict[str, Value]:
+        if T is self.root and (self.spec.name, fold) in self.ctx.split_layouts:
+            return self.merge_fold(fold, env0)
+        return self.emit_fold(fold, env0, T)
+
     def merge_fold(self, fold: Reduce, env0: dict[str, Axis]) -> dict[str, Value]:
         s = fold.summary
         layout = self.ctx.split_layouts[(self.spec.name, fold)]
@@ -1318,213 +1568,6 @@ class KernelEmitter:
         return state
 
     # ------------------------------------------------------------ the kernel
-    def grid_axes(self) -> list[str]:
-        """Declare the grid axes; returns the launcher's grid factors."""
-        spec = self.spec
-        ext = self.ctx.extent
-        # Tile up to two grid indices, the last first, that are not batch-like: in a kernel
-        # with a contraction, read by every access or by every operand of the contraction
-        # (tiling those makes every operand 3-D), nor two sides of one operand; other grid
-        # indices are one program each.
-        accesses = [n for st in spec.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
-        batch = self.dot_batch | {g for g in spec.grid if self.contractions and accesses
-                                  and all(g in a.indices for a in accesses)}
-        candidates = [g for g in spec.grid if ext(g) > 1]
-        tiled: list[str] = []
-        for g in reversed([g for g in candidates if g not in batch]):
-            if len(tiled) < 2 and not any(c.clashes(g, t) for c in self.contractions for t in tiled):
-                tiled.insert(0, g)
-        if not tiled and not self.contractions:
-            tiled = candidates[-2:]
-        blocks = {}
-        whole: set[str] = set()
-        streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
-        projections = [n for st in spec.statements for n in walk(st.expr)
-                       if isinstance(n, Reduce) and n.result is not None]
-        for g in reversed(spec.grid):
-            if g not in tiled:
-                continue
-            b = self.free_block(g)
-            if b and self._np(g) <= WHOLE_MAX and any(g not in free_indices(p) for p in projections):
-                # tiles of g would each recompute the fields that do not vary over g
-                # (attention's r and l over the value index j): keep g whole
-                b = max(16, self._np(g))
-                whole.add(g)
-            if not b and streamed and self.contiguous(g):
-                # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
-                # column wide would read memory with a stride per element; a tile of
-                # columns reads whole lines, and the streamed rows share the budget
-                b = min(self._np(g), COLUMN_BLOCK)
-                self.loop_cap = max(1, TILE_BUDGET // b)
-            if not b:
-                if streamed:        # the streamed tile and the other grid tiles share the budget
-                    b = min(self._np(g), max(1, TILE_BUDGET // (streamed * max(blocks.values(), default=1))))
-                elif not blocks:
-                    b = min(self._np(g), ROW_BLOCK)
-                else:
-                    b = min(self._np(g), max(1, TILE_BUDGET // max(blocks.values())))
-            blocks[g] = b
-        lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
-        for g in lacking:
-            if self.ctx.extent(g) == 0:
-                blocks[g] = max(blocks.get(g, 0), 1)    # masked, so that its one tile reads nothing
-        axes = {}
-        for g in spec.grid:
-            axes[g] = self.new_axis(g, 0, "grid", blocks.get(g, 0))
-        self.optional = frozenset(g for g in lacking if not axes[g].scalar)
-        for g in spec.grid:
-            if g in self.contraction and blocks.get(g) and g not in whole and self.mode == "full":
-                self.tunable[axes[g].block_name] = ("grid", g)
-        self.root.env.update(axes)
-        lines = self.root.lines
-        factors = []
-        if self.mode == "partial":
-            lines.append("split_id = tl.program_id(1)")
-            self.params.setdefault("n_split", "n_split")
-        elif self.mode == "merge":
-            self.params.setdefault("n_split", "n_split")
-        if spec.grid:
-            lines.append("pid = tl.program_id(0)")
-        order = list(reversed(spec.grid))
-        # programs whose loops run longest (the last rows under m <= i) start first, so that
-        # short ones fill the tail; the index keeps its place in the order, so programs that
-        # run together still share their key and value tiles in L2 (moving it outermost
-        # cost 8-14% at S = 1024 on the H100)
-        longest_first = self.longest_first(axes)
-        grouped = self.grouped_order(order, axes)
-        for p, g in enumerate(order):
-            ax = axes[g]
-            n = self.extent_param(g)
-            count = self.tile_count(ax)
-            launcher = f'n["{g}"]' if ax.scalar else f'triton.cdiv(n["{g}"], {ax.block})'
-            if g in self.optional:
-                launcher = f"max({launcher}, 1)"
-            factors.append(launcher)
-            self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
-            coord = f"pid_{ax.var}"
-            if grouped and p < 2:
-                lines += grouped[p]
-            elif p == len(order) - 1:
-                lines.append(f"{coord} = {count} - 1 - pid" if g == longest_first else f"{coord} = pid")
-            else:
-                lines.append(f"{coord} = {count} - 1 - pid % {count}" if g == longest_first
-                             else f"{coord} = pid % {count}")
-                lines.append(f"pid = pid // {count}")
-            if ax.scalar:
-                lines.append(f"{ax.offs} = {coord}")
-            else:
-                # a tile start past 2**31 needs 64-bit arithmetic (program ids are 32-bit)
-                wide = ".to(tl.int64)" if self.ctx.extent(g) + ax.block >= 2**31 else ""
-                lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
-                lines.append(f"{ax.mask} = {ax.offs} < {n}")
-        return factors
-
-    def longest_first(self, axes) -> str | None:
-        """A tiled grid index that bounds a program fold's loop from above (m <= i):
-        the higher its tile, the longer that program runs."""
-        if self.mode != "full":
-            return None
-        for fold in self.spec.program_folds:
-            for relations in index_bounds(fold).values():
-                for b in relations:
-                    if b.upper and b.sign > 0 and b.other in axes and not axes[b.other].scalar:
-                        return b.other
-        return None
-
-    GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
-
-    def tile_count(self, ax: Axis) -> str:
-        """The number of programs along a grid axis (an optional tiled index: at least one)."""
-        n = self.extent_param(ax.name)
-        if ax.scalar:
-            return n
-        count = f"tl.cdiv({n}, {ax.block_name})"
-        return f"tl.maximum({count}, 1)" if ax.name in self.optional else count
-
-    def grouped_order(self, order, axes) -> list[list[str]] | None:
-        """Programs of a kernel whose grid is exactly two tuned matrix-product tiles
-        (rows i, columns j) run in groups of GROUP tile rows, column by column, so
-        that programs running together share operand tiles in L2.  Returns the
-        coordinate lines for the two axes (in `order`), or None."""
-        if len(order) != 2 or not all(axes[g].block_name in self.tunable for g in order):
-            return None
-        cols, rows = axes[order[0]], axes[order[1]]
-        n_rows, n_cols = self.tile_count(rows), self.tile_count(cols)
-        r, c = f"pid_{rows.var}", f"pid_{cols.var}"
-        return [[f"# grouped order: {self.GROUP} tile rows at a time, for L2 reuse",
-                 f"in_group = {self.GROUP} * {n_cols}",
-                 f"first_row = (pid // in_group) * {self.GROUP}",
-                 f"group_rows = tl.minimum({n_rows} - first_row, {self.GROUP})",
-                 f"{r} = first_row + (pid % in_group) % group_rows",
-                 f"{c} = (pid % in_group) // group_rows"],
-                []]
-
-    def tiling_note(self) -> str:
-        """The grid in words: which indices are one program each and which are tiled."""
-        parts = []
-        for g in self.spec.grid:
-            ax = self.root.env[g]
-            parts.append(g if ax.scalar else f"{g}/{ax.block}")
-        return f"grid ({', '.join(parts)})" if parts else "one program"
-
-    def build(self) -> KernelCode:
-        spec = self.spec
-        factors = self.grid_axes()
-        root = self.root
-        writes: list[str] = []
-        if self.mode == "partial":
-            for f in spec.program_folds:
-                state, _, _ = self.fold_state(f, root)
-                layout = {}
-                for fname, v in state.items():
-                    names = tuple(a.name for a in v.axes)
-                    buf = self.ctx.buffer_name(f"{spec.name}_state{list(spec.program_folds).index(f)}_"
-                                               f"{ident(fname)}")
-                    layout[fname] = (buf, names)
-                    state_dtype = torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
-                    self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), state_dtype)
-                    self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(state_dtype)))
-                    ptr, strides = self.tensor_params(buf, 1 + len(names))
-                    axes = [root.env[n] for n in names]
-                    target = sort_axes(axes)
-                    address = f"{ptr} + split_id.to(tl.int64) * {strides[0]}"
-                    if axes:
-                        address += " + " + self.offsets(axes, strides[1:], target)
-                    mask = self.mask_code(target, target)
-                    root.lines.append(f"tl.store({address}, {self.full_shape(v, target)}"
-                                      + (f", mask={mask})" if mask else ")"))
-                self.ctx.split_layouts[(spec.name, f)] = layout
-                writes += [b for b, _ in layout.values()]
-        else:
-            full = set(spec.grid) | set(spec.epilogue)
-            for st in spec.statements:
-                if set(st.indices) <= set(spec.grid):
-                    self.store(st.name, st.indices, self.value(st.expr, root), root)
-                    writes.append(st.name)
-            if spec.epilogue:
-                epi = Scope(root, 1, dict(root.env), "epilogue")
-                headers = []
-                for depth, e in enumerate(spec.epilogue):
-                    b = self.free_block(e) or self.loop_block(e)
-                    ax = self.new_axis(e, 1, "epilogue", b)
-                    epi.env[e] = ax
-                    header = f"for start_{ax.var} in range(0, {self.extent_param(e)}, {ax.block_name}):"
-                    headers += indent([header], depth)
-                    epi.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
-                    epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(e)}")
-                for st in spec.statements:
-                    if set(st.indices) == full and set(st.indices) != set(spec.grid):
-                        self.store(st.name, st.indices, self.value(st.expr, epi), epi)
-                        writes.append(st.name)
-                root.lines.append(f"# epilogue: loop over tiles of {', '.join(spec.epilogue)}")
-                root.lines.extend(headers)
-                root.lines.extend(indent(epi.lines, len(spec.epilogue)))
-        params = list(self.params)
-        signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
-        source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
-        return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
-                          self.mode == "partial", f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
-                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional)
 
 
 def rescaled_fields(s) -> set[str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
-from .emit import KernelCode, KernelEmitter, ModuleContext, Signature, TensorInfo
+from .emit import KernelCode, KernelEmitter, MergeEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo
 from .ops import HELPERS
 from .tuning import binding, candidates, decorator
 
@@ -104,12 +104,12 @@ class ModuleBuilder:
         for spec in self.schedule.kernels:
             self._register(spec)
             hint = self.split if self.split and spec.program_folds and not spec.dependent else 1
-            full = KernelEmitter(self.ctx, spec, "full", hint)
+            full = KernelEmitter(self.ctx, spec, hint)
             code = full.build()
             n_split, why = self._split_for(spec, full)
             if n_split > 1:
-                partial = KernelEmitter(self.ctx, spec, "partial", n_split).build()
-                merge = KernelEmitter(self.ctx, spec, "merge", n_split).build()
+                partial = PartialEmitter(self.ctx, spec, n_split).build()
+                merge = MergeEmitter(self.ctx, spec, n_split).build()
                 # not autotuned: the split fixes their tiles, and these short kernels are
                 # launch-bound, where the autotuner's per-call host cost showed (decode at
                 # L = 8k: 0.044 ms -> 0.080 ms, H200)
