@@ -280,7 +280,10 @@ def discovery_table() -> str:
                if note.startswith(key)}
         how |= {"two weights" for f in found for note in f.summary.notes if "weights on the" in note}
         count = f"{len(found)}" + (f" + {len(unfused)} unfused" if unfused else "")
-        lines.append(f"| {name} | `{source}` | {count} | {fields} | {', '.join(sorted(how)) or 'product of built-ins'} |")
+        if not how:
+            how = {"none applies: a pass per dependency (explain says why)"} if not found and unfused else \
+                {"product of built-ins"}
+        lines.append(f"| {name} | `{source}` | {count} | {fields} | {', '.join(sorted(how))} |")
     return "\n".join(lines)
 
 
