@@ -48,6 +48,9 @@ class Program:
         factorised: the IR after the passes (compiler.passes.PIPELINE).
         trace: (stage, IR) for check and each pass in order, as compiled
             (`explain` reads it; nothing runs twice).
+        schedule: the schedule stage's Schedule IR (made on first use):
+            kernels, grids, streamed loops with their bounds, buffers, for
+            any sizes; `print(program.schedule)` shows it.
         outputs: the names of the statements a call returns, in statement order.
     """
 
