@@ -46,6 +46,7 @@ kernel einfold_O: grid (i, j)  # one program per (i, j) tile; folds fold1_r_l_u[
   f0 = fold1_r_l_u[m](where(i - m < 3 and m <= i, sum[k](K[m, k] * Q[i, k]), -inf), V[m, j])  # one per program; base-2 weights
   O[i, j] = f0.u / f0.l
   L[i] = where(abs(f0.r) < inf, f0.r + log(f0.l), f0.r)
+  tiles: tl.dot tiles (>= 16) i, j, k, m; whole where it fits j
   loop m [bounds: m > i - 3, m <= i]: fold1_r_l_u { loop k: sum }
 intermediate buffers: none"""),
 }

@@ -29,7 +29,17 @@ from ..errors import BackendError
 from ..ir import Access, Assign, Composite, Expr, Program, Reduce, alpha_key, children, reads, walk, with_children
 from ..passes.lower import lower
 from .bounds import index_bounds
-from .folds import free, inline, narrow_projections, replace_folds, top_folds
+from .folds import (
+    contraction_names,
+    contractions,
+    dot_batch_names,
+    free,
+    inline,
+    narrow_projections,
+    replace_folds,
+    top_folds,
+    value_only_names,
+)
 from .ir import KernelSchedule, Schedule
 from .plan import Loop
 
@@ -130,8 +140,7 @@ class Former:
                                f"its grid ({', '.join(own.grid)}) or output indices differ from {last.name}'s")
                     own.separate = f"; a kernel of its own: {because}"
                     own.why += own.separate
-        kernels = tuple(KernelSchedule(k.name, k.statements, k.grid, k.epilogue, k.why, loops(k), k.buffers,
-                                       k.program_folds, k.dependent) for k in self.kernels)
+        kernels = tuple(_frozen(k) for k in self.kernels)
         return Schedule(self.program, self.outputs, self.split, kernels, tuple(self.buffer_indices.items()),
                         tuple(self.fresh_names.items()))
 
@@ -266,6 +275,16 @@ class Former:
             self.kernels[-1].why = f"materialises {note} into {name} ({reason})"
             table[f] = Access(name, indices)
         return replace(s, expr=replace_folds(s.expr, table))
+
+
+def _frozen(k: _Draft) -> KernelSchedule:
+    exprs = [s.expr for s in k.statements]
+    return KernelSchedule(
+        k.name, k.statements, k.grid, k.epilogue, k.why, loops(k), k.buffers, k.program_folds, k.dependent,
+        contractions=tuple(c for e in exprs for c in contractions(e)),
+        dot_indices=frozenset().union(*(contraction_names(e) for e in exprs)),
+        batch_indices=frozenset().union(*(dot_batch_names(e) for e in exprs)),
+        value_only=frozenset().union(*(value_only_names(e) for e in exprs)))
 
 
 def _sub_folds(f: Reduce) -> set[Reduce]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Assign, Program, Reduce, format_expr, walk
+from .folds import Contraction
 from .plan import Kernel, Loop, Plan
 
 
@@ -26,6 +27,11 @@ class KernelSchedule:
     buffers: tuple[str, ...] = ()          # which of `statements` are intermediate buffers
     program_folds: tuple[Reduce, ...] = ()  # top folds with free indices exactly G
     dependent: bool = False                # some program fold reads another one (not splittable)
+    # tile roles, read off the folds (a backend sizes the tiles per call):
+    contractions: tuple[Contraction, ...] = ()   # matrix-product-like folds (tl.dot candidates)
+    dot_indices: frozenset = frozenset()   # a contraction's reduced, row or column index: tiles >= 16
+    batch_indices: frozenset = frozenset()  # read by every operand of a contraction: one value at a time
+    value_only: frozenset = frozenset()    # a rescaled fold's value index: kept whole where it fits
 
     @property
     def lhs(self) -> tuple[str, ...]:
@@ -57,6 +63,11 @@ class KernelSchedule:
             lines.append(f"  {s.name}[{', '.join(s.indices)}] = {text}{stored}")
         if self.dependent:
             lines.append("  not splittable: a program fold reads another")
+        roles = [(self.dot_indices, "tl.dot tiles (>= 16)"), (self.batch_indices, "one value at a time"),
+                 (self.value_only, "whole where it fits")]
+        described = [f"{what} {', '.join(sorted(ix))}" for ix, what in roles if ix]
+        if described:
+            lines.append(f"  tiles: {'; '.join(described)}")
         lines += [f"  {loop}" for loop in self.loops]
         return "\n".join(lines)
 

@@ -40,13 +40,10 @@ from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, constant, index_bounds
 from ...schedule.folds import (
-    contraction_names,
-    contractions,
     dot_batch_names,
     flatten_mul,
     free,
     restrict,
-    value_only_names,
 )
 
 WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
@@ -320,10 +317,10 @@ class KernelEmitter:
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
         exprs = [s.expr for s in spec.statements]
-        self.contractions = [c for e in exprs for c in contractions(e)]
-        self.contraction = set().union(*(contraction_names(e) for e in exprs))
-        self.dot_batch = set().union(*(dot_batch_names(e) for e in exprs))
-        self.value_only = set().union(*(value_only_names(e) for e in exprs))
+        self.contractions = list(spec.contractions)     # the schedule's tile roles
+        self.contraction = set(spec.dot_indices)
+        self.dot_batch = set(spec.batch_indices)
+        self.value_only = set(spec.value_only)
         self.has_folds = any(isinstance(n, Reduce) for e in exprs for n in walk(e))
         self.loop_cap = STREAM_BLOCK     # lowered when a grid tile of columns shares the tile budget
 
