@@ -14,21 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import compiler
-from compiler.bench_distributed import ATTENTION, CAUSAL, _sequence_part
+from compiler.bench_distributed import ATTENTION, CAUSAL, _sequence_part, _timed
 
 B, H, S, D = 1, 16, 16384, 128
-
-
-def _wall(fn, calls=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def _worker(rank, world, store, out):
@@ -44,8 +32,8 @@ def _worker(rank, world, store, out):
         ring = program.shard("m", layout=layout, rows="i")
         ql, kl, vl = (_sequence_part(t, layout, rank, world) for t in (q, k, v))
         call = lambda: ring(Q=ql, K=kl, V=vl, scale=0.088)       # noqa: E731
-        whole = _wall(lambda: program(Q=q, K=k, V=v, scale=0.088))
-        ms = _wall(call)
+        whole = _timed(lambda: program(Q=q, K=k, V=v, scale=0.088), device)    # the slower rank's
+        ms = _timed(call, device)
         torch.cuda.synchronize()
         dist.barrier()
         host = time.perf_counter()

@@ -929,10 +929,10 @@ class KernelEmitter:
     def sum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
         (field_name,) = fold.summary.field_names
         factors = [self.as_float(self.value(f, body)) for f in flatten_mul(fold.args[0])]
-        if looped and (dot := self.dot_plan(factors, dims(RA))) is not None and not dot[5]:
+        dot = self.dot_plan(factors, dims(RA))
+        if looped and (FA := self.accumulator_axes(dot, RA)) is not None:
             # a matrix product accumulates in tl.dot's accumulator
             acc = self.state_var(prefix, field_name)
-            FA = sort_axes(a for a in self.dot_axes(*dot[:5]) if a not in RA)
             init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
             self.emit_dot(*dot, body, into=acc)
             return {field_name: Value(acc, FA)}
@@ -1040,6 +1040,13 @@ class KernelEmitter:
     def dot_axes(a, A, b, B, c) -> tuple[Axis, ...]:
         return sort_axes([a, b] + [x for f in A + B for x in f.axes if x is not c])
 
+    def accumulator_axes(self, dot, RA) -> tuple[Axis, ...] | None:
+        """The axes of an accumulator that `dot` (a dot_plan) can add to in place, or
+        None: no tl.dot, or outer factors that multiply its result."""
+        if dot is None or dot[5]:
+            return None
+        return sort_axes(a for a in self.dot_axes(*dot[:5]) if a not in RA)
+
     def emit_dot(self, a, A, b, B, c, outer, dtype, body, into: str | None = None) -> Value:
         """tl.dot of the operands; `into`: the accumulator it adds to in place (no outer factors)."""
         left = self.dot_operand(A, a, c, c, dtype, body)
@@ -1146,7 +1153,7 @@ class KernelEmitter:
                 factors = [p] if v.const == 1.0 else [p, v]
                 dot = self.dot_plan(factors, dims(RA))
                 t = self.state_var(prefix, fname)
-                FT = None if dot is None or dot[5] else sort_axes(a for a in self.dot_axes(*dot[:5]) if a not in RA)
+                FT = self.accumulator_axes(dot, RA)
                 if FT is not None and set(alpha.axes) <= set(FT):
                     # rescale the accumulator, then tl.dot adds the tile's weighted values to it
                     init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
