@@ -19,6 +19,7 @@ from ...errors import BackendError
 from ...schedule import Plan, Schedule
 from .cache import load
 from .emit import Signature
+from .launch import bind_directly, direct_launch_supported
 from .module import Built, ModuleBuilder, auto_split
 
 _warned_interpreter = False
@@ -160,6 +161,8 @@ class TritonBackend:
             built = self.build(sig)
             options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
             module = load(built.source, options, interpret)
+            if not interpret and direct_launch_supported():
+                bind_directly(module, [k.name for k in built.plan.kernels])
             entry = (built, _quiet(module.launch) if interpret else module.launch)
             self._built[sig] = entry
         if interpret:

@@ -16,6 +16,7 @@ Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,34 @@ def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
         return 1
     n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles // 8, SPLIT_MAX)
     return n if n >= 2 else 1
+
+
+def packed_strides(args: list[str]) -> list[str]:
+    """The launch arguments with each tensor's run of strides `t["X"].stride(0)`,
+    ..., `.stride(r - 1)` passed as `*t["X"].stride()`: one call per tensor on the
+    host's hot path instead of one per dimension (a kernel takes every stride of
+    a tensor it reads, in order: KernelEmitter.tensor_params)."""
+    out: list[str] = []
+    run: list[str] = []
+
+    def flush():
+        if run and run[-1] == run[0].replace(".stride(0)", f".stride({len(run) - 1})"):
+            out.append("*" + run[0].replace(".stride(0)", ".stride()"))
+        else:
+            out.extend(run)
+        run.clear()
+    for a in args:
+        stride = re.fullmatch(r'(t\["[^"]+"\])\.stride\((\d+)\)', a)
+        if stride and (int(stride.group(2)) == len(run) and (not run or run[0].startswith(stride.group(1)))):
+            run.append(a)
+            continue
+        flush()
+        if stride and stride.group(2) == "0":
+            run.append(a)
+        else:
+            out.append(a)
+    flush()
+    return out
 
 
 class ModuleBuilder:
@@ -166,7 +195,7 @@ class ModuleBuilder:
             for name, shape, dtype in code.buffers:
                 lines.append(f'    t["{name}"] = torch.empty(({", ".join(shape)},), dtype={dtype}, '
                              f'device=device)')
-            args = [expr for _, expr in code.params]
+            args = packed_strides([expr for _, expr in code.params])
             if code.name in self.tuned:
                 # the autotuner binds every tile (each candidate is complete): the grid follows its choice
                 factors = [(f'max(triton.cdiv(n["{g}"], META["{b}"]), 1)' if g in code.optional else

@@ -120,4 +120,4 @@ def launch(t, n, device):
     grid = lambda META: (triton.cdiv(n["j"], META["BLOCK_j"]) * triton.cdiv(n["i"], META["BLOCK_i"]) * n["h"] * n["b"],)
     if n["j"] > 0 and n["i"] > 0 and n["h"] > 0 and n["b"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
-            n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], t["K"].stride(0), t["K"].stride(1), t["K"].stride(2), t["K"].stride(3), t["Q"], t["Q"].stride(0), t["Q"].stride(1), t["Q"].stride(2), t["Q"].stride(3), t["V"], t["V"].stride(0), t["V"].stride(1), t["V"].stride(2), t["V"].stride(3), t["O"], t["O"].stride(0), t["O"].stride(1), t["O"].stride(2), t["O"].stride(3))
+            n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["O"], *t["O"].stride())

@@ -74,4 +74,4 @@ def launch(t, n, device):
     grid = lambda META: (triton.cdiv(n["i"], META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_L[grid](
-            n["i"], n["j"], t["X"], t["X"].stride(0), t["X"].stride(1), t["L"], t["L"].stride(0))
+            n["i"], n["j"], t["X"], *t["X"].stride(), t["L"], *t["L"].stride())

@@ -45,4 +45,4 @@ def launch(t, n, device):
     grid = lambda META: (triton.cdiv(n["j"], META["BLOCK_j"]) * triton.cdiv(n["i"], META["BLOCK_i"]),)
     if n["j"] > 0 and n["i"] > 0:                       # an empty output launches nothing
         einfold_C[grid](
-            n["i"], n["j"], n["k"], t["A"], t["A"].stride(0), t["A"].stride(1), t["B"], t["B"].stride(0), t["B"].stride(1), t["C"], t["C"].stride(0), t["C"].stride(1))
+            n["i"], n["j"], n["k"], t["A"], *t["A"].stride(), t["B"], *t["B"].stride(), t["C"], *t["C"].stride())

@@ -95,4 +95,4 @@ def launch(t, n, device):
     grid = lambda META: (max(triton.cdiv(n["j"], META["BLOCK_j"]), 1) * triton.cdiv(n["i"], META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
-            n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], t["K"].stride(0), t["K"].stride(1), t["Q"], t["Q"].stride(0), t["Q"].stride(1), t["V"], t["V"].stride(0), t["V"].stride(1), t["O"], t["O"].stride(0), t["O"].stride(1), t["L"], t["L"].stride(0))
+            n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["O"], *t["O"].stride(), t["L"], *t["L"].stride())
