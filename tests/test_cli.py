@@ -209,8 +209,8 @@ def test_dump_attention_is_one_kernel_carrying_the_derived_state(capsys):
     assert first.count("\ndef einfold_") == 1 and "def launch(t, n, device):" in first   # one kernel (+ helpers)
     assert "# source:\n#   " + DUMP_ATTENTION in first
     loop = first[first.index("for start_m"):first.index("tl.store")]
-    for field in ("f0_r = ", "f0_l = f0_l * ", "f0_u = f0_u * "):
-        assert field in loop               # the (r, l, u) state is carried by the loop
+    for field in ("r = r_new", "l = l * ", "acc = acc * "):
+        assert field in loop               # the (r, l, u) state is carried by the loop (u in tl.dot's acc)
     code, second, _ = run_cli(capsys, *args)
     assert second == first                 # deterministic
 

@@ -286,6 +286,7 @@ def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
 # ---------------------------------------------------------------- the kernel emitter
 # values named after their role in a fold (see temp)
 ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty"})
+ROLE_PREFIXES = ("lift_", "tile_", "scan_")     # a generic fold's per-field tiles: lift_<field>, ...
 
 
 class KernelEmitter:
@@ -346,9 +347,78 @@ class KernelEmitter:
     def temp(self, stem: str = "t") -> str:
         """A fresh variable: a role's own name (`alpha`, `p`, `r_new`; `_2`, ... on a
         clash), or a numbered `t`, `op` or `x_<tensor>` for anonymous values."""
-        if stem in ROLE_STEMS:
+        if stem in ROLE_STEMS or stem.startswith(ROLE_PREFIXES):
             return self.local(stem)
         return self.local(f"{stem}{next(self.temp_ids)}")
+
+    @staticmethod
+    def _visible_lines(scope: Scope):
+        """The line lists of `scope` and the scopes around it (each list once: a scope
+        without loops shares its parent's)."""
+        seen = set()
+        for sc in scope.chain():
+            if id(sc.lines) not in seen:
+                seen.add(id(sc.lines))
+                yield sc.lines
+
+    def _sole_definition(self, variable: str, scope: Scope) -> tuple[list[str], int] | None:
+        """(lines, position) of the line defining `variable` when no other line reads it yet."""
+        name = re.compile(rf"\b{variable}\b")
+        found = None
+        for lines in self._visible_lines(scope):
+            for k, line in enumerate(lines):
+                uses = len(name.findall(line))
+                if uses and (found is not None or uses != 1 or not line.startswith(f"{variable} = ")):
+                    return None
+                if uses:
+                    found = (lines, k)
+        return found
+
+    @staticmethod
+    def _numbered(v: Value) -> bool:
+        return re.fullmatch(r"t\d+", v.code) is not None
+
+    @staticmethod
+    def _recode(scope: Scope, old: str, new: str) -> None:
+        """Values remembered in `scope` and around it that name `old` now name `new`."""
+        pattern = re.compile(rf"\b{old}\b")
+
+        def recode(v: Value) -> Value:
+            return replace(v, code=pattern.sub(new, v.code), raw=v.raw and pattern.sub(new, v.raw))
+        for sc in scope.chain():
+            for key, m in sc.memo.items():
+                if isinstance(m, Value):
+                    sc.memo[key] = recode(m)
+                elif isinstance(m, dict):
+                    sc.memo[key] = {f: recode(x) for f, x in m.items()}
+
+    def renamed(self, v: Value, stem: str, scope: Scope) -> Value:
+        """`v` under a role's name (`x0`, `o`) when it is a numbered temporary that
+        nothing reads yet; values remembered under the old name follow."""
+        found = self._sole_definition(v.code, scope) if self._numbered(v) else None
+        if found is None:
+            return v
+        lines, k = found
+        new = self.local(ident(stem))
+        lines[k] = new + lines[k][len(v.code):]
+        self._recode(scope, v.code, new)
+        return replace(v, code=new)
+
+    def transposed_load(self, v: Value, scope: Scope) -> str | None:
+        """The variable of `v`'s load, now loading the transposed tile, when `v` is a 2-D
+        load that nothing reads yet (a tl.dot operand stored the other way round, V
+        of attention: loaded as the dot needs it instead of transposed in registers);
+        remembered values read it transposed back.  None: it cannot be."""
+        if v.raw is None or len(dims(v.axes)) != 2:
+            return None
+        found = self._sole_definition(v.raw, scope)
+        if found is None:
+            return None
+        lines, k = found
+        swap = {"[:, None]": "[None, :]", "[None, :]": "[:, None]"}
+        lines[k] = re.sub(r"\[:, None\]|\[None, :\]", lambda m: swap[m.group(0)], lines[k])
+        self._recode(scope, v.raw, f"tl.trans({v.raw})")
+        return v.raw
 
     def axis_var(self, name: str) -> str:
         """The suffix of an axis's names (offs_<var>, mask_<var>, BLOCK_<var>, ...): all free."""
@@ -362,9 +432,11 @@ class KernelEmitter:
             self.ctx.local_names.add(f"{p}_{var}")
         return var
 
-    def state_var(self, prefix: str, field_name: str) -> str:
-        """The variable of a fold's running field (one name however often its update is emitted)."""
-        return self.local(f"{prefix}_{ident(field_name)}", ("state", prefix, field_name))
+    def state_var(self, prefix: str, field_name: str, role: str | None = None) -> str:
+        """The variable of a fold's running field, named after the field (`r`, `l`) or
+        its role (`acc`: a tl.dot accumulator); one name however often its update is
+        emitted."""
+        return self.local(role or ident(field_name), ("state", prefix, field_name))
 
     def new_axis(self, name: str, level: int, kind: str, block: int) -> Axis:
         ax = Axis(next(self.axis_ids), name, self.axis_var(name), level, kind, block)
@@ -932,7 +1004,7 @@ class KernelEmitter:
         dot = self.dot_plan(factors, dims(RA))
         if looped and (FA := self.accumulator_axes(dot, RA)) is not None:
             # a matrix product accumulates in tl.dot's accumulator
-            acc = self.state_var(prefix, field_name)
+            acc = self.state_var(prefix, field_name, role="acc")
             init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
             self.emit_dot(*dot, body, into=acc)
             return {field_name: Value(acc, FA)}
@@ -1029,7 +1101,8 @@ class KernelEmitter:
             product = " * ".join(self.expand(f, target) for f in fs)
             code = f"({self.masked([c], target, product, '0.0')}).to({want})"
         if dims(target)[0] is not rows:
-            code = f"tl.trans({code})"
+            flipped = self.transposed_load(fs[0], body) if len(fs) == 1 and code == fs[0].raw else None
+            code = flipped or f"tl.trans({code})"
         if re.fullmatch(r"(tl\.trans\()?[A-Za-z_]\w*(\.to\(tl\.\w+\))?\)?", code):
             return code
         name = self.temp("op")
@@ -1095,25 +1168,17 @@ class KernelEmitter:
     def rescaled_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
         s = fold.summary
         cdt = self.ctx.cdt
-        xs = {f"x{k}": self.as_float(self.value(a, body)) for k, a in enumerate(fold.args)}
+        xs = self.fold_arguments(fold, body)
         state: dict[str, Value] = {}
         updates: list[str] = []
         for rs in s.rescaled:
             ident_r = s.identity[s.field_names.index(rs.leader)].value
             lit = emission.literal(ident_r)
             fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
-            body.lines.append(f"# {rs.leader}: running {rs.leader_monoid} (the leader); the fields "
-                              f"{', '.join(f for f, _ in rs.values)} are repaired when it moves")
+            header = len(body.lines)        # written once the fields' variables are named
+            body.lines.append("")
+            variables = {}
             base2 = rs.base2
-            if base2:
-                # exp(x - r) in base 2 at one fma per element: w = exp2(fma(x, a, -r2)) with a = log2(e)
-                # and r2 = r a rounded.  The product x a is not rounded, so every weight of a row errs
-                # by the same factor exp2(r a - r2); _natural divides it out of the final fields.  The
-                # leader stays the max of x itself (exact), so r, r + log(l) and x - r - log(l) are as
-                # exact as torch's at any logit size.  A row whose max is beyond FLT_MAX / log2(e)
-                # (where r a would overflow) takes a = 1: float32 values that large are 2**104 apart,
-                # so exp(x - r) is exactly 1 at the max and 0 elsewhere, and so is exp2(x - r).
-                body.lines.append("# base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself")
             la = self.formula(rs.leader_arg, xs, body)
             U = sort_axes(list(la.axes) + list(RA))
             padded = self.masked(RA, U, self.expand(la, U), lit)
@@ -1130,16 +1195,28 @@ class KernelEmitter:
             body.lines.append(f"# weight {format_expr(rs.weight)}, repair {format_expr(rs.repair)} "
                               f"(r_new: the moved leader)")
             if not base2:
-                alpha = self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body)
-                w = self.formula(rs.weight, {**xs, "r": r_use}, body)
+                alpha = self.renamed(self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body), "alpha", body)
+                w = self.renamed(self.formula(rs.weight, {**xs, "r": r_use}, body), "w", body)
             else:
+                # exp(x - r) in base 2 at one fma per element: w = exp2(fma(x, a, -r2)) with a = log2(e)
+                # and r2 = r a rounded.  The product x a is not rounded, so every weight of a row errs
+                # by the same factor exp2(r a - r2); _natural divides it out of the final fields.  The
+                # leader stays the max of x itself (exact), so r, r + log(l) and x - r - log(l) are as
+                # exact as torch's at any logit size.  A row whose max is beyond FLT_MAX / log2(e)
+                # (where r a would overflow) takes a = 1: float32 values that large are 2**104 apart,
+                # so exp(x - r) is exactly 1 at the max and 0 elsewhere, and so is exp2(x - r).
                 self.ctx.helpers.add("base2")
                 a = self.assign(f"_base2({r_use.code})", FR, body, stem="a")
                 r2 = self.assign(f"{r_use.code} * {a.code}", FR, body, stem="r2")
                 alpha = self.assign(f"tl.exp2({r} * _base2({r}) - {r2.code})", FR, body, stem="alpha")
                 WU = sort_axes(list(la.axes) + list(FR))
+                # the weights are the p of the update unless padding must be masked out of them
+                stem = "w" if self.mask_code(RA, sort_axes(list(WU) + list(RA))) else "p"
                 w = self.assign(f"tl.exp2(tl.fma({self.expand(la, WU)}, {self.expand(a, WU)}, "
-                                f"-{self.expand(r2, WU)}))", WU, body, stem="w")
+                                f"-{self.expand(r2, WU)}))", WU, body, stem=stem)
+                x = la.code if la.code.isidentifier() else "x"
+                body.lines.insert(header + 1, f"# base 2: {w.code} = exp2({x} * a - r2), a = log2(e), r2 = {r} * a; "
+                                              f"{r} is the max of {x} itself")
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
@@ -1152,9 +1229,11 @@ class KernelEmitter:
                 v = self.as_float(self.formula(v_expr, xs, body))
                 factors = [p] if v.const == 1.0 else [p, v]
                 dot = self.dot_plan(factors, dims(RA))
-                t = self.state_var(prefix, fname)
                 FT = self.accumulator_axes(dot, RA)
-                if FT is not None and set(alpha.axes) <= set(FT):
+                in_place = FT is not None and set(alpha.axes) <= set(FT)
+                t = self.state_var(prefix, fname, role="acc" if in_place else None)
+                variables[fname] = t
+                if in_place:
                     # rescale the accumulator, then tl.dot adds the tile's weighted values to it
                     init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
                     body.lines.append(f"{t} = {t} * {self.expand(alpha, FT)}")
@@ -1171,6 +1250,12 @@ class KernelEmitter:
                                          f"{self.expand(r_val, FT)})", FT)
                 else:
                     state[fname] = Value(t, FT)
+            variables[rs.leader] = r
+            named = {f: f if v == f else f"{f} (in {v})" for f, v in variables.items()}
+            repaired = [named[f] for f, _ in rs.values]
+            body.lines[header] = f"# {named[rs.leader]}: running {rs.leader_monoid} (the leader)" + (
+                f"; the fields {', '.join(repaired)} are repaired when it moves" if len(repaired) > 1 else
+                f"; the field {repaired[0]} is repaired when it moves" if repaired else "")
             updates.append(f"{r} = {r_new.code}")
             state[rs.leader] = r_val
         body.lines.extend(updates)
@@ -1179,13 +1264,18 @@ class KernelEmitter:
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, fields=rest, xs=xs))
         return state
 
+    def fold_arguments(self, fold: Reduce, body: Scope) -> dict[str, Value]:
+        """The fold's arguments on the tile, named as the derivation names them (x0, x1, ...)."""
+        return {f"x{k}": self.as_float(self.renamed(self.value(a, body), f"x{k}", body))
+                for k, a in enumerate(fold.args)}
+
     # any summary
     def generic_fold(self, fold, prefix, body, RA, looped, init, fields=None, xs=None) -> dict[str, Value]:
         s = fold.summary
         fields = s.field_names if fields is None else fields
         cdt = self.ctx.cdt
         if xs is None:
-            xs = {f"x{k}": self.as_float(self.value(a, body)) for k, a in enumerate(fold.args)}
+            xs = self.fold_arguments(fold, body)
         index = {f: s.field_names.index(f) for f in fields}
         lifted = {f: self.formula(s.lift[index[f]], xs, body) for f in fields}
         U = sort_axes([a for v in lifted.values() for a in v.axes] + list(RA))
@@ -1199,20 +1289,20 @@ class KernelEmitter:
                 code = f"tl.where({mask}, {code}, {ids[f]})"
             if dims(U):
                 code = self.broadcast(code, U)
-            tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}_")
+            tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}")
         current = list(dims(U))
         combine = self.ctx.combine_fn(s, tuple(fields))
         names = {f: tiles[f].code for f in fields}
         for ax in sorted(dims(RA), key=lambda a: -current.index(a)):
             pos = current.index(ax)
             args = ", ".join(names[f] for f in fields)
-            outs = [self.temp(f"tile_{ident(f)}_") for f in fields]
+            outs = [self.temp(f"tile_{ident(f)}") for f in fields]
             tuple_in = f"({args},)" if len(fields) > 1 else args
             if s.commutative:
                 body.lines.append(f"{', '.join(outs)} = tl.reduce({tuple_in}, {pos}, {combine})")
             else:
                 # tl.reduce may reorder operands; a scan keeps order and its last element is the fold
-                scans = [self.temp(f"scan_{ident(f)}_") for f in fields]
+                scans = [self.temp(f"scan_{ident(f)}") for f in fields]
                 body.lines.append(f"{', '.join(scans)} = tl.associative_scan({tuple_in}, {pos}, {combine})")
                 last_axes = [a for a in current]
                 last = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {ax.block_name} - 1)", (ax,), "bool"),
@@ -1414,6 +1504,10 @@ class KernelEmitter:
     def split_prologue(self, lines: list[str]) -> None:
         """Lines before the program coordinates (a split kernel's split index)."""
 
+    def result(self, st, scope: Scope) -> Value:
+        """A statement's value, named after it."""
+        return self.renamed(self.value(st.expr, scope), st.name, scope)
+
     def store_results(self, root: Scope) -> list[str]:
         """Store the statements (in the program, then in the epilogue loop); their names."""
         spec = self.spec
@@ -1421,7 +1515,7 @@ class KernelEmitter:
         full = set(spec.grid) | set(spec.epilogue)
         for st in spec.statements:
             if set(st.indices) <= set(spec.grid):
-                self.store(st.name, st.indices, self.value(st.expr, root), root)
+                self.store(st.name, st.indices, self.result(st, root), root)
                 writes.append(st.name)
         if spec.epilogue:
             epi = Scope(root, 1, dict(root.env), "epilogue")
@@ -1436,7 +1530,7 @@ class KernelEmitter:
                 epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(e)}")
             for st in spec.statements:
                 if set(st.indices) == full and set(st.indices) != set(spec.grid):
-                    self.store(st.name, st.indices, self.value(st.expr, epi), epi)
+                    self.store(st.name, st.indices, self.result(st, epi), epi)
                     writes.append(st.name)
             root.lines.append(f"# epilogue: loop over tiles of {', '.join(spec.epilogue)}")
             root.lines.extend(headers)
@@ -1450,10 +1544,65 @@ class KernelEmitter:
         writes = self.store_results(root)
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
-        source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(root.lines)]) + "\n"
+        body = inline_single_uses(root.lines)
+        source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(body)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional)
+
+
+INLINE_MAX = 60       # characters of an expression worth its own name when used once
+_TEMPORARY = re.compile(r"( *)(t\d+) = (.*)")
+_ASSIGNED = re.compile(r" *([\w, ]+?) *(?:=|\+=)(?!=)")
+
+
+def inline_single_uses(lines: list[str]) -> list[str]:
+    """The kernel's lines with each numbered temporary that is read once, later in
+    the same block, written into its use (`r_new = tl.maximum(r, tl.max(x0, 1))`,
+    not a `t4` for the tile's max), unless its expression is long or a name it reads
+    is assigned in between (a running state updated before the use)."""
+    lines = list(lines)
+    changed = True
+    while changed:
+        changed = False
+        for k, line in enumerate(lines):
+            definition = _TEMPORARY.fullmatch(line)
+            if definition is None or len(definition.group(3)) > INLINE_MAX:
+                continue
+            pad, name, expr = definition.groups()
+            word = re.compile(rf"\b{name}\b")
+            uses = [j for j, other in enumerate(lines) if j != k and word.search(other)]
+            if len(uses) != 1 or uses[0] < k or len(word.findall(lines[uses[0]])) != 1:
+                continue
+            j = uses[0]
+            between = lines[k + 1:j]
+            reads = set(re.findall(r"[A-Za-z_]\w*", expr))
+            if (not lines[j].startswith(pad) or lines[j][len(pad)] == " "
+                    or any(other.strip() and not other.startswith(pad) for other in between)
+                    or any((m := _ASSIGNED.match(other)) and reads & set(re.split(r"[, ]+", m.group(1)))
+                           for other in between)):
+                continue
+            lines[j] = word.sub((expr if _atomic(expr) else f"({expr})").replace("\\", "\\\\"), lines[j])
+            del lines[k]
+            changed = True
+            break
+    return lines
+
+
+def _atomic(expr: str) -> bool:
+    """Whether `expr` needs no parentheses as an operand: a name, a call, or one
+    parenthesised whole."""
+    if re.fullmatch(r"[\w.]+", expr):
+        return True
+    head = re.match(r"[\w.]*\(", expr)
+    if head is None:
+        return False
+    depth = 0
+    for pos in range(head.end() - 1, len(expr)):
+        depth += {"(": 1, ")": -1}.get(expr[pos], 0)
+        if depth == 0:
+            return pos == len(expr) - 1
+    return False
 
 
 class PartialEmitter(KernelEmitter):
@@ -1466,6 +1615,10 @@ class PartialEmitter(KernelEmitter):
     def split_prologue(self, lines: list[str]) -> None:
         lines.append("split_id = tl.program_id(1)")
         self.params.setdefault("n_split", "n_split")
+
+    def result(self, st, scope: Scope) -> Value:
+        """A statement's value, named after it."""
+        return self.renamed(self.value(st.expr, scope), st.name, scope)
 
     def store_results(self, root: Scope) -> list[str]:
         spec = self.spec

@@ -51,9 +51,9 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     offs_k = tl.arange(0, BLOCK_k)
     mask_k = offs_k < n_k
     x_Q2 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + offs_i[:, None].to(tl.int64) * Q_s2 + offs_k[None, :].to(tl.int64) * Q_s3)
-    f0_r = tl.full([BLOCK_i], -float("inf"), tl.float32)
-    f0_l = tl.zeros([BLOCK_i], tl.float32)
-    f0_u = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    r = tl.full([BLOCK_i], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_i], tl.float32)
+    acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
     # elements with m <= i failing contribute the identity: stop after the last tile where it can hold
     hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)
     mid_m = tl.maximum(0, tl.minimum(hi_m, (tl.min(offs_i, 0) + 1) // BLOCK_m * BLOCK_m))
@@ -61,56 +61,50 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
         offs_m = start_m + tl.arange(0, BLOCK_m)
         mask_m = offs_m < n_m
         # fold 2: sum[k] (whole)
-        x_K8 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[:, None].to(tl.int64) * K_s2 + offs_k[None, :].to(tl.int64) * K_s3)
-        qk_2 = tl.dot(x_Q2, tl.trans(x_K8))
-        t9 = (scale_val * qk_2)
-        x_V10 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3)
-        # r: running max (the leader); the fields l, u are repaired when it moves
-        # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t11 = tl.max(t9, 1)
-        r_new_2 = tl.maximum(f0_r, t11)
+        x_K8 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3)
+        qk_2 = tl.dot(x_Q2, x_K8)
+        x0_2 = (scale_val * qk_2)
+        x_V10 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3)
+        # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
+        # base 2: p_2 = exp2(x0_2 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_2 itself
+        r_new_2 = tl.maximum(r, tl.max(x0_2, 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a_2 = _base2(r_use_2)
         r2_2 = r_use_2 * a_2
-        alpha_2 = tl.exp2(f0_r * _base2(f0_r) - r2_2)
-        w_2 = tl.exp2(tl.fma(t9, a_2[:, None], -r2_2[:, None]))
-        t12 = tl.sum(w_2, 1)
-        f0_l = f0_l * alpha_2 + t12
-        f0_u = f0_u * alpha_2[:, None]
-        f0_u = tl.dot(w_2.to(tl.bfloat16), tl.trans(x_V10), f0_u)
-        f0_r = r_new_2
+        alpha_2 = tl.exp2(r * _base2(r) - r2_2)
+        p_2 = tl.exp2(tl.fma(x0_2, a_2[:, None], -r2_2[:, None]))
+        l = l * alpha_2 + tl.sum(p_2, 1)
+        acc = acc * alpha_2[:, None]
+        acc = tl.dot(p_2.to(tl.bfloat16), x_V10, acc)
+        r = r_new_2
     # the boundary tiles, where the predicate is evaluated
     for start_m in range(mid_m, hi_m, BLOCK_m):
         offs_m = start_m + tl.arange(0, BLOCK_m)
         mask_m = offs_m < n_m
-        t0 = (offs_m[None, :] <= offs_i[:, None])
         # fold 1: sum[k] (whole)
-        x_K1 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[:, None].to(tl.int64) * K_s2 + offs_k[None, :].to(tl.int64) * K_s3)
-        qk = tl.dot(x_Q2, tl.trans(x_K1))
-        t3 = (scale_val * qk)
-        t4 = tl.where(t0, t3, -float("inf"))
-        x_V5 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3)
-        # r: running max (the leader); the fields l, u are repaired when it moves
-        # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t6 = tl.max(t4, 1)
-        r_new = tl.maximum(f0_r, t6)
+        x_K1 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3)
+        qk = tl.dot(x_Q2, x_K1)
+        x0 = tl.where((offs_m[None, :] <= offs_i[:, None]), (scale_val * qk), -float("inf"))
+        x_V5 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3)
+        # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
+        # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
+        r_new = tl.maximum(r, tl.max(x0, 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = r_use * a
-        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
-        w = tl.exp2(tl.fma(t4, a[:, None], -r2[:, None]))
-        t7 = tl.sum(w, 1)
-        f0_l = f0_l * alpha + t7
-        f0_u = f0_u * alpha[:, None]
-        f0_u = tl.dot(w.to(tl.bfloat16), tl.trans(x_V5), f0_u)
-        f0_r = r_new
-    t13 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
+        alpha = tl.exp2(r * _base2(r) - r2)
+        p = tl.exp2(tl.fma(x0, a[:, None], -r2[:, None]))
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(tl.bfloat16), x_V5, acc)
+        r = r_new
+    O = (_natural(acc, r[:, None]) / (_natural(l, r))[:, None])
     # O[b, h, i, j]
-    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(t13, O_ptr.dtype.element_ty))
+    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -38,33 +38,27 @@ def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, B
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
     mask_i = offs_i < n_i
     # fold 0: fold1_r_l[j] over tiles of j
-    f0_r = tl.full([BLOCK_i], -float("inf"), tl.float32)
-    f0_l = tl.zeros([BLOCK_i], tl.float32)
+    r = tl.full([BLOCK_i], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_i], tl.float32)
     for start_j in range(0, n_j, BLOCK_j):
         offs_j = start_j + tl.arange(0, BLOCK_j)
         mask_j = offs_j < n_j
         x_X0 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j[None, :].to(tl.int64) * X_s1)
-        # r: running max (the leader); the fields l are repaired when it moves
-        # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t1 = tl.max(x_X0, 1)
-        r_new = tl.maximum(f0_r, t1)
+        # r: running max (the leader); the field l is repaired when it moves
+        # base 2: p = exp2(x_X0 * a - r2), a = log2(e), r2 = r * a; r is the max of x_X0 itself
+        r_new = tl.maximum(r, tl.max(x_X0, 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = r_use * a
-        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
-        w = tl.exp2(tl.fma(x_X0, a[:, None], -r2[:, None]))
-        t2 = tl.sum(w, 1)
-        f0_l = f0_l * alpha + t2
-        f0_r = r_new
-    t3 = tl.abs(f0_r)
-    t4 = (t3 < float("inf"))
-    t5 = tl.log(_natural(f0_l, f0_r))
-    t6 = (f0_r + t5)
-    t7 = tl.where(t4, t6, f0_r)
+        alpha = tl.exp2(r * _base2(r) - r2)
+        p = tl.exp2(tl.fma(x_X0, a[:, None], -r2[:, None]))
+        l = l * alpha + tl.sum(p, 1)
+        r = r_new
+    L = tl.where((tl.abs(r) < float("inf")), (r + tl.log(_natural(l, r))), r)
     # L[i]
-    tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t7, L_ptr.dtype.element_ty))
+    tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(L, L_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -27,15 +27,15 @@ def einfold_C(n_i, n_j, n_k, A_ptr, A_s0, A_s1, B_ptr, B_s0, B_s1, C_ptr, C_s0, 
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
     mask_i = offs_i < n_i
     # fold 0: sum[k] over tiles of k
-    f0_acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
     for start_k in range(0, n_k, BLOCK_k):
         offs_k = start_k + tl.arange(0, BLOCK_k)
         mask_k = offs_k < n_k
         x_A0 = tl.load(A_ptr + offs_i[:, None].to(tl.int64) * A_s0 + offs_k[None, :].to(tl.int64) * A_s1)
-        x_B1 = tl.load(B_ptr + offs_k[None, :].to(tl.int64) * B_s0 + offs_j[:, None].to(tl.int64) * B_s1)
-        f0_acc = tl.dot(x_A0, tl.trans(x_B1), f0_acc)
+        x_B1 = tl.load(B_ptr + offs_k[:, None].to(tl.int64) * B_s0 + offs_j[None, :].to(tl.int64) * B_s1)
+        acc = tl.dot(x_A0, x_B1, acc)
     # C[i, j]
-    tl.store(C_ptr + offs_i[:, None].to(tl.int64) * C_s0 + offs_j[None, :].to(tl.int64) * C_s1, tl.cast(f0_acc, C_ptr.dtype.element_ty))
+    tl.store(C_ptr + offs_i[:, None].to(tl.int64) * C_s0 + offs_j[None, :].to(tl.int64) * C_s1, tl.cast(acc, C_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -50,9 +50,9 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
     offs_k = tl.arange(0, BLOCK_k)
     mask_k = offs_k < n_k
     x_Q1 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + idx_i.to(tl.int64) * Q_s2 + offs_k.to(tl.int64) * Q_s3)
-    f0_r = tl.full([], -float("inf"), tl.float32)
-    f0_l = tl.zeros([], tl.float32)
-    f0_u = tl.zeros([BLOCK_j], tl.float32)
+    r = tl.full([], -float("inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    u = tl.zeros([BLOCK_j], tl.float32)
     chunk_m = tl.cdiv(tl.cdiv(n_m, BLOCK_m), n_split) * BLOCK_m
     lo_m = split_id * chunk_m
     hi_m = tl.minimum(lo_m + chunk_m, n_m)
@@ -62,27 +62,24 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
         # fold 1: sum[k] (whole)
         x_K0 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[:, None].to(tl.int64) * K_s2 + offs_k[None, :].to(tl.int64) * K_s3)
         t2 = tl.sum(x_K0.to(tl.float32) * (x_Q1.to(tl.float32))[None, :], 1)
-        t3 = (scale_val * t2)
+        x0 = (scale_val * t2)
         x_V4 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3)
         # r: running max (the leader); the fields l, u are repaired when it moves
-        # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t5 = tl.max(t3, 0)
-        r_new = tl.maximum(f0_r, t5)
+        # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
+        r_new = tl.maximum(r, tl.max(x0, 0))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = r_use * a
-        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
-        w = tl.exp2(tl.fma(t3, a, -r2))
-        t6 = tl.sum(w, 0)
-        f0_l = f0_l * alpha + t6
-        t7 = tl.sum(w[None, :] * x_V4.to(tl.float32), 1)
-        f0_u = f0_u * alpha + t7
-        f0_r = r_new
-    tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(f0_l, f0_r))
-    tl.store(einfold_O_state0_u_ptr + split_id.to(tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, _natural(f0_u, f0_r))
-    tl.store(einfold_O_state0_r_ptr + split_id.to(tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, f0_r)
+        alpha = tl.exp2(r * _base2(r) - r2)
+        p = tl.exp2(tl.fma(x0, a, -r2))
+        l = l * alpha + tl.sum(p, 0)
+        u = u * alpha + tl.sum(p[None, :] * x_V4.to(tl.float32), 1)
+        r = r_new
+    tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(l, r))
+    tl.store(einfold_O_state0_u_ptr + split_id.to(tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, _natural(u, r))
+    tl.store(einfold_O_state0_r_ptr + split_id.to(tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, r)
 
 
 @triton.jit
@@ -101,28 +98,24 @@ def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold
     pid_b = pid
     idx_b = pid_b
     # fold 0: fold1_r_l_u[m], merged from n_split partial states in order
-    f0_r = tl.full([], -float("inf"), tl.float32)
-    f0_l = tl.full([], 0.0, tl.float32)
-    f0_u = tl.full([BLOCK_j], 0.0, tl.float32)
+    r = tl.full([], -float("inf"), tl.float32)
+    l = tl.full([], 0.0, tl.float32)
+    u = tl.full([BLOCK_j], 0.0, tl.float32)
     for split in range(0, n_split):
         part_r_0 = tl.load(einfold_O_state0_r_ptr + tl.cast(split, tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3)
         part_l_1 = tl.load(einfold_O_state0_l_ptr + tl.cast(split, tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3)
         part_u_2 = tl.load(einfold_O_state0_u_ptr + tl.cast(split, tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4)
-        r_new = tl.maximum(f0_r, part_r_0)
+        r_new = tl.maximum(r, part_r_0)
         # the derived merge: rescale both sides to the common leader (finite stand-in 0 while it is the identity)
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
-        t3 = (f0_r - r_use)
-        t4 = tl.exp(t3)
-        t5 = (part_r_0 - r_use)
-        t6 = tl.exp(t5)
-        t7 = f0_l * t4 + part_l_1 * t6
-        t8 = f0_u * t4 + part_u_2 * t6
-        f0_r = r_new
-        f0_l = t7
-        f0_u = t8
-    t9 = (f0_u / f0_l)
+        t4 = tl.exp((r - r_use))
+        t6 = tl.exp((part_r_0 - r_use))
+        r = r_new
+        l = (l * t4 + part_l_1 * t6)
+        u = (u * t4 + part_u_2 * t6)
+    O = (u / l)
     # O[b, h, i, j]
-    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + idx_i.to(tl.int64) * O_s2 + offs_j.to(tl.int64) * O_s3, tl.cast(t9, O_ptr.dtype.element_ty))
+    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + idx_i.to(tl.int64) * O_s2 + offs_j.to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

@@ -47,45 +47,39 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
     offs_k = tl.arange(0, BLOCK_k)
     mask_k = offs_k < n_k
     x_Q1 = tl.load(Q_ptr + offs_i[:, None].to(tl.int64) * Q_s0 + offs_k[None, :].to(tl.int64) * Q_s1, mask=mask_i[:, None], other=0.0)
-    f0_r = tl.full([BLOCK_i], -float("inf"), tl.float32)
-    f0_l = tl.zeros([BLOCK_i], tl.float32)
-    f0_u = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    r = tl.full([BLOCK_i], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_i], tl.float32)
+    acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
     for start_m in range(0, n_m, BLOCK_m):
         offs_m = start_m + tl.arange(0, BLOCK_m)
         mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
-        x_K0 = tl.load(K_ptr + offs_m[:, None].to(tl.int64) * K_s0 + offs_k[None, :].to(tl.int64) * K_s1, mask=mask_m[:, None], other=0.0)
-        qk = tl.dot(x_Q1, tl.trans(x_K0), input_precision="ieee")
-        t2 = (scale_val * qk)
-        x_V3 = tl.load(V_ptr + offs_m[None, :].to(tl.int64) * V_s0 + offs_j[:, None].to(tl.int64) * V_s1, mask=mask_m[None, :], other=0.0)
-        # r: running max (the leader); the fields l, u are repaired when it moves
-        # base 2: w = exp2(x * a - r2), a = log2(e), r2 = r * a; r is the max of x itself
-        t4 = tl.max(tl.where(mask_m[None, :], t2, -float("inf")), 1)
-        r_new = tl.maximum(f0_r, t4)
+        x_K0 = tl.load(K_ptr + offs_m[None, :].to(tl.int64) * K_s0 + offs_k[:, None].to(tl.int64) * K_s1, mask=mask_m[None, :], other=0.0)
+        qk = tl.dot(x_Q1, x_K0, input_precision="ieee")
+        x0 = (scale_val * qk)
+        x_V3 = tl.load(V_ptr + offs_m[:, None].to(tl.int64) * V_s0 + offs_j[None, :].to(tl.int64) * V_s1, mask=mask_m[:, None], other=0.0)
+        # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
+        # base 2: w = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
+        r_new = tl.maximum(r, tl.max(tl.where(mask_m[None, :], x0, -float("inf")), 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = r_use * a
-        alpha = tl.exp2(f0_r * _base2(f0_r) - r2)
-        w = tl.exp2(tl.fma(t2, a[:, None], -r2[:, None]))
+        alpha = tl.exp2(r * _base2(r) - r2)
+        w = tl.exp2(tl.fma(x0, a[:, None], -r2[:, None]))
         p = tl.where(mask_m[None, :], w, 0.0)
-        t5 = tl.sum(p, 1)
-        f0_l = f0_l * alpha + t5
-        f0_u = f0_u * alpha[:, None]
-        f0_u = tl.dot(p, tl.trans(x_V3), f0_u, input_precision="ieee")
-        f0_r = r_new
-    t6 = (_natural(f0_u, f0_r[:, None]) / (_natural(f0_l, f0_r))[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p, x_V3, acc, input_precision="ieee")
+        r = r_new
+    O = (_natural(acc, r[:, None]) / (_natural(l, r))[:, None])
     # O[i, j]
-    tl.store(O_ptr + offs_i[:, None].to(tl.int64) * O_s0 + offs_j[None, :].to(tl.int64) * O_s1, tl.cast(t6, O_ptr.dtype.element_ty), mask=mask_i[:, None])
-    t7 = tl.abs(f0_r)
-    t8 = (t7 < float("inf"))
-    t9 = tl.log(_natural(f0_l, f0_r))
-    t10 = (f0_r + t9)
-    t11 = tl.where(t8, t10, f0_r)
+    tl.store(O_ptr + offs_i[:, None].to(tl.int64) * O_s0 + offs_j[None, :].to(tl.int64) * O_s1, tl.cast(O, O_ptr.dtype.element_ty), mask=mask_i[:, None])
+    L = tl.where((tl.abs(r) < float("inf")), (r + tl.log(_natural(l, r))), r)
     # L[i]
     if pid_j == 0:
-        tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(t11, L_ptr.dtype.element_ty), mask=mask_i)
+        tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(L, L_ptr.dtype.element_ty), mask=mask_i)
 
 
 def launch(t, n, device):
