@@ -17,7 +17,7 @@ from .ir import format_program
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 BACKEND_CHOICES = ("auto", "triton", "reference")
-BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training", "distributed")
+BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training", "flex", "host", "distributed")
 MAX_EXTENT = 2 ** 31 - 1            # one index's extent on the command line
 MAX_SEED = 2 ** 63 - 1
 ATTENTION = "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]"
@@ -190,7 +190,7 @@ def cmd_bench(args) -> int:
     from . import bench
     if not torch.cuda.is_available():
         raise _UsageError("bench needs a CUDA GPU (the benchmarks compare kernels on one)")
-    groups = args.group or list(bench.GROUPS)       # the default: every group of one GPU
+    groups = args.group or [*bench.GROUPS, *bench.ROW_GROUPS]      # the default: every group of one GPU
     if "distributed" in groups:
         from . import bench_distributed
         bench_distributed.main(Path(args.out), quick=args.quick, only=args.case)
