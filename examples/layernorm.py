@@ -7,9 +7,11 @@
 `fuse` inlines mu and var into Y (only Y is an output).  The variance is a sum
 over j that depends on another sum over j (the mean): naively two passes.
 `factorise` sees that its body is a polynomial of degree 2 in (x - mean) and
-folds the centred moments (count, mean, M2) with Chan's parallel merge
+folds the centred moments (count, mean, err, M2) with Chan's parallel merge
 (Welford's update), the numerically stable choice: one pass, no
-catastrophic cancellation of E[x^2] - E[x]^2.  The rows here have mean 100
+catastrophic cancellation of E[x^2] - E[x]^2; the mean is compensated
+(mean + err, err the rounding error the merges left in mean), so rows far
+from zero lose no digits of their mean.  The rows here have mean 100
 and spread 3, so the cancellation would show: the script also prints the
 error of that one-pass float32 formula, for comparison only.
 

@@ -100,9 +100,34 @@ def test_three_attention_forms_share_one_summary():
 def test_layernorm_is_one_welford_pass():
     program = compiler.compile(PROGRAMS["layernorm"], backend="reference")
     (fold,) = folds(program)
-    assert [f.name.split("_")[-1] for f in fold.summary.fields] == ["n", "mean", "m2"]
+    assert [f.name.split("_")[-1] for f in fold.summary.fields] == ["n", "mean", "err", "m2"]
     assert any("Welford" in n for n in fold.summary.notes)
     assert outer_reductions(program) == []
+
+
+def test_the_moments_mean_is_compensated_in_float32():
+    """Folded element by element in float32 (as the Triton interpreter's tl.reduce
+    does), rows at mean 1e3 with spread 3: mean + err is the mean to within one
+    ulp, and M2 keeps digits (an uncompensated mean drifts by about sqrt(n) ulp,
+    and its drift enters M2 through every delta)."""
+    from compiler.algebra.formula import evaluate
+    program = compiler.compile(PROGRAMS["layernorm"], backend="reference")
+    (fold,) = folds(program)
+    s = fold.summary
+    x = (1e3 + 3 * torch.randn(4, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(4))).float()
+    lifts = [evaluate(f, {"x0": x}).to(torch.float32).expand(x.shape) for f in s.lift]
+    state = [t[:, 0] for t in lifts]
+    for j in range(1, x.shape[1]):
+        env = {**{f"a.{n}": t for n, t in zip(s.field_names, state)},
+               **{f"b.{n}": t[:, j] for n, t in zip(s.field_names, lifts)}}
+        state = [evaluate(c, env).expand(4) for c in s.combine]
+    fields = dict(zip((n.split("_")[-1] for n in s.field_names), state))
+    assert all(t.dtype == torch.float32 for t in state)
+    exact = x.double().mean(1)
+    m2 = ((x.double() - exact[:, None]) ** 2).sum(1)
+    ulp = torch.finfo(torch.float32).eps * 1024 / 2              # float32 spacing in [512, 1024)
+    assert ((fields["mean"] + fields["err"]).double() - exact).abs().max() <= ulp
+    assert ((fields["m2"].double() - m2).abs() / m2).max() < 1e-6
 
 
 def test_third_moment_merges_stably_and_a_seventh_folds_after_the_mean():

@@ -10,7 +10,26 @@ al.'s for p = 2, Welford's update when one side is a single element):
 The last term is Pébay's (n_a n_b d / n)^k (1/n_b^(k-1) - (-1/n_a)^(k-1)) with
 the divisions by n_a and n_b cleared, so one empty side needs no guard; two
 empty sides (n = 0) merge to the empty state.  Written with the same tracing
-as user summaries, so the formulas read as the paper does."""
+as user summaries, so the formulas read as the paper does.
+
+The mean is compensated: the state carries it as an unevaluated sum mean + err,
+err holding the rounding error the merges left in mean (Kahan's compensation;
+Fast2Sum's error term).  Each merge rounds the updated mean to the precision of
+the mean itself, so with rows far from zero (mean 1e3, spread 3, float32) the
+uncompensated mean drifts by about sqrt(n) ulp over a sequential fold, and every
+later d = mean_b - mean_a carries that drift into the moments.  With err:
+
+    mean = mean_a + r,   r = (mean_b - mean_a) (n_b / n)
+    err  = ((mean_a - mean) + r) + (err_a (n_a / n) + err_b (n_b / n))
+    d    = (mean_b - mean_a) + (err_b - err_a)
+
+(mean_a - mean) + r is exactly the rounding error of mean_a + r where |r| <=
+|mean_a| (Fast2Sum), and mean_b - mean_a is exact for means within a factor
+two (Sterbenz); what stays uncompensated, the rounding of r itself, is
+relative to r, i.e. to the spread.  So d and mean + err stay accurate to the
+spread of the data, not to its offset.  In exact arithmetic err is 0 in every reachable state and
+the merge is the one above, unchanged: the laws hold field by field (the
+rounding term is 0 symbolically; mean and err are weighted averages)."""
 from __future__ import annotations
 
 from math import comb
@@ -23,14 +42,16 @@ MAX_DEGREE = 6
 
 
 def centred_moments(prefix: str, element: Expr, degree: int = 2):
-    """Fields `{prefix}_n`, `{prefix}_mean`, `{prefix}_m2` ... `{prefix}_m{degree}`
-    for the element `element`; returns (fields, identity, lift, combine) formula lists."""
-    n, mean = f"{prefix}_n", f"{prefix}_mean"
+    """Fields `{prefix}_n`, `{prefix}_mean`, `{prefix}_err`, `{prefix}_m2` ...
+    `{prefix}_m{degree}` for the element `element` (the mean is mean + err);
+    returns (fields, identity, lift, combine) formula lists."""
+    n, mean, err = f"{prefix}_n", f"{prefix}_mean", f"{prefix}_err"
     moments = [f"{prefix}_m{k}" for k in range(2, degree + 1)]
-    names = (n, mean, *moments)
+    names = (n, mean, err, *moments)
     a, b = state("a.", names), state("b.", names)
     count = a[n] + b[n]
-    delta = b[mean] - a[mean]
+    step = b[mean] - a[mean]
+    delta = step + (b[err] - a[err])        # the difference of the compensated means
     empty = count == 0.0
 
     def moment(side, k: int):
@@ -49,8 +70,14 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
                                                           + power(a[n] / count, j) * moment(b, k - j))
         return moment(a, k) + moment(b, k) + fn.where(empty, 0.0, tail)
 
-    combine = (count, a[mean] + fn.where(empty, 0.0, delta * b[n] / count), *(merged(k) for k in range(2, degree + 1)))
-    lift = (Const(1.0), element, *(Const(0.0) for _ in moments))
+    # the sides' weights n_a / n and n_b / n: 1 and 0 exactly beside an empty side, so
+    # merging into the empty state copies the other state exactly
+    weight_a, weight_b = fn.where(empty, 0.0, a[n] / count), fn.where(empty, 0.0, b[n] / count)
+    rise = step * weight_b
+    new_mean = a[mean] + rise
+    new_err = ((a[mean] - new_mean) + rise) + (a[err] * weight_a + b[err] * weight_b)
+    combine = (count, new_mean, new_err, *(merged(k) for k in range(2, degree + 1)))
+    lift = (Const(1.0), element, Const(0.0), *(Const(0.0) for _ in moments))
     return ([Field(f) for f in names], [Const(0.0)] * len(names), list(lift), [lift_value(c) for c in combine])
 
 

@@ -16,8 +16,8 @@ summaries (compiler.algebra.properties), not names:
   for every value v_k); each further weight gets its own component;
 - centred moments: the anchor adds its states and every reader is a
   polynomial of degree p <= 6 in (x - S / count) with x-free coefficients:
-  the moments (count, mean, M2..Mp) with Pébay's stable pairwise merge
-  (Chan's, i.e. Welford's, for p = 2);
+  the moments (count, mean, err, M2..Mp) with Pébay's stable pairwise merge
+  (Chan's, i.e. Welford's, for p = 2), the mean compensated (mean + err);
 - separable: the readers are polynomials in the anchor S: expanded in powers
   of S into independent sums (one pass, not numerically guarded).
 Every other member folds alongside.  All of them form one product summary;
@@ -203,7 +203,8 @@ def _centred(name: str, x: Expr, degree: int) -> _Component:
     merge = "Chan/Welford merge (count, mean, M2)" if degree == 2 else \
         f"Pébay's pairwise merge (count, mean, M2..M{degree})"
     return _Component(fields, identity, lift, combine, True, None,
-                      [f"centred moments: {merge} chosen for numerical stability"])
+                      [f"centred moments: {merge}, the mean compensated (mean + err), "
+                       f"chosen for numerical stability"])
 
 
 # ---------------------------------------------------------------- one group
@@ -270,7 +271,8 @@ def _repair_rule(st: _State, leader: Reduce) -> str | None:
 
 def _moments_rule(st: _State, base: Reduce) -> str | None:
     """Sums that read a sum S and are polynomials in x - S / n: the centred
-    moments (count, mean, M2, ..., Mp) with Pébay's stable pairwise merge."""
+    moments (count, mean, err, M2, ..., Mp) with Pébay's stable pairwise merge,
+    the mean compensated (algebra.moments)."""
     deps = _additive_readers(st, base)
     if isinstance(deps, str):
         return deps
@@ -294,8 +296,9 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
     comp = _centred(name, st.args.abstract(base.args[0], {}), degree)
     st.components.append(comp)
     st.handled.update([base, *deps])
-    n, mean, *moments = (st.projection(f.name) for f in comp.fields)
-    st.replacement[base] = Call("mul", (mean, _count(st.group.indices)))    # sum x = count * mean
+    n, mean, err, *moments = (st.projection(f.name) for f in comp.fields)
+    # sum x = count * mean, the mean compensated (mean + err: algebra.moments)
+    st.replacement[base] = Call("mul", (Call("add", (mean, err)), _count(st.group.indices)))
     # sum (x - mean)^k is M_k; M_0 = count and M_1 = 0
     sums = {0: n, **{k: m for k, m in enumerate(moments, start=2)}}
     for d, coeffs in centred.items():

@@ -14,9 +14,9 @@ import triton.language as tl
 
 
 @triton.jit
-def combine_fold1_s1_n_s1_mean_s1_m2(a_s1_n, a_s1_mean, a_s1_m2, b_s1_n, b_s1_mean, b_s1_m2):
-    # the combine of summary 'fold1_s1_n_s1_mean_s1_m2' on fields (s1_n, s1_mean, s1_m2)
-    return (a_s1_n + b_s1_n), (a_s1_mean + tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (((b_s1_mean - a_s1_mean) * b_s1_n) / (a_s1_n + b_s1_n)))), ((a_s1_m2 + b_s1_m2) + tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (((((b_s1_mean - a_s1_mean) * (b_s1_mean - a_s1_mean)) * a_s1_n) * b_s1_n) / (a_s1_n + b_s1_n))))
+def combine_fold1_s1_n_s1_mean_s1_err_s1_m2(a_s1_n, a_s1_mean, a_s1_err, a_s1_m2, b_s1_n, b_s1_mean, b_s1_err, b_s1_m2):
+    # the combine of summary 'fold1_s1_n_s1_mean_s1_err_s1_m2' on fields (s1_n, s1_mean, s1_err, s1_m2)
+    return (a_s1_n + b_s1_n), (a_s1_mean + ((b_s1_mean - a_s1_mean) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n))))), (((a_s1_mean - (a_s1_mean + ((b_s1_mean - a_s1_mean) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n)))))) + ((b_s1_mean - a_s1_mean) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n))))) + ((a_s1_err * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (a_s1_n / (a_s1_n + b_s1_n)))) + (b_s1_err * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n)))))), ((a_s1_m2 + b_s1_m2) + tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, ((((((b_s1_mean - a_s1_mean) + (b_s1_err - a_s1_err)) * ((b_s1_mean - a_s1_mean) + (b_s1_err - a_s1_err))) * a_s1_n) * b_s1_n) / (a_s1_n + b_s1_n))))
 
 
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'])
@@ -26,39 +26,36 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
     pid_i = pid
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
     mask_i = offs_i < n_i
-    # fold 0: fold1_s1_n_s1_mean_s1_m2[j] over tiles of j
-    f0_s1_n = tl.full([BLOCK_i], 0.0, tl.float32)
-    f0_s1_mean = tl.full([BLOCK_i], 0.0, tl.float32)
-    f0_s1_m2 = tl.full([BLOCK_i], 0.0, tl.float32)
+    # fold 0: fold1_s1_n_s1_mean_s1_err_s1_m2[j] over tiles of j
+    s1_n = tl.full([BLOCK_i], 0.0, tl.float32)
+    s1_mean = tl.full([BLOCK_i], 0.0, tl.float32)
+    s1_err = tl.full([BLOCK_i], 0.0, tl.float32)
+    s1_m2 = tl.full([BLOCK_i], 0.0, tl.float32)
     for start_j2 in range(0, n_j, BLOCK_j2):
         offs_j2 = start_j2 + tl.arange(0, BLOCK_j2)
         mask_j2 = offs_j2 < n_j
         x_X3 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j2[None, :].to(tl.int64) * X_s1)
-        lift_s1_n_4 = (1.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        lift_s1_mean_5 = (x_X3 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        lift_s1_m2_6 = (0.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        tile_s1_n_7, tile_s1_mean_8, tile_s1_m2_9 = tl.reduce((lift_s1_n_4, lift_s1_mean_5, lift_s1_m2_6,), 1, combine_fold1_s1_n_s1_mean_s1_m2)
-        # merge the tile into the running state with the combine of 'fold1_s1_n_s1_mean_s1_m2'
-        t10 = (f0_s1_n + tile_s1_n_7)
-        t11 = (t10 == 0.0)
-        t12 = (tile_s1_mean_8 - f0_s1_mean)
-        t13 = (t12 * tile_s1_n_7)
-        t14 = (t13 / t10)
-        t15 = tl.where(t11, 0.0, t14)
-        t16 = (f0_s1_mean + t15)
-        t17 = (f0_s1_m2 + tile_s1_m2_9)
-        t18 = (t12 * t12)
-        t19 = (t18 * f0_s1_n)
-        t20 = (t19 * tile_s1_n_7)
-        t21 = (t20 / t10)
-        t22 = tl.where(t11, 0.0, t21)
-        t23 = (t17 + t22)
-        f0_s1_n = t10
-        f0_s1_mean = t16
-        f0_s1_m2 = t23
-    t26 = (f0_s1_m2 / (n_j * 1.0))
-    t27 = (1e-05 + t26)
-    t28 = tl.rsqrt(t27)
+        lift_s1_n = (1.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
+        lift_s1_mean = (x_X3 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
+        lift_s1_err = (0.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
+        lift_s1_m2 = (0.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
+        tile_s1_n, tile_s1_mean, tile_s1_err, tile_s1_m2 = tl.reduce((lift_s1_n, lift_s1_mean, lift_s1_err, lift_s1_m2,), 1, combine_fold1_s1_n_s1_mean_s1_err_s1_m2)
+        # merge the tile into the running state with the combine of 'fold1_s1_n_s1_mean_s1_err_s1_m2'
+        t4 = (s1_n + tile_s1_n)
+        t5 = (tile_s1_mean - s1_mean)
+        t6 = (t4 == 0.0)
+        t8 = tl.where(t6, 0.0, (tile_s1_n / t4))
+        t9 = (t5 * t8)
+        t10 = (s1_mean + t9)
+        t17 = ((s1_err * tl.where(t6, 0.0, (s1_n / t4))) + (tile_s1_err * t8))
+        t18 = (((s1_mean - t10) + t9) + t17)
+        t21 = (t5 + (tile_s1_err - s1_err))
+        t27 = ((s1_m2 + tile_s1_m2) + tl.where(t6, 0.0, ((((t21 * t21) * s1_n) * tile_s1_n) / t4)))
+        s1_n = t4
+        s1_mean = t10
+        s1_err = t18
+        s1_m2 = t27
+    t33 = tl.rsqrt((1e-05 + (s1_m2 / (n_j * 1.0))))
     # epilogue: loop over tiles of j
     for start_j in range(0, n_j, BLOCK_j):
         offs_j = start_j + tl.arange(0, BLOCK_j)
@@ -66,19 +63,17 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
         x_B0 = tl.load(B_ptr + offs_j.to(tl.int64) * B_s0)
         x_W1 = tl.load(W_ptr + offs_j.to(tl.int64) * W_s0)
         x_X2 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j[None, :].to(tl.int64) * X_s1)
-        t24 = (x_X2 - f0_s1_mean[:, None])
-        t25 = (x_W1[None, :] * t24)
-        t29 = (t25 * t28[:, None])
-        t30 = (x_B0[None, :] + t29)
+        t30 = (x_W1[None, :] * ((x_X2 - s1_mean[:, None]) - s1_err[:, None]))
+        Y = (x_B0[None, :] + (t30 * t33[:, None]))
         # Y[i, j]
-        tl.store(Y_ptr + offs_i[:, None].to(tl.int64) * Y_s0 + offs_j[None, :].to(tl.int64) * Y_s1, tl.cast(t30, Y_ptr.dtype.element_ty))
+        tl.store(Y_ptr + offs_i[:, None].to(tl.int64) * Y_s0 + offs_j[None, :].to(tl.int64) * Y_s1, tl.cast(Y, Y_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
-    # einfold_Y: one program per (i) tile; folds fold1_s1_n_s1_mean_s1_m2[j] streamed over their indices; epilogue loop over (j) [grid (i/1)]
+    # einfold_Y: one program per (i) tile; folds fold1_s1_n_s1_mean_s1_err_s1_m2[j] streamed over their indices; epilogue loop over (j) [grid (i/1)]
     grid = lambda META: (triton.cdiv(n["i"], META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_Y[grid](
-            n["i"], n["j"], t["B"], t["B"].stride(0), t["W"], t["W"].stride(0), t["X"], t["X"].stride(0), t["X"].stride(1), t["Y"], t["Y"].stride(0), t["Y"].stride(1))
+            n["i"], n["j"], t["B"], *t["B"].stride(), t["W"], *t["W"].stride(), t["X"], *t["X"].stride(), t["Y"], *t["Y"].stride())
