@@ -60,9 +60,16 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
     def power(x, j: int):
         return x if j == 1 else x ** j
 
+    # the sides' weights n_a / n and n_b / n: 1 and 0 exactly beside an empty side, so
+    # merging into the empty state copies the other state exactly.  One division per
+    # merge (n_a / n = 1 - n_b / n up to rounding, which only the small err sees):
+    # the combine runs once per element inside a tile's tl.reduce
+    weight_b = fn.where(empty, 0.0, b[n] / count)
+    weight_a = fn.where(empty, 0.0, 1.0 - weight_b)
+
     def merged(k: int):
         if k == 2:      # the general tail, d^2 n_a n_b (n_a + n_b) / n^2, with n cancelled
-            tail = delta * delta * a[n] * b[n] / count
+            tail = delta * delta * a[n] * weight_b
         else:
             tail = power(delta, k) * a[n] * b[n] * (power(a[n], k - 1) - power(-b[n], k - 1)) / power(count, k)
         for j in range(1, k - 1):
@@ -70,9 +77,6 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
                                                           + power(a[n] / count, j) * moment(b, k - j))
         return moment(a, k) + moment(b, k) + fn.where(empty, 0.0, tail)
 
-    # the sides' weights n_a / n and n_b / n: 1 and 0 exactly beside an empty side, so
-    # merging into the empty state copies the other state exactly
-    weight_a, weight_b = fn.where(empty, 0.0, a[n] / count), fn.where(empty, 0.0, b[n] / count)
     rise = step * weight_b
     new_mean = a[mean] + rise
     new_err = ((a[mean] - new_mean) + rise) + (a[err] * weight_a + b[err] * weight_b)
