@@ -2,11 +2,13 @@
 the folds each kernel projects, streamed loops with their bounds, buffers),
 printed by `einfold ir --print-after schedule`, for any sizes.  The Triton
 backend runs the Schedule it is given: it neither lowers nor inlines."""
+import re
 from dataclasses import FrozenInstanceError
 
 import pytest
 
 import compiler
+from compiler.random_inputs import random_inputs
 from compiler.schedule import Schedule, schedule
 from compiler.schedule import form as formation
 
@@ -24,6 +26,8 @@ schedule: 1 kernel(s), outputs S
 kernel einfold_S: grid (i)  # one program per (i) tile; folds fold1_s1_s1_p1_s1_p0[k] streamed over their indices
   f0 = fold1_s1_s1_p1_s1_p0[k](X[i, k], -(G[k] * W[k] / len(k)), G[k] * W[k] * X[i, k])  # one per program
   S[i] = f0.s1_p0 + f0.s1_p1 * f0.s1
+  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); i: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop k: fold1_s1_s1_p1_s1_p0
 intermediate buffers: none"""),
     "a full reduction beside a row reduction is materialised": (
@@ -32,9 +36,13 @@ intermediate buffers: none"""),
 schedule: 2 kernel(s), outputs Y
 kernel einfold_buf0: one program  # materialises sum[i] over () into buf0 (it shares no output index with the others)
   buf0[] = sum[i](X[i])  # buffer
+  tiles: BLOCK_i = np2(n_i) up to 8192 (streamed); warps and stages from 4 launch configs
+  split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop i: sum
 kernel einfold_Y: grid (j)  # one program per (j) tile; folds max[k] streamed over their indices
   Y[j] = max[k](Z[j, k]) + buf0
+  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); j: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop k: max
 intermediate buffers: buf0[]"""),
     "a window bounds its loop on both sides; the output and its logsumexp share one fold": (
@@ -46,7 +54,8 @@ kernel einfold_O: grid (i, j)  # one program per (i, j) tile; folds fold1_r_l_u[
   f0 = fold1_r_l_u[m](where(i - m < 3 and m <= i, sum[k](K[m, k] * Q[i, k]), -inf), V[m, j])  # one per program; base-2 weights
   O[i, j] = f0.u / f0.l
   L[i] = where(abs(f0.r) < inf, f0.r + log(f0.l), f0.r)
-  tiles: tl.dot tiles (>= 16) i, j, k, m; whole where it fits j
+  tiles: BLOCK_i in {64, 128} (tl.dot rows, tuned); BLOCK_j = np2(n_j) up to 256 (values held whole), else 64; BLOCK_m in {32, 64, 128} (tl.dot, streamed, tuned); BLOCK_k = np2(n_k) up to 256 (nested tl.dot, whole), else 64
+  split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop m [bounds: m > i - 3, m <= i]: fold1_r_l_u { loop k: sum }
 intermediate buffers: none"""),
 }
@@ -65,9 +74,13 @@ def test_a_forced_split_materialises_the_fold_another_program_fold_reads():
 schedule: 2 kernel(s), outputs Y, split=2
 kernel einfold_buf0: grid (i)  # materialises sum[j] over (i) into buf0 (a split fold reads it)
   buf0[i] = sum[j](X[i, j])  # buffer
+  tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); i: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop j: sum
 kernel einfold_Y: grid (i)  # one program per (i) tile; folds sum[j] streamed over their indices
   Y[i] = sum[j](tanh(X[i, j] - buf0[i] / len(j)))
+  tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); i: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop j: sum
 intermediate buffers: buf0[i]"""
 
@@ -88,3 +101,31 @@ def test_a_program_schedules_once_and_explain_reads_that(monkeypatch):
     program.explain()
     assert program.backend.schedule is program.schedule
     assert len(runs) == 1
+
+
+# ---------------------------------------------------------------- tiles as symbols
+TUNED_PROGRAMS = {
+    "attention": ("O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]",
+                  {"b": 1, "h": 2, "i": 4096, "m": 4096, "k": 64, "j": 64}),
+    "causal": ("O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k], -inf)) * V[m,j]",
+               {"i": 4096, "m": 4096, "k": 128, "j": 128}),
+    "matmul": ("C[i,j] = A[i,k] * B[k,j]", {"i": 4096, "j": 4096, "k": 4096}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TUNED_PROGRAMS))
+def test_every_autotune_candidate_lies_in_the_schedules_candidate_sets(name):
+    """The tile symbols the schedule prints with their candidate sets are the ones
+    the backend's autotuner tries (a compiled module for large extents, no GPU)."""
+    source, extents = TUNED_PROGRAMS[name]
+    program = compiler.compile(source, backend="triton")
+    printed = {symbol: {int(v) for v in values.split(", ")}
+               for symbol, values in re.findall(r"(BLOCK_\w+) in \{([\d, ]+)\}", str(program.schedule))}
+    assert printed
+    inputs = random_inputs(program.checked, extents)
+    module = program.backend.source_for(program.binder(inputs))     # no automatic split: tuned kernels
+    configs = [dict(re.findall(r"'(BLOCK_\w+)': (\d+)", c)) for c in re.findall(r"triton\.Config\(\{([^}]*)\}", module)]
+    assert configs
+    for config in configs:
+        for symbol, values in printed.items():
+            assert int(config[symbol]) in values, (symbol, config[symbol], values)

@@ -5,6 +5,7 @@
                      materialised and reused folds (the stage's one pass)
     folds.py         facts about folds: top folds, contractions, inlining
     bounds.py        loop bounds from index predicates (causal, windows)
+    tiles.py         tiles as symbols with candidate sets; the split policy
     plan.py          Plan: what a backend launches for one call's sizes
 
 `schedule(program, outputs, split)` runs the stage; `einfold ir --print-after

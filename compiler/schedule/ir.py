@@ -5,8 +5,10 @@ statements (reads of statements in the same kernel inlined), runs one program
 per tile of its grid indices, loops over its epilogue indices inside the
 program, streams its folds in loops (nesting order, with the bounds that index
 predicates give them) and may store intermediate buffers that later kernels
-read.  Sizes are not known here: a backend specialises a Schedule to a call's
-signature (tile sizes, splits) and reports what it launches as a Plan."""
+read.  Sizes are not known here: each kernel's tiles are symbols with their
+candidate sets and its split a policy (tiles.py); a backend specialises a
+Schedule to a call's signature (tile sizes, splits) and reports what it
+launches as a Plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from ..ir import Assign, Program, Reduce, format_expr, walk
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
+from .tiles import describe
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,7 @@ class KernelSchedule:
             lines.append(f"  {s.name}[{', '.join(s.indices)}] = {text}{stored}")
         if self.dependent:
             lines.append("  not splittable: a program fold reads another")
-        roles = [(self.dot_indices, "tl.dot tiles (>= 16)"), (self.batch_indices, "one value at a time"),
-                 (self.value_only, "whole where it fits")]
-        described = [f"{what} {', '.join(sorted(ix))}" for ix, what in roles if ix]
-        if described:
-            lines.append(f"  tiles: {'; '.join(described)}")
+        lines += describe(self)
         lines += [f"  {loop}" for loop in self.loops]
         return "\n".join(lines)
 

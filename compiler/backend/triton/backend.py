@@ -20,7 +20,8 @@ from ...schedule import Plan, Schedule
 from .cache import load
 from .emit import Signature
 from .launch import bind_directly, direct_launch_supported
-from .module import Built, ModuleBuilder, auto_split
+from ...schedule.tiles import auto_split
+from .module import Built, ModuleBuilder
 
 _warned_interpreter = False
 

@@ -39,6 +39,18 @@ from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, constant, index_bounds
+from ...schedule.tiles import (
+    COLUMN_BLOCK,
+    ROW_BLOCK,
+    STREAM_BLOCK,
+    TILE_BUDGET,
+    WHOLE_MAX,
+    free_tile,
+    loop_tile,
+    np2,
+    split_tile,
+    whole_tile,
+)
 from ...schedule.folds import (
     dot_batch_names,
     flatten_mul,
@@ -46,20 +58,8 @@ from ...schedule.folds import (
     restrict,
 )
 
-WHOLE_MAX = 256       # a contraction index up to this (padded) size is loaded whole
-DOT_BLOCK = 64        # tile of an index that takes part in tl.dot
-ROW_BLOCK = 1024      # tile of an elementwise grid index
-STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 8192 in one tile, so
-                      # that an epilogue re-reading it finds it in cache
-TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
-COLUMN_BLOCK = 64     # grid tile of an index contiguous in memory under a streamed row index
-
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
              torch.float64: "tl.float64"}
-
-
-def np2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def ident(name: str) -> str:
@@ -463,27 +463,20 @@ class KernelEmitter:
     def _np(self, name: str) -> int:
         return np2(self.ctx.extent(name))
 
+    # the sizes follow the schedule's tile policy (compiler.schedule.tiles)
     def loop_block(self, name: str) -> int:
-        if name in self.contraction:
-            return min(DOT_BLOCK, max(16, self._np(name)))
-        return min(self._np(name), STREAM_BLOCK, self.loop_cap)
+        return loop_tile(self.ctx.extent(name), name in self.contraction, self.loop_cap)
 
     def split_block(self, name: str) -> int:
         """A program fold's tile when the fold is split: small enough for `split` tiles."""
-        n = self.ctx.extent(name)
-        least = 16 if name in self.contraction else 1
-        return min(self.loop_block(name), max(least, np2(-(-n // self.split))))
+        return split_tile(self.ctx.extent(name), name in self.contraction, self.split, self.loop_block(name))
 
     def whole_block(self, name: str) -> int:
-        return max(16 if name in self.contraction else 1, self._np(name))
+        return whole_tile(self.ctx.extent(name), name in self.contraction)
 
     def free_block(self, name: str) -> int:
-        """Tile of a grid or epilogue index."""
-        if name in self.value_only and self._np(name) <= WHOLE_MAX:
-            return max(16, self._np(name))
-        if name in self.contraction:
-            return min(DOT_BLOCK, max(16, self._np(name)))
-        return 0
+        """Tile of a grid or epilogue index (0: sized by the elementwise budget)."""
+        return free_tile(self.ctx.extent(name), name in self.contraction, name in self.value_only)
 
     def contiguous(self, g: str) -> bool:
         """Whether every multi-dimensional tensor read with `g` has it last (the

@@ -10,7 +10,8 @@ of the kernel.  `split=N` forces N; by default (`split=None`) a kernel is split
 when it launches fewer than 2 programs per SM and its longest program fold
 streams at least SPLIT_MIN_TILES tiles (a long reduction: decoding against a
 long KV cache, a few very long rows): N = min(ceil(8 * SMs / programs),
-tiles // 8, SPLIT_MAX), so that every split still streams eight tiles or more.
+tiles // 8, SPLIT_MAX), so that every split still streams eight tiles or more
+(the schedule's split policy: compiler.schedule.tiles).
 Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
 (the interpreter) the default never splits."""
 from __future__ import annotations
@@ -22,28 +23,16 @@ from dataclasses import dataclass
 import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
+from ...schedule.tiles import auto_split
 from .emit import KernelCode, KernelEmitter, MergeEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo
 from .ops import HELPERS
 from .tuning import binding, candidates, decorator
-
-SPLIT_MIN_TILES = 64
-SPLIT_MAX = 64
-PROGRAMS_PER_SM = 8    # a streaming split needs several programs per SM to keep HBM busy
 
 
 @dataclass
 class Built:
     source: str
     plan: Plan
-
-
-def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
-    """The default number of splits (1: none) for a kernel of `programs` programs whose
-    longest fold streams `tiles` tiles, on a GPU with `sm_count` SMs."""
-    if not sm_count or tiles < SPLIT_MIN_TILES or programs >= 2 * sm_count:
-        return 1
-    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles // 8, SPLIT_MAX)
-    return n if n >= 2 else 1
 
 
 def packed_strides(args: list[str]) -> list[str]:

@@ -30,18 +30,10 @@ from __future__ import annotations
 import math
 
 from ...errors import BackendError
-from .emit import KernelCode, np2
+from ...schedule.tiles import LAUNCH, MATMUL, STREAMED, np2
+from .emit import KernelCode
 
 MAX_NUMEL = 1 << 20     # Triton's largest tensor
-
-# (rows, keys, warps, stages) for one grid tile x one loop tile
-STREAMED = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 32, 4, 4),
-            (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4)]
-# (rows, cols, depth, warps, stages) for two grid tiles x one loop tile
-MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-          (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
-# (warps, stages) when no tile is tuned
-LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 
 
 def binding(code: KernelCode) -> dict[str, int]:
