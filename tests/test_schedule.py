@@ -129,3 +129,17 @@ def test_every_autotune_candidate_lies_in_the_schedules_candidate_sets(name):
     for config in configs:
         for symbol, values in printed.items():
             assert int(config[symbol]) in values, (symbol, config[symbol], values)
+
+
+def test_the_streamed_tiles_of_a_fold_over_several_indices_share_one_budget():
+    # softmax[m, n] at 257 x 131 streamed [512, 256] tiles (131072 elements per program:
+    # minutes of compiling on the GPU); the tiles share STREAM_BLOCK, the last index first
+    from compiler.schedule.tiles import STREAM_BLOCK
+    program = compiler.compile("P[i,m,n] = softmax[m,n](X[i,m,n]); E[i] = sum[m,n](P[i,m,n]*V[m,n])",
+                               backend="triton")
+    for extents in ({"i": 37, "m": 257, "n": 131}, {"i": 3, "m": 8209, "n": 3}):
+        module = program.backend.source_for(program.binder(random_inputs(program.checked, extents)))
+        blocks = {name: int(v) for name, v in re.findall(r"'(BLOCK_\w+)': (\d+)", module)}   # every candidate's
+        assert set(blocks) == {"BLOCK_i", "BLOCK_m", "BLOCK_n"}
+        assert blocks["BLOCK_i"] * blocks["BLOCK_m"] * blocks["BLOCK_n"] <= STREAM_BLOCK, (extents, blocks)
+        assert blocks["BLOCK_n"] == min(STREAM_BLOCK, 1 << (extents["n"] - 1).bit_length())

@@ -54,6 +54,20 @@ def loop_tile(n: int, dot: bool, cap: int = STREAM_BLOCK) -> int:
     return dot_tile(n) if dot else min(np2(n), STREAM_BLOCK, cap)
 
 
+def shared_loop_caps(indices: list[tuple[int, bool]], cap: int = STREAM_BLOCK) -> list[int]:
+    """The cap of each streamed tile of one fold over several indices ((extent, takes
+    part in tl.dot) each): the tiles without tl.dot share `cap` elements, the last
+    index (innermost in memory) first, so that softmax[m, n] streams tiles of at
+    most `cap` elements, not [8192, 256]."""
+    caps, used = [cap] * len(indices), 1
+    for p in reversed(range(len(indices))):
+        n, dot = indices[p]
+        if not dot:
+            caps[p] = max(1, cap // used)
+            used *= loop_tile(n, False, caps[p])
+    return caps
+
+
 def whole_tile(n: int, dot: bool) -> int:
     """The tile of an index held whole (a nested fold's index, a value index)."""
     return max(16 if dot else 1, np2(n))
@@ -89,7 +103,7 @@ def _set(sizes) -> str:
 def describe(kernel) -> list[str]:
     """The tile symbols of a KernelSchedule with their candidate sets, and its split
     policy, as the schedule prints them."""
-    folded = {b for f in kernel.program_folds for b in f.indices[:1]}
+    folded = {b for f in kernel.program_folds for b in f.indices}
     dot = kernel.dot_indices
     loops = sorted(folded & dot)
     rows = sorted(g for g in kernel.grid if g in dot and g not in kernel.value_only)
@@ -108,8 +122,13 @@ def describe(kernel) -> list[str]:
         tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''})")
     for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices):
         tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX} (nested tl.dot, whole), else {DOT_BLOCK}")
-    for b in sorted(folded - dot):
-        tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {STREAM_BLOCK} (streamed)")
+    for f in kernel.program_folds:
+        plain = [b for b in f.indices if b not in dot]
+        if len(plain) == 1:
+            tiles.append(f"BLOCK_{plain[0]} = np2(n_{plain[0]}) up to {STREAM_BLOCK} (streamed)")
+        elif plain:
+            tiles.append(f"{', '.join(f'BLOCK_{b}' for b in plain)} = np2 of each, sharing {STREAM_BLOCK} "
+                         f"elements, the last first (streamed)")
     if kernel.batch_indices:
         tiles.append(f"{', '.join(sorted(kernel.batch_indices))}: one value at a time")
     others = [g for g in kernel.grid if g not in dot and g not in kernel.batch_indices]

@@ -27,6 +27,7 @@ Folds follow the summary's algebra, never the operator's name:
 from __future__ import annotations
 
 import itertools
+import math
 import keyword
 import re
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,7 @@ from ...schedule.tiles import (
     free_tile,
     loop_tile,
     np2,
+    shared_loop_caps,
     split_tile,
     whole_tile,
 )
@@ -487,14 +489,16 @@ class KernelEmitter:
         return bool(reads) and all(a.indices[-1] == g for a in reads)
 
     def streamed_block(self) -> int:
-        """The widest non-dot tile of a loop inside this kernel (bounds the grid tile)."""
+        """The largest non-dot tile a loop inside this kernel streams (bounds the grid
+        tile): the product of a fold's streamed tiles, which share STREAM_BLOCK."""
         widest = 1
         for s in self.spec.statements:
             for n in walk(s.expr):
                 if isinstance(n, Reduce):
-                    for b in n.indices:
-                        if b not in self.contraction:
-                            widest = max(widest, self.loop_block(b))
+                    indices = [(self.ctx.extent(b), b in self.contraction) for b in n.indices]
+                    caps = shared_loop_caps(indices, self.loop_cap)
+                    widest = max(widest, math.prod(loop_tile(e, False, cap) for (e, dot), cap in zip(indices, caps)
+                                                   if not dot))
         for e in self.spec.epilogue:
             if not self.free_block(e):
                 widest = max(widest, self.loop_block(e))
@@ -797,6 +801,7 @@ class KernelEmitter:
         bound: list[Axis] = []
         lead = self.scalar_leads(fold)
         batch = set().union(*(dot_batch_names(a) for a in fold.args))
+        caps = shared_loop_caps([(self.ctx.extent(b), b in self.contraction) for b in fold.indices], self.loop_cap)
         for p, b in enumerate(fold.indices):
             last = p == len(fold.indices) - 1
             if not s.commutative and not last:
@@ -810,7 +815,7 @@ class KernelEmitter:
             elif T is self.root and p == 0 and self.split > 1:
                 ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
-                ax = self.new_axis(b, T.level + 1, "loop", self.loop_block(b))
+                ax = self.new_axis(b, T.level + 1, "loop", loop_tile(self.ctx.extent(b), b in self.contraction, caps[p]))
                 if b in self.contraction and self.tuned:
                     self.tunable[ax.block_name] = ("loop", b)
             bound.append(ax)
