@@ -78,3 +78,24 @@ if __name__ == "__main__":
     for name in GOLDEN:
         (GOLDEN_DIR / f"{name}.py").write_text(kernel_source(name))
         print("wrote", GOLDEN_DIR / f"{name}.py")
+
+
+# ---------------------------------------------------------------- naming: single-use temporaries
+def test_a_temporary_read_once_is_written_into_its_use():
+    from compiler.backend.triton.emit import inline_single_uses
+    lines = ["t1 = tl.max(x0, 1)", "r_new = tl.maximum(r, t1)",
+             "t2 = a + b", "y = t2 * c"]
+    assert inline_single_uses(lines) == ["r_new = tl.maximum(r, tl.max(x0, 1))", "y = (a + b) * c"]
+
+
+def test_a_temporary_is_not_moved_past_an_update_of_what_it_reads_nor_into_a_loop():
+    from compiler.backend.triton.emit import inline_single_uses
+    kept = [
+        ["t1 = tl.abs(r)", "r = r_new", "y = t1"],                   # r changes in between
+        ["t1 = tl.exp(x)", "for s in range(0, n, B):", "    y = t1"],  # a deeper block: once per iteration
+        ["t1 = tl.exp(x)", "y = t1 + t1"],                             # read twice
+    ]
+    for lines in kept:
+        assert inline_single_uses(lines) == lines
+    # a name assigned by a tuple assignment in between blocks the move too
+    assert inline_single_uses(["t1 = m + 1", "m, p = a, b", "y = t1"]) == ["t1 = m + 1", "m, p = a, b", "y = t1"]
