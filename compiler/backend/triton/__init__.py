@@ -1,17 +1,21 @@
 """The "triton" backend: generated, fused Triton kernels.
 
 The backend runs a Schedule (compiler.schedule decides kernels, grids, loops
-and buffers for any sizes); per signature it chooses tiles and splits:
+and buffers for any sizes, and the tile and split policy); per signature it
+evaluates the policy's tiles and splits:
 
     emit.py      one kernel's source from templates: tiles, loops, folds
     ops.py       the operator emission table
-    module.py    the whole module (kernels + launcher), split decisions, Plan
+    tuning.py    autotune candidates (the schedule's tables), complete configs
+    module.py    the whole module (kernels + launcher), splits, Plan
     backend.py   TritonBackend: signatures, runners, plans
     cache.py     the on-disk module cache and import
+    launch.py    the hot path: compiled kernels launched without Triton's binder
 
 Source is generated once per signature (input kinds and dtypes, extents), and
 the imported launcher is kept, so a repeated call costs a dict lookup, the
-output allocation and the kernel launches.  CUDA tensors run compiled kernels;
+output allocation and the kernel launches (each a direct call of the compiled
+kernel once its first launch has bound it: launch.py).  CUDA tensors run compiled kernels;
 CPU tensors run the same kernels under Triton's interpreter (slow; said once
 with a warning).
 
