@@ -110,6 +110,8 @@ TUNED_PROGRAMS = {
     "causal": ("O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k], -inf)) * V[m,j]",
                {"i": 4096, "m": 4096, "k": 128, "j": 128}),
     "matmul": ("C[i,j] = A[i,k] * B[k,j]", {"i": 4096, "j": 4096, "k": 4096}),
+    "key grid": ("O[i,j] = softmax[m,n](Q[i,k] * K[m,n,k]) * V[m,n,j]",     # m one value at a time
+                 {"i": 4096, "m": 64, "n": 1024, "k": 64, "j": 64}),
 }
 
 

@@ -103,8 +103,12 @@ def _set(sizes) -> str:
 def describe(kernel) -> list[str]:
     """The tile symbols of a KernelSchedule with their candidate sets, and its split
     policy, as the schedule prints them."""
-    folded = {b for f in kernel.program_folds for b in f.indices}
     dot = kernel.dot_indices
+    # a fold over several indices keeps order, or forms a matrix product, one value
+    # of its leading indices at a time (the emitter's scalar_leads)
+    singles = {b for f in kernel.program_folds if len(f.indices) > 1
+               and (not f.summary.commutative or set(f.indices) & dot) for b in f.indices[:-1]}
+    folded = {b for f in kernel.program_folds for b in f.indices} - singles
     loops = sorted(folded & dot)
     rows = sorted(g for g in kernel.grid if g in dot and g not in kernel.value_only)
     streamed = len(rows) == 1 and len(loops) == 1
@@ -120,17 +124,17 @@ def describe(kernel) -> list[str]:
     for b in loops:
         sizes = {k for _, k, *_ in STREAMED} if streamed else {t[2] for t in MATMUL} if matmul else {DOT_BLOCK}
         tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''})")
-    for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices):
+    for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices - singles):
         tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX} (nested tl.dot, whole), else {DOT_BLOCK}")
     for f in kernel.program_folds:
-        plain = [b for b in f.indices if b not in dot]
+        plain = [b for b in f.indices if b not in dot and b not in singles]
         if len(plain) == 1:
             tiles.append(f"BLOCK_{plain[0]} = np2(n_{plain[0]}) up to {STREAM_BLOCK} (streamed)")
         elif plain:
             tiles.append(f"{', '.join(f'BLOCK_{b}' for b in plain)} = np2 of each, sharing {STREAM_BLOCK} "
                          f"elements, the last first (streamed)")
-    if kernel.batch_indices:
-        tiles.append(f"{', '.join(sorted(kernel.batch_indices))}: one value at a time")
+    if kernel.batch_indices | singles:
+        tiles.append(f"{', '.join(sorted(kernel.batch_indices | singles))}: one value at a time")
     others = [g for g in kernel.grid if g not in dot and g not in kernel.batch_indices]
     if others:
         tiles.append(f"{', '.join(others)}: elementwise tiles sharing a {TILE_BUDGET}-element budget with the "
