@@ -623,17 +623,10 @@ def compile_cost() -> list[Row]:
     cold = time.perf_counter() - start
     rows = [Row("compile", "attention cold compile + autotune", "einfold", cold * 1e3, float("nan"), "ms")]
     tiny = {"Q": q[:1, :1, :16], "K": k[:1, :1, :16], "V": v[:1, :1, :16], "scale": 0.088}
-    program(**tiny)
-    torch.cuda.synchronize()
-    n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
-        program(**tiny)
-    torch.cuda.synchronize()
-    per_call = (time.perf_counter() - start) / n
+    per_call_us = _host_us(lambda x: program(**x), tiny)
     launch = getattr(program.backend, "launch_overhead_probe", None)
     direct = launch(tiny) if launch is not None else float("nan")
-    rows.append(Row("compile", "cached call host time", "einfold", per_call * 1e6, float("nan"), "us",
+    rows.append(Row("compile", "cached call host time", "einfold", per_call_us, float("nan"), "us",
                     extra={"direct_triton_launch_us": direct}))
     return rows
 

@@ -440,13 +440,19 @@ FIXED_THIS_ROUND = {
     "summed cross-entropy": "L[] = sum[i](logsumexp[k](X[i,k]) - sum[k](T[i,k] * X[i,k]))",
     "averaged cross-entropy": "L[] = mean[i](logsumexp[k](X[i,k]) - sum[k](X[i,k] * T[i,k]))",
     "seventh central moment": "mu[i] = mean[j](X[i,j]); Z[i] = sum[j]((X[i,j] - mu[i])**7)",
+    # the compensated mean of the centred moments
+    "layernorm": "mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)\n"
+                 "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + 1e-5)",
+    # tiles of a fold over two indices share one budget
+    "softmax over two axes": "P[i,m,n] = softmax[m,n](X[i,m,n]); E[i] = sum[m,n](P[i,m,n] * V[m,n])",
 }
 
 
 @pytest.mark.parametrize("name", sorted(FIXED_THIS_ROUND))
 def test_spellings_of_the_fixed_programs_schedule_alike(name):
     """The programs the stabilise and factorise fixes changed (a cross-entropy summed
-    or averaged over rows, a centred power past the moments' degree): renamed bound
+    or averaged over rows, a centred power past the moments' degree, the moments'
+    compensated mean) and the two-axis fold whose tiles changed: renamed bound
     indices, swapped operands and re-associated sums and products give the same
     factorised program and the same schedule."""
     from compiler.schedule import schedule

@@ -68,6 +68,18 @@ def shared_loop_caps(indices: list[tuple[int, bool]], cap: int = STREAM_BLOCK) -
     return caps
 
 
+def one_at_a_time(fold, dot) -> tuple[str, ...]:
+    """The leading indices of a fold over several indices that it streams one value
+    at a time: all but the last when it keeps order (not commutative), or when an
+    index takes part in a matrix product (softmax[m, n] of Q K^T times V over a 2-D
+    key grid: tiles of every index at once would make the product's tile
+    [rows, m, n, k], past Triton's limit, and no tl.dot; with m one value at a time
+    each step is FlashAttention over a tile of n).  `dot`: the tl.dot indices."""
+    if len(fold.indices) > 1 and (not fold.summary.commutative or set(fold.indices) & dot):
+        return fold.indices[:-1]
+    return ()
+
+
 def whole_tile(n: int, dot: bool) -> int:
     """The tile of an index held whole (a nested fold's index, a value index)."""
     return max(16 if dot else 1, np2(n))
@@ -104,10 +116,7 @@ def describe(kernel) -> list[str]:
     """The tile symbols of a KernelSchedule with their candidate sets, and its split
     policy, as the schedule prints them."""
     dot = kernel.dot_indices
-    # a fold over several indices keeps order, or forms a matrix product, one value
-    # of its leading indices at a time (the emitter's scalar_leads)
-    singles = {b for f in kernel.program_folds if len(f.indices) > 1
-               and (not f.summary.commutative or set(f.indices) & dot) for b in f.indices[:-1]}
+    singles = {b for f in kernel.program_folds for b in one_at_a_time(f, dot)}
     folded = {b for f in kernel.program_folds for b in f.indices} - singles
     loops = sorted(folded & dot)
     rows = sorted(g for g in kernel.grid if g in dot and g not in kernel.value_only)

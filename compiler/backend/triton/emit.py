@@ -27,8 +27,8 @@ Folds follow the summary's algebra, never the operator's name:
 from __future__ import annotations
 
 import itertools
-import math
 import keyword
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -49,6 +49,7 @@ from ...schedule.tiles import (
     free_tile,
     loop_tile,
     np2,
+    one_at_a_time,
     shared_loop_caps,
     split_tile,
     whole_tile,
@@ -799,19 +800,18 @@ class KernelEmitter:
         nested = T.kind in ("body", "merge")
         loops: list[Axis] = []
         bound: list[Axis] = []
-        lead = self.scalar_leads(fold)
+        singles = self.one_at_a_time(fold)
         batch = set().union(*(dot_batch_names(a) for a in fold.args))
         caps = shared_loop_caps([(self.ctx.extent(b), b in self.contraction) for b in fold.indices], self.loop_cap)
         for p, b in enumerate(fold.indices):
-            last = p == len(fold.indices) - 1
-            if not s.commutative and not last:
+            if not s.commutative and b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
             elif b in batch:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # a contraction's batch index
             elif nested and self._np(b) <= WHOLE_MAX:
                 ax = self.whole_axis(b)
-            elif lead and not last:
-                ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see scalar_leads)
+            elif b in singles:
+                ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
             elif T is self.root and p == 0 and self.split > 1:
                 ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
@@ -967,15 +967,9 @@ class KernelEmitter:
         """A loop's stride: its tile, or 1 for an index folded one value at a time."""
         return "1" if ax.scalar else ax.block_name
 
-    def scalar_leads(self, fold: Reduce) -> bool:
-        """Whether a commutative fold over several indices streams all but its last index
-        one value at a time.  It does when an index takes part in a matrix product
-        (softmax[m, n] of Q K^T times V over a 2-D key grid): tiles of every index at
-        once would make the product's tile [rows, m, n, k] (millions of elements, past
-        Triton's limit) and no tl.dot; with m one value at a time, each step is
-        FlashAttention over a tile of n."""
-        return (fold.summary.commutative and len(fold.indices) > 1
-                and any(b in self.contraction for b in fold.indices))
+    def one_at_a_time(self, fold: Reduce) -> tuple[str, ...]:
+        """The fold's leading indices streamed one value at a time (tiles.one_at_a_time)."""
+        return one_at_a_time(fold, self.contraction)
 
     def whole_axis(self, name: str) -> Axis:
         if name not in self.whole:

@@ -36,30 +36,17 @@ class Built:
 
 
 def packed_strides(args: list[str]) -> list[str]:
-    """The launch arguments with each tensor's run of strides `t["X"].stride(0)`,
-    ..., `.stride(r - 1)` passed as `*t["X"].stride()`: one call per tensor on the
+    """The launch arguments with each tensor's strides `t["X"].stride(0)`, ...,
+    `.stride(r - 1)` passed as `*t["X"].stride()`: one call per tensor on the
     host's hot path instead of one per dimension (a kernel takes every stride of
-    a tensor it reads, in order: KernelEmitter.tensor_params)."""
-    out: list[str] = []
-    run: list[str] = []
-
-    def flush():
-        if run and run[-1] == run[0].replace(".stride(0)", f".stride({len(run) - 1})"):
-            out.append("*" + run[0].replace(".stride(0)", ".stride()"))
-        else:
-            out.extend(run)
-        run.clear()
+    a tensor it reads, consecutively and in order: KernelEmitter.tensor_params)."""
+    out = []
     for a in args:
         stride = re.fullmatch(r'(t\["[^"]+"\])\.stride\((\d+)\)', a)
-        if stride and (int(stride.group(2)) == len(run) and (not run or run[0].startswith(stride.group(1)))):
-            run.append(a)
-            continue
-        flush()
-        if stride and stride.group(2) == "0":
-            run.append(a)
-        else:
+        if stride is None:
             out.append(a)
-    flush()
+        elif stride.group(2) == "0":
+            out.append(f"*{stride.group(1)}.stride()")
     return out
 
 
@@ -104,7 +91,7 @@ class ModuleBuilder:
         tiles = 0
         for f in spec.program_folds:
             b = f.indices[0]
-            if (not f.summary.commutative or full.scalar_leads(f)) and len(f.indices) > 1:
+            if full.one_at_a_time(f):
                 block = 1
             else:
                 block = full.split_block(b) if full.split > 1 else full.loop_block(b)
