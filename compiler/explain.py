@@ -50,6 +50,10 @@ def describe_summary(s: Summary, args: tuple[Expr, ...] = (), indices: tuple[str
     lines.append("  merge (a, b):")
     lines += [f"    {structured[f][1] if f in structured else f'{f} = {format_expr(e)}'}"
               for f, e in zip(s.field_names, s.combine)]
+    for block in s.blocks:
+        lines.append("  a tile's state from sums over its elements (instead of merging them one by one):")
+        lines += [f"    {name} = sum of {format_expr(summand)}" for name, summand in block.sums]
+        lines += [f"    {f} = {format_expr(e)}" for f, e in block.fields]
     if not s.rescaled and not s.notes:
         lines.append(f"  finalize = {format_expr(s.finalize)}")
     if s.laws is not None:

@@ -182,3 +182,34 @@ def test_weak_orders_enumerate_ties():
     assert [len(list(_weak_orders(list(range(n))))) for n in range(5)] == [1, 1, 3, 13, 75]
     orders = {tuple(tuple(b) for b in o) for o in _weak_orders(["x", "y"])}
     assert orders == {(("x",), ("y",)), (("y",), ("x",)), (("y", "x"),)}
+
+
+# ---------------------------------------------------------------- tile formulas (Block)
+def _moments_summary(degree, block):
+    from compiler.algebra.moments import centred_moments
+    fields, identity, lift, combine = centred_moments("s", Var("x0"), degree)
+    return Summary(name=f"moments{degree}", fields=tuple(fields), arity=1, identity=tuple(identity),
+                   lift=tuple(lift), combine=tuple(combine), finalize=Var("s_m2"), commutative=True,
+                   blocks=(block,))
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4, 6])
+def test_the_moments_tile_formula_is_the_fold_of_the_tile(degree):
+    from compiler.algebra.moments import tile_sums
+    report = check_laws(_moments_summary(degree, tile_sums("s", Var("x0"), degree)), examples=60)
+    assert report["tile formula"].status == TESTED and report.ok
+    assert "tile formula: tested (sampled, 60 tiles)" in str(report)
+
+
+def test_a_wrong_tile_formula_is_refused_with_the_tile():
+    from compiler.algebra.moments import tile_sums
+    right = tile_sums("s", Var("x0"), 3)
+    # M2 as the tile's variance (divided by the count), not its sum of squares: right on
+    # tiles of one element and empty ones only
+    wrong = dataclasses.replace(right, fields=tuple(
+        (f, Call("div", (e, Var("count")))) if f == "s_m2" else (f, e) for f, e in right.fields))
+    summary = _moments_summary(3, wrong)
+    report = check_laws(summary, examples=60)
+    assert report["tile formula"].status == FAILED and not report.ok
+    with pytest.raises(LawError, match="tile formula on the elements"):
+        require_laws(summary, examples=60)

@@ -40,6 +40,7 @@ from .summary import Summary
 
 ASSOCIATIVE, LEFT_IDENTITY, RIGHT_IDENTITY, COMMUTATIVE = (
     "associative", "left identity", "right identity", "commutative")
+TILE_FORMULA = "tile formula"     # a Block's fields equal the fold of the tile's lifted elements
 PROVED, TESTED, FAILED = "proved", "tested", "failed"
 
 DEFAULT_EXAMPLES = 100
@@ -65,7 +66,8 @@ class Counterexample:
 
     def __str__(self) -> str:
         given = ", ".join(f"{name} = {self._state(v)}" for name, v in self.states)
-        return (f"{given}: {self.lhs_text} = {self._state(self.lhs)} but "
+        given = f"{given}: " if given else ""
+        return (f"{given}{self.lhs_text} = {self._state(self.lhs)} but "
                 f"{self.rhs_text} = {self._state(self.rhs)}")
 
 
@@ -170,6 +172,10 @@ def check_laws(summary: Summary, *, examples: int = DEFAULT_EXAMPLES) -> LawRepo
                                  counterexample=counterexample))
     claimed = summary.commutative
     results[-1] = replace(results[-1], claimed=claimed)
+    if summary.blocks:
+        counterexample = laws.search_blocks(examples)
+        results.append(LawResult(TILE_FORMULA, FAILED if counterexample is not None else TESTED,
+                                 f"sampled, {examples} tiles", counterexample=counterexample))
     report = LawReport(summary.name, tuple(results))
     if key is not None:
         _CACHE[key] = report
@@ -340,6 +346,25 @@ class _Laws:
                 return self._violation(law, self._shrink(law, draws))
         return None
 
+    def search_blocks(self, examples: int) -> Counterexample | None:
+        """A tile (0 to 6 drawn elements) on which a Block's fields differ from the
+        fold of the lifted elements by the combine; None if none is found."""
+        rng = random.Random(f"{self.s.name}/{TILE_FORMULA}")
+        for _ in range(examples):
+            tile = tuple(tuple(_element(rng) for _ in range(self.s.arity)) for _ in range(rng.randint(0, 6)))
+            want = self._state(tile)
+            for block in self.s.blocks:
+                names = tuple(f for f, _ in block.fields)
+                got = _block_fields(block, tile, self.s.arity)
+                expected = tuple(want[self.names.index(f)] for f in names)
+                scale = max((abs(v) for v in (*got, *expected, *(x for e in tile for x in e)) if math.isfinite(v)),
+                            default=0.0)
+                if not all(_close(g, e, scale) for g, e in zip(got, expected)):
+                    shown = ", ".join("(" + ", ".join(map(_num, e)) + ")" for e in tile)
+                    return Counterexample(names, (), f"the tile formula on the elements [{shown}]", got,
+                                          "the fold of their lifts", expected)
+        return None
+
     def _shrink(self, law: str, draws: tuple) -> tuple:
         """Greedily simplify a failing draw while it still fails: fewer elements,
         then values moved to 0, to an integer, or one step towards 0."""
@@ -361,6 +386,16 @@ class _Laws:
                 break
             draws = smaller
         return draws
+
+
+def _block_fields(block, tile, arity: int) -> tuple[float, ...]:
+    """A Block's fields on a tile of elements, in float64 (each sum element by element)."""
+    values: dict[str, float] = {}
+    elements = [f"x{k}" for k in range(arity)]
+    for name, summand in block.sums:
+        term = _float64_function([summand], [*elements, *values])
+        values[name] = math.fsum(term(*e, *values.values())[0] for e in tile)
+    return _float64_function([e for _, e in block.fields], list(values))(*values.values())
 
 
 def _element(rng: random.Random) -> float:

@@ -29,14 +29,24 @@ two (Sterbenz); what stays uncompensated, the rounding of r itself, is
 relative to r, i.e. to the spread.  So d and mean + err stay accurate to the
 spread of the data, not to its offset.  In exact arithmetic err is 0 in every reachable state and
 the merge is the one above, unchanged: the laws hold field by field (the
-rounding term is 0 symbolically; mean and err are weighted averages)."""
+rounding term is 0 symbolically; mean and err are weighted averages).
+
+A whole tile's state comes from sums (`tile_sums`), the corrected two-pass
+algorithm (Chan, Golub and LeVeque 1983), instead of a tree of merges with a
+division each:
+
+    n = sum 1,  mean = sum x / n,  d = x - mean,  err = sum d / n
+    Mk = sum (d - err)^k = sum_j C(k, j) (-err)^(k-j) sum d^j
+
+err is the rounding the first pass left in mean (0 in exact arithmetic), so the
+tile's state is the one its fold would reach."""
 from __future__ import annotations
 
 from math import comb
 
-from ..ir import Const, Expr
-from .summary import Field
-from .user import fn, lift_value, state
+from ..ir import Const, Expr, Var
+from .summary import Block, Field
+from .user import Sym, fn, lift_value, state
 
 MAX_DEGREE = 6
 
@@ -85,4 +95,30 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
     return ([Field(f) for f in names], [Const(0.0)] * len(names), list(lift), [lift_value(c) for c in combine])
 
 
-__all__ = ["MAX_DEGREE", "centred_moments"]
+def tile_sums(prefix: str, element: Expr, degree: int = 2) -> Block:
+    """The fields of `centred_moments(prefix, element, degree)` for a whole tile, from
+    sums over it (see the module's text)."""
+    s = {name: Sym(Var(name)) for name in ("count", "total", *(f"dev{j}" for j in range(1, degree + 1)))}
+    x = Sym(element)
+    empty = s["count"] == 0.0
+    mean = fn.where(empty, 0.0, s["total"] / s["count"])
+    d = x - mean
+    err = fn.where(empty, 0.0, s["dev1"] / s["count"])
+    powers = {0: s["count"], 1: s["dev1"], **{j: s[f"dev{j}"] for j in range(2, degree + 1)}}
+
+    def moment(k: int):
+        out = powers[k]
+        for j in reversed(range(k)):        # (-err)^(k-j): subtract the odd powers
+            term = (err if k - j == 1 else err ** (k - j)) * powers[j]
+            term = term if comb(k, j) == 1 else comb(k, j) * term
+            out = out - term if (k - j) % 2 else out + term
+        return out
+
+    sums = [("count", Const(1.0)), ("total", element),
+            *((f"dev{j}", lift_value(d if j == 1 else d ** j)) for j in range(1, degree + 1))]
+    fields = [(f"{prefix}_n", s["count"]), (f"{prefix}_mean", mean), (f"{prefix}_err", err),
+              *((f"{prefix}_m{k}", moment(k)) for k in range(2, degree + 1))]
+    return Block(tuple(sums), tuple((f, lift_value(e)) for f, e in fields))
+
+
+__all__ = ["MAX_DEGREE", "centred_moments", "tile_sums"]

@@ -49,6 +49,31 @@ class Rescaled:
 
 
 @dataclass(frozen=True, slots=True)
+class Block:
+    """Some fields of a tile's state computed at once from sums over the tile's
+    elements, where folding the tile with the combine costs more (the centred
+    moments divide once per merge, and a tile's tree of merges has a merge per
+    element; the sums are plain tl.sum reductions).
+
+    `sums`: (name, summand) in order; a summand is a formula over the element
+    arguments x0, x1, ... and the names of earlier sums, summed over the tile (an
+    empty tile sums to 0).  `fields`: (field, formula over the sums' names).  In
+    exact arithmetic the fields equal the fold of the lifted elements by the
+    combine; the law checker samples that ("tile formula")."""
+
+    sums: tuple[tuple[str, Expr], ...]
+    fields: tuple[tuple[str, Expr], ...]
+
+    def needed(self, fields) -> tuple[tuple[str, Expr], ...]:
+        """The sums that the formulas of `fields` read, directly or through other sums."""
+        want = {n.name for f, e in self.fields if f in fields for n in walk(e) if isinstance(n, Var)}
+        for name, summand in reversed(self.sums):
+            if name in want:
+                want |= {n.name for n in walk(summand) if isinstance(n, Var)}
+        return tuple((name, summand) for name, summand in self.sums if name in want)
+
+
+@dataclass(frozen=True, slots=True)
 class Summary:
     """An associative mergeable summary (a monoid) as a value.
 
@@ -70,6 +95,8 @@ class Summary:
             keep index order.
         rescaled: for derived summaries, the leader / weight / repair structure
             a backend may stream with a running leader.
+        blocks: fields a backend may compute for a whole tile from sums over it
+            (`Block`), instead of folding the tile's lifted elements.
         notes: how the summary was derived (printed by `explain`); not compared.
         laws: the law report once checked; not compared.
     """
@@ -85,6 +112,7 @@ class Summary:
     # Fields that follow the rescaling pattern (a backend may stream them with a
     # running leader and tl.dot); every other field is folded generically.
     rescaled: tuple[Rescaled, ...] = ()
+    blocks: tuple[Block, ...] = ()
     # How the summary came to be and which laws were checked (shown by explain);
     # excluded from equality so that two derivations of one monoid compare equal.
     notes: tuple[str, ...] = field(default=(), compare=False)

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 
 import sympy
 
-from ..algebra import BUILTINS, Field, Rescaled, Summary
+from ..algebra import BUILTINS, Block, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
-from ..algebra.moments import MAX_DEGREE, centred_moments
+from ..algebra.moments import MAX_DEGREE, centred_moments, tile_sums
 from ..algebra.properties import additive, extremum
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, unused_name,
                   walk, with_children)
@@ -54,6 +54,7 @@ class _Component:
     commutative: bool = True
     rescaled: Rescaled | None = None
     notes: list[str] = field(default_factory=list)
+    blocks: tuple[Block, ...] = ()
 
 
 class _Args:
@@ -204,7 +205,8 @@ def _centred(name: str, x: Expr, degree: int) -> _Component:
         f"Pébay's pairwise merge (count, mean, M2..M{degree})"
     return _Component(fields, identity, lift, combine, True, None,
                       [f"centred moments: {merge}, the mean compensated (mean + err), "
-                       f"chosen for numerical stability"])
+                       f"chosen for numerical stability; a tile's state from sums over it "
+                       f"(corrected two-pass)"], (tile_sums(name, x, degree),))
 
 
 # ---------------------------------------------------------------- one group
@@ -428,6 +430,7 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
         finalize=Var(fields[0].name),
         commutative=all(c.commutative for c in components),
         rescaled=tuple(c.rescaled for c in components if c.rescaled is not None),
+        blocks=tuple(b for c in components for b in c.blocks),
         notes=tuple(n for c in components for n in c.notes),
     )
     # equal summaries share one law check; the notes (excluded from equality) stay this derivation's

@@ -194,7 +194,7 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
 def _merged(s: Summary) -> Summary:
     """`s` with a whole state as its element: lift is the identity on the fields."""
     return replace(s, name=f"{s.name}_states", arity=len(s.fields),
-                   lift=tuple(Var(f"x{k}") for k in range(len(s.fields))), rescaled=(),
+                   lift=tuple(Var(f"x{k}") for k in range(len(s.fields))), rescaled=(), blocks=(),
                    notes=(*s.notes, f"merged across ranks: the element is a state of {s.name}"))
 
 

@@ -110,11 +110,14 @@ def restrict(fold: Reduce, available: frozenset) -> Reduce | None:
         replace(rs, leader_arg=_substitute(rs.leader_arg, xs), weight=_substitute(rs.weight, xs),
                 values=tuple((f, _substitute(v, xs)) for f, v in rs.values if f in index))
         for rs in s.rescaled if rs.leader in index)
+    # a tile formula stays where its fields all stay (its sums read only their arguments)
+    blocks = tuple(replace(b, sums=tuple((n, _substitute(e, xs)) for n, e in b.sums))
+                   for b in s.blocks if all(f in index for f, _ in b.fields))
     summary = replace(
         s, fields=tuple(s.fields[index[f]] for f in keep), arity=len(used),
         identity=tuple(s.identity[index[f]] for f in keep),
         lift=tuple(_substitute(s.lift[index[f]], xs) for f in keep),
-        combine=tuple(s.combine[index[f]] for f in keep), finalize=finalize, rescaled=rescaled,
+        combine=tuple(s.combine[index[f]] for f in keep), finalize=finalize, rescaled=rescaled, blocks=blocks,
         notes=s.notes + (f"restricted to the fields ({', '.join(keep)})",))
     return replace(fold, summary=summary, args=tuple(fold.args[k] for k in used), result=None)
 

@@ -15,6 +15,8 @@ import math
 
 DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
+EXACT_DOT_WHOLE_MAX = 64  # ... but a float32 contraction without TF32 only up to this: tl.dot sums its
+                          # products in order, so longer ones stream tiles summed with compensation
 ROW_BLOCK = 1024      # tile of an elementwise grid index
 STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 8192 in one tile, so
                       # that an epilogue re-reading it finds it in cache
@@ -80,6 +82,12 @@ def one_at_a_time(fold, dot) -> tuple[str, ...]:
     return ()
 
 
+def held_whole(n: int, exact_dot: bool) -> bool:
+    """Whether a nested fold's index of extent n is held whole (one tile, no loop);
+    `exact_dot`: it is the reduced index of a float32 tl.dot without TF32."""
+    return np2(n) <= (EXACT_DOT_WHOLE_MAX if exact_dot else WHOLE_MAX)
+
+
 def whole_tile(n: int, dot: bool) -> int:
     """The tile of an index held whole (a nested fold's index, a value index)."""
     return max(16 if dot else 1, np2(n))
@@ -134,7 +142,8 @@ def describe(kernel) -> list[str]:
         sizes = {k for _, k, *_ in STREAMED} if streamed else {t[2] for t in MATMUL} if matmul else {DOT_BLOCK}
         tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''})")
     for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices - singles):
-        tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX} (nested tl.dot, whole), else {DOT_BLOCK}")
+        tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX} ({EXACT_DOT_WHOLE_MAX} for float32 without TF32) "
+                     f"(nested tl.dot, whole), else {DOT_BLOCK}")
     for f in kernel.program_folds:
         plain = [b for b in f.indices if b not in dot and b not in singles]
         if len(plain) == 1:

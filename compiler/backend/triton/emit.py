@@ -47,6 +47,7 @@ from ...schedule.tiles import (
     TILE_BUDGET,
     WHOLE_MAX,
     free_tile,
+    held_whole,
     loop_tile,
     np2,
     one_at_a_time,
@@ -288,8 +289,8 @@ def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
 
 # ---------------------------------------------------------------- the kernel emitter
 # values named after their role in a fold (see temp)
-ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty"})
-ROLE_PREFIXES = ("lift_", "tile_", "scan_")     # a generic fold's per-field tiles: lift_<field>, ...
+ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty", "term", "acc_new"})
+ROLE_PREFIXES = ("lift_", "tile_", "scan_", "sum_")     # a generic fold's per-field tiles: lift_<field>, ...
 
 
 class KernelEmitter:
@@ -808,7 +809,7 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
             elif b in batch:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # a contraction's batch index
-            elif nested and self._np(b) <= WHOLE_MAX:
+            elif nested and held_whole(self.ctx.extent(b), b in self.contraction and self.exact_dots):
                 ax = self.whole_axis(b)
             elif b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
@@ -979,7 +980,7 @@ class KernelEmitter:
             self.whole[name] = ax
         return self.whole[name]
 
-    def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope) -> Value:
+    def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope, stem: str = "t") -> Value:
         """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
         self.tile(axes)
         current = list(dims(axes))
@@ -987,7 +988,7 @@ class KernelEmitter:
             code = f"{fn}({code}, {current.index(ax)})"
             current.remove(ax)
         left = sort_axes(a for a in axes if a not in reduced)
-        return self.assign(code, left, body)
+        return self.assign(code, left, body, stem=stem)
 
     # sum: contraction-aware
     def sum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
@@ -998,7 +999,10 @@ class KernelEmitter:
             # a matrix product accumulates in tl.dot's accumulator
             acc = self.state_var(prefix, field_name, role="acc")
             init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
-            self.emit_dot(*dot, body, into=acc)
+            if dot[6] == torch.float32 and self.exact_dots:
+                self.compensated_dot(dot, acc, prefix, field_name, body, init)
+            else:
+                self.emit_dot(*dot, body, into=acc)
             return {field_name: Value(acc, FA)}
         contrib = self.contract(factors, RA, body)
         FA = sort_axes(a for a in contrib.axes if a not in RA)
@@ -1008,6 +1012,27 @@ class KernelEmitter:
         init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
         body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
         return {field_name: Value(acc, FA)}
+
+    @property
+    def exact_dots(self) -> bool:
+        """float32 tl.dot sums in IEEE arithmetic (not TF32)."""
+        return self.ctx.dot_dtype == torch.float32 and not self.ctx.sig.tf32
+
+    def compensated_dot(self, dot, acc: str, prefix: str, field_name: str, body: Scope, init: list[str],
+                        rescale: str | None = None) -> None:
+        """acc += the tile's tl.dot, with Kahan's compensation: tl.dot sums a tile's
+        float32 products in order (an error growing with the tile), so the tiles are
+        summed compensated (err: what acc lost to rounding), as accurate as cuBLAS.
+        `rescale`: a repair factor that multiplies acc first (and so its error)."""
+        err = self.local("err", ("state", prefix, field_name, "err"))
+        init.append(f"{err} = tl.zeros_like({acc})")
+        if rescale is not None:
+            body.lines += [f"{acc} = {acc} * {rescale}", f"{err} = {err} * {rescale}"]
+        tile = self.emit_dot(*dot, body)
+        body.lines.append(f"# float32 tiles summed with Kahan's compensation: {err} holds what {acc} lost")
+        y, total = self.temp("term"), self.temp("acc_new")
+        body.lines += [f"{y} = {tile.code} - {err}", f"{total} = {acc} + {y}",
+                       f"{err} = ({total} - {acc}) - {y}", f"{acc} = {total}"]
 
     def contract(self, factors: list[Value], RA, body: Scope) -> Value:
         """sum over the RA axes of the product of `factors`: tl.dot when it is a
@@ -1228,8 +1253,11 @@ class KernelEmitter:
                 if in_place:
                     # rescale the accumulator, then tl.dot adds the tile's weighted values to it
                     init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
-                    body.lines.append(f"{t} = {t} * {self.expand(alpha, FT)}")
-                    self.emit_dot(*dot, body, into=t)
+                    if dot[6] == torch.float32 and self.exact_dots:
+                        self.compensated_dot(dot, t, prefix, fname, body, init, self.expand(alpha, FT))
+                    else:
+                        body.lines.append(f"{t} = {t} * {self.expand(alpha, FT)}")
+                        self.emit_dot(*dot, body, into=t)
                 else:
                     contrib = self.contract(factors, RA, body)
                     FT = sort_axes(list(contrib.axes) + list(alpha.axes))
@@ -1269,13 +1297,18 @@ class KernelEmitter:
         if xs is None:
             xs = self.fold_arguments(fold, body)
         index = {f: s.field_names.index(f) for f in fields}
-        lifted = {f: self.formula(s.lift[index[f]], xs, body) for f in fields}
-        U = sort_axes([a for v in lifted.values() for a in v.axes] + list(RA))
-        self.tile(U)
         ids = {f: emission.literal(s.identity[index[f]].value) for f in fields}
+        summed = {}
+        for block in s.blocks:
+            if any(f in fields for f, _ in block.fields):
+                summed.update(self.tile_sums(block, fields, xs, RA, body))
+        folded = [f for f in fields if f not in summed]
+        lifted = {f: self.formula(s.lift[index[f]], xs, body) for f in folded}
+        U = sort_axes([a for v in (*lifted.values(), *summed.values()) for a in v.axes] + list(RA))
+        self.tile(U)
         tiles = {}
         mask = self.mask_code(RA, U)
-        for f in fields:
+        for f in folded:
             code = self.expand(lifted[f], U)
             if mask:
                 code = f"tl.where({mask}, {code}, {ids[f]})"
@@ -1283,13 +1316,13 @@ class KernelEmitter:
                 code = self.broadcast(code, U)
             tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}")
         current = list(dims(U))
-        combine = self.ctx.combine_fn(s, tuple(fields))
-        names = {f: tiles[f].code for f in fields}
-        for ax in sorted(dims(RA), key=lambda a: -current.index(a)):
+        names = {f: tiles[f].code for f in folded}
+        for ax in sorted(dims(RA), key=lambda a: -current.index(a)) if folded else ():
+            combine = self.ctx.combine_fn(s, tuple(folded))
             pos = current.index(ax)
-            args = ", ".join(names[f] for f in fields)
-            outs = [self.temp(f"tile_{ident(f)}") for f in fields]
-            tuple_in = f"({args},)" if len(fields) > 1 else args
+            args = ", ".join(names[f] for f in folded)
+            outs = [self.temp(f"tile_{ident(f)}") for f in folded]
+            tuple_in = f"({args},)" if len(folded) > 1 else args
             if s.commutative:
                 body.lines.append(f"{', '.join(outs)} = tl.reduce({tuple_in}, {pos}, {combine})")
             else:
@@ -1301,10 +1334,10 @@ class KernelEmitter:
                                    last_axes)
                 for o, sc in zip(outs, scans):
                     body.lines.append(f"{o} = tl.sum(tl.where({last}, {sc}, 0.0), {pos})")
-            names = dict(zip(fields, outs))
+            names = dict(zip(folded, outs))
             current.remove(ax)
         FA = sort_axes(a for a in U if a not in RA)
-        tile_vals = {f: Value(names[f], FA) for f in fields}
+        tile_vals = {f: summed[f] if f in summed else Value(names[f], FA) for f in fields}
         if not looped:
             return tile_vals
         state = {}
@@ -1324,6 +1357,20 @@ class KernelEmitter:
         for f in fields:
             body.lines.append(f"{state[f].code} = {self.full_shape(new[f], FA)}")
         return state
+
+    def tile_sums(self, block, fields, xs, RA, body: Scope) -> dict[str, Value]:
+        """The fields of `block` among `fields` for this tile: each sum a tl.sum over
+        the RA axes (padding counts 0), then the fields' formulas on the sums."""
+        body.lines.append("# the tile's state from sums over it: " + ", ".join(f for f, _ in block.fields))
+        env, cse = dict(xs), {}
+        for name, summand in block.needed(fields):
+            v = self.as_float(self.formula(summand, env, body, cse))
+            U = sort_axes(list(v.axes) + list(RA))
+            code = self.masked(RA, U, self.expand(v, U), "0.0")
+            if dims(U) != dims(v.axes) or v.const is not None:
+                code = self.broadcast(code, U)
+            env[name] = self.reduce_axes(code, U, RA, "tl.sum", body, stem=f"sum_{ident(name)}")
+        return {f: self.formula(e, env, body, cse) for f, e in block.fields if f in fields}
 
     def guard_identity(self, s, fields, a: dict, b: dict, new: dict, body: Scope) -> dict:
         """combine(a, b) with the identity passed through exactly, for summaries whose

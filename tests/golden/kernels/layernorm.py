@@ -13,12 +13,6 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def combine_fold1_s1_n_s1_mean_s1_err_s1_m2(a_s1_n, a_s1_mean, a_s1_err, a_s1_m2, b_s1_n, b_s1_mean, b_s1_err, b_s1_m2):
-    # the combine of summary 'fold1_s1_n_s1_mean_s1_err_s1_m2' on fields (s1_n, s1_mean, s1_err, s1_m2)
-    return (a_s1_n + b_s1_n), (a_s1_mean + ((b_s1_mean - a_s1_mean) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n))))), (((a_s1_mean - (a_s1_mean + ((b_s1_mean - a_s1_mean) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n)))))) + ((b_s1_mean - a_s1_mean) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n))))) + ((a_s1_err * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (1.0 - tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n)))))) + (b_s1_err * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n)))))), ((a_s1_m2 + b_s1_m2) + tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (((((b_s1_mean - a_s1_mean) + (b_s1_err - a_s1_err)) * ((b_s1_mean - a_s1_mean) + (b_s1_err - a_s1_err))) * a_s1_n) * tl.where(((a_s1_n + b_s1_n) == 0.0), 0.0, (b_s1_n / (a_s1_n + b_s1_n))))))
-
-
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096, 'BLOCK_j2': 4096}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'])
 @triton.jit
 def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0, Y_s1, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_j2: tl.constexpr):
@@ -35,27 +29,31 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
         offs_j2 = start_j2 + tl.arange(0, BLOCK_j2)
         mask_j2 = offs_j2 < n_j
         x_X3 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j2[None, :].to(tl.int64) * X_s1)
-        lift_s1_n = (1.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        lift_s1_mean = (x_X3 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        lift_s1_err = (0.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        lift_s1_m2 = (0.0 + tl.zeros([BLOCK_i, BLOCK_j2], tl.float32))
-        tile_s1_n, tile_s1_mean, tile_s1_err, tile_s1_m2 = tl.reduce((lift_s1_n, lift_s1_mean, lift_s1_err, lift_s1_m2,), 1, combine_fold1_s1_n_s1_mean_s1_err_s1_m2)
+        # the tile's state from sums over it: s1_n, s1_mean, s1_err, s1_m2
+        sum_count = tl.sum((1.0 + tl.zeros([BLOCK_j2], tl.float32)), 0)
+        sum_total = tl.sum(x_X3, 1)
+        t4 = (sum_count == 0.0)
+        t6 = tl.where(t4, 0.0, (sum_total / sum_count))
+        t7 = (x_X3 - t6[:, None])
+        sum_dev1 = tl.sum(t7, 1)
+        sum_dev2 = tl.sum((t7 * t7), 1)
+        t10 = tl.where(t4, 0.0, (sum_dev1 / sum_count))
+        t16 = ((sum_dev2 - (2 * (t10 * sum_dev1))) + ((t10 * t10) * sum_count))
         # merge the tile into the running state with the combine of 'fold1_s1_n_s1_mean_s1_err_s1_m2'
-        t4 = (s1_n + tile_s1_n)
-        t5 = (tile_s1_mean - s1_mean)
-        t6 = (t4 == 0.0)
-        t8 = tl.where(t6, 0.0, (tile_s1_n / t4))
-        t9 = (t5 * t8)
-        t10 = (s1_mean + t9)
-        t17 = ((s1_err * tl.where(t6, 0.0, (1.0 - t8))) + (tile_s1_err * t8))
-        t18 = (((s1_mean - t10) + t9) + t17)
-        t21 = (t5 + (tile_s1_err - s1_err))
-        t26 = ((s1_m2 + tile_s1_m2) + tl.where(t6, 0.0, (((t21 * t21) * s1_n) * t8)))
-        s1_n = t4
-        s1_mean = t10
-        s1_err = t18
-        s1_m2 = t26
-    t32 = tl.rsqrt((1e-05 + (s1_m2 / (n_j * 1.0))))
+        t17 = (s1_n + sum_count)
+        t18 = (t6 - s1_mean)
+        t19 = (t17 == 0.0)
+        t21 = tl.where(t19, 0.0, (sum_count / t17))
+        t22 = (t18 * t21)
+        t23 = (s1_mean + t22)
+        t31 = (((s1_mean - t23) + t22) + ((s1_err * tl.where(t19, 0.0, (1.0 - t21))) + (t10 * t21)))
+        t34 = (t18 + (t10 - s1_err))
+        t39 = ((s1_m2 + t16) + tl.where(t19, 0.0, (((t34 * t34) * s1_n) * t21)))
+        s1_n = t17
+        s1_mean = t23
+        s1_err = t31
+        s1_m2 = t39
+    t45 = tl.rsqrt((1e-05 + (s1_m2 / (n_j * 1.0))))
     # epilogue: loop over tiles of j
     for start_j in range(0, n_j, BLOCK_j):
         offs_j = start_j + tl.arange(0, BLOCK_j)
@@ -63,8 +61,8 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
         x_B0 = tl.load(B_ptr + offs_j.to(tl.int64) * B_s0)
         x_W1 = tl.load(W_ptr + offs_j.to(tl.int64) * W_s0)
         x_X2 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j[None, :].to(tl.int64) * X_s1)
-        t29 = (x_W1[None, :] * ((x_X2 - s1_mean[:, None]) - s1_err[:, None]))
-        Y = (x_B0[None, :] + (t29 * t32[:, None]))
+        t42 = (x_W1[None, :] * ((x_X2 - s1_mean[:, None]) - s1_err[:, None]))
+        Y = (x_B0[None, :] + (t42 * t45[:, None]))
         # Y[i, j]
         tl.store(Y_ptr + offs_i[:, None].to(tl.int64) * Y_s0 + offs_j[None, :].to(tl.int64) * Y_s1, tl.cast(Y, Y_ptr.dtype.element_ty))
 

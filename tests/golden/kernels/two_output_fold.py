@@ -50,6 +50,7 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_i], tl.float32)
     acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    err = tl.zeros_like(acc)
     for start_m in range(0, n_m, BLOCK_m):
         offs_m = start_m + tl.arange(0, BLOCK_m)
         mask_m = offs_m < n_m
@@ -71,7 +72,12 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
         p = tl.where(mask_m[None, :], w, 0.0)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p, x_V3, acc, input_precision="ieee")
+        err = err * alpha[:, None]
+        # float32 tiles summed with Kahan's compensation: err holds what acc lost
+        term = tl.dot(p, x_V3, input_precision="ieee") - err
+        acc_new = acc + term
+        err = (acc_new - acc) - term
+        acc = acc_new
         r = r_new
     O = (_natural(acc, r[:, None]) / (_natural(l, r))[:, None])
     # O[i, j]
