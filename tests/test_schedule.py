@@ -54,7 +54,7 @@ kernel einfold_O: grid (i, j)  # one program per (i, j) tile; folds fold1_r_l_u[
   f0 = fold1_r_l_u[m](where(i - m < 3 and m <= i, sum[k](K[m, k] * Q[i, k]), -inf), V[m, j])  # one per program; base-2 weights
   O[i, j] = f0.u / f0.l
   L[i] = where(abs(f0.r) < inf, f0.r + log(f0.l), f0.r)
-  tiles: BLOCK_i in {64, 128} (tl.dot rows, tuned); BLOCK_j = np2(n_j) up to 256 (values held whole), else 64; BLOCK_m in {32, 64, 128} (tl.dot, streamed, tuned); BLOCK_k = np2(n_k) up to 256 (64 for float32 without TF32) (nested tl.dot, whole), else 64
+  tiles: BLOCK_i in {64, 128} (tl.dot rows, tuned); BLOCK_j = np2(n_j) up to 256 (values held whole), else 64; BLOCK_m in {32, 64, 128} (tl.dot, streamed, tuned); BLOCK_k = np2(n_k) up to 256, 64 for float32 without TF32 (nested tl.dot, whole), else 64
   split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop m [bounds: m > i - 3, m <= i]: fold1_r_l_u { loop k: sum }
 intermediate buffers: none"""),

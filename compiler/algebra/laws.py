@@ -350,12 +350,13 @@ class _Laws:
         """A tile (0 to 6 drawn elements) on which a Block's fields differ from the
         fold of the lifted elements by the combine; None if none is found."""
         rng = random.Random(f"{self.s.name}/{TILE_FORMULA}")
+        formulas = [_block_function(block, self.s.arity) for block in self.s.blocks]
         for _ in range(examples):
             tile = tuple(tuple(_element(rng) for _ in range(self.s.arity)) for _ in range(rng.randint(0, 6)))
             want = self._state(tile)
-            for block in self.s.blocks:
+            for block, fields_of in zip(self.s.blocks, formulas):
                 names = tuple(f for f, _ in block.fields)
-                got = _block_fields(block, tile, self.s.arity)
+                got = fields_of(tile)
                 expected = tuple(want[self.names.index(f)] for f in names)
                 scale = max((abs(v) for v in (*got, *expected, *(x for e in tile for x in e)) if math.isfinite(v)),
                             default=0.0)
@@ -388,14 +389,20 @@ class _Laws:
         return draws
 
 
-def _block_fields(block, tile, arity: int) -> tuple[float, ...]:
-    """A Block's fields on a tile of elements, in float64 (each sum element by element)."""
-    values: dict[str, float] = {}
+def _block_function(block, arity: int) -> Callable:
+    """A Block as a float64 function: tile of elements -> its fields (each sum taken
+    exactly, element by element)."""
     elements = [f"x{k}" for k in range(arity)]
-    for name, summand in block.sums:
-        term = _float64_function([summand], [*elements, *values])
-        values[name] = math.fsum(term(*e, *values.values())[0] for e in tile)
-    return _float64_function([e for _, e in block.fields], list(values))(*values.values())
+    names = [name for name, _ in block.sums]
+    terms = [_float64_function([summand], [*elements, *names[:k]]) for k, (_, summand) in enumerate(block.sums)]
+    fields = _float64_function([e for _, e in block.fields], names)
+
+    def fields_of(tile) -> tuple[float, ...]:
+        sums: list[float] = []
+        for term in terms:
+            sums.append(math.fsum(term(*e, *sums)[0] for e in tile))
+        return fields(*sums)
+    return fields_of
 
 
 def _element(rng: random.Random) -> float:

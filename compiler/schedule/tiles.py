@@ -142,7 +142,7 @@ def describe(kernel) -> list[str]:
         sizes = {k for _, k, *_ in STREAMED} if streamed else {t[2] for t in MATMUL} if matmul else {DOT_BLOCK}
         tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''})")
     for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices - singles):
-        tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX} ({EXACT_DOT_WHOLE_MAX} for float32 without TF32) "
+        tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX}, {EXACT_DOT_WHOLE_MAX} for float32 without TF32 "
                      f"(nested tl.dot, whole), else {DOT_BLOCK}")
     for f in kernel.program_folds:
         plain = [b for b in f.indices if b not in dot and b not in singles]

@@ -290,7 +290,8 @@ def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
 # ---------------------------------------------------------------- the kernel emitter
 # values named after their role in a fold (see temp)
 ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty", "term", "acc_new"})
-ROLE_PREFIXES = ("lift_", "tile_", "scan_", "sum_")     # a generic fold's per-field tiles: lift_<field>, ...
+ROLE_PREFIXES = ("lift_", "tile_", "scan_", "sum_")     # a generic fold's tiles: lift_<field>, ...; a
+                                                         # tile formula's sums: sum_<name>
 
 
 class KernelEmitter:
@@ -809,7 +810,7 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
             elif b in batch:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # a contraction's batch index
-            elif nested and held_whole(self.ctx.extent(b), b in self.contraction and self.exact_dots):
+            elif nested and held_whole(self.ctx.extent(b), b in self.contraction and self.in_order(self.ctx.dot_dtype)):
                 ax = self.whole_axis(b)
             elif b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
@@ -980,6 +981,14 @@ class KernelEmitter:
             self.whole[name] = ax
         return self.whole[name]
 
+    def reduce_padded(self, v: Value, RA, fn: str, identity: str, body: Scope, stem: str = "t") -> Value:
+        """`fn` (tl.sum / tl.max / tl.min) of `v` over the RA axes, padding at `identity`."""
+        U = sort_axes(list(v.axes) + list(RA))
+        padded = self.masked(RA, U, self.expand(v, U), identity)
+        if dims(U) != dims(v.axes) or v.const is not None:
+            padded = self.broadcast(padded, U)
+        return self.reduce_axes(padded, U, RA, fn, body, stem)
+
     def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope, stem: str = "t") -> Value:
         """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
         self.tile(axes)
@@ -999,7 +1008,7 @@ class KernelEmitter:
             # a matrix product accumulates in tl.dot's accumulator
             acc = self.state_var(prefix, field_name, role="acc")
             init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
-            if dot[6] == torch.float32 and self.exact_dots:
+            if self.in_order(dot[6]):
                 self.compensated_dot(dot, acc, prefix, field_name, body, init)
             else:
                 self.emit_dot(*dot, body, into=acc)
@@ -1013,10 +1022,10 @@ class KernelEmitter:
         body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
         return {field_name: Value(acc, FA)}
 
-    @property
-    def exact_dots(self) -> bool:
-        """float32 tl.dot sums in IEEE arithmetic (not TF32)."""
-        return self.ctx.dot_dtype == torch.float32 and not self.ctx.sig.tf32
+    def in_order(self, dtype) -> bool:
+        """tl.dot of `dtype` operands sums each tile's products in order in float32
+        (IEEE float32, not TF32): long contractions need compensated tiles."""
+        return dtype == torch.float32 and not self.ctx.sig.tf32
 
     def compensated_dot(self, dot, acc: str, prefix: str, field_name: str, body: Scope, init: list[str],
                         rescale: str | None = None) -> None:
@@ -1168,11 +1177,7 @@ class KernelEmitter:
         x = self.as_float(self.value(fold.args[0], body))
         fn, combine = ("tl.max", "tl.maximum") if extremum(s) == "max" else ("tl.min", "tl.minimum")
         identity = emission.literal(s.identity[0].value)
-        U = sort_axes(list(x.axes) + list(RA))
-        padded = self.masked(RA, U, self.expand(x, U), identity)
-        if dims(U) != dims(x.axes) or x.const is not None:
-            padded = self.broadcast(padded, U)
-        tile = self.reduce_axes(padded, U, RA, fn, body)
+        tile = self.reduce_padded(x, RA, fn, identity, body)
         if not looped:
             return {field_name: tile}
         FA = tile.axes
@@ -1197,11 +1202,7 @@ class KernelEmitter:
             variables = {}
             base2 = rs.base2
             la = self.formula(rs.leader_arg, xs, body)
-            U = sort_axes(list(la.axes) + list(RA))
-            padded = self.masked(RA, U, self.expand(la, U), lit)
-            if dims(U) != dims(la.axes):
-                padded = self.broadcast(padded, U)
-            tile = self.reduce_axes(padded, U, RA, fn, body)
+            tile = self.reduce_padded(la, RA, fn, lit, body)
             r = self.state_var(prefix, rs.leader)
             FR = tile.axes
             init.append(f"{r} = tl.full({self.shape(FR)}, {lit}, {cdt})")
@@ -1253,7 +1254,7 @@ class KernelEmitter:
                 if in_place:
                     # rescale the accumulator, then tl.dot adds the tile's weighted values to it
                     init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
-                    if dot[6] == torch.float32 and self.exact_dots:
+                    if self.in_order(dot[6]):
                         self.compensated_dot(dot, t, prefix, fname, body, init, self.expand(alpha, FT))
                     else:
                         body.lines.append(f"{t} = {t} * {self.expand(alpha, FT)}")
@@ -1317,8 +1318,8 @@ class KernelEmitter:
             tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}")
         current = list(dims(U))
         names = {f: tiles[f].code for f in folded}
+        combine = self.ctx.combine_fn(s, tuple(folded)) if folded else None
         for ax in sorted(dims(RA), key=lambda a: -current.index(a)) if folded else ():
-            combine = self.ctx.combine_fn(s, tuple(folded))
             pos = current.index(ax)
             args = ", ".join(names[f] for f in folded)
             outs = [self.temp(f"tile_{ident(f)}") for f in folded]
@@ -1365,11 +1366,7 @@ class KernelEmitter:
         env, cse = dict(xs), {}
         for name, summand in block.needed(fields):
             v = self.as_float(self.formula(summand, env, body, cse))
-            U = sort_axes(list(v.axes) + list(RA))
-            code = self.masked(RA, U, self.expand(v, U), "0.0")
-            if dims(U) != dims(v.axes) or v.const is not None:
-                code = self.broadcast(code, U)
-            env[name] = self.reduce_axes(code, U, RA, "tl.sum", body, stem=f"sum_{ident(name)}")
+            env[name] = self.reduce_padded(v, RA, "tl.sum", "0.0", body, stem=f"sum_{ident(name)}")
         return {f: self.formula(e, env, body, cse) for f, e in block.fields if f in fields}
 
     def guard_identity(self, s, fields, a: dict, b: dict, new: dict, body: Scope) -> dict:
