@@ -26,7 +26,7 @@ schedule: 1 kernel(s), outputs S
 kernel einfold_S: grid (i)  # one program per (i) tile; folds fold1_s1_s1_p1_s1_p0[k] streamed over their indices
   f0 = fold1_s1_s1_p1_s1_p0[k](X[i, k], -(G[k] * W[k] / len(k)), G[k] * W[k] * X[i, k])  # one per program
   S[i] = f0.s1_p0 + f0.s1_p1 * f0.s1
-  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); i: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
   split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop k: fold1_s1_s1_p1_s1_p0
 intermediate buffers: none"""),
@@ -41,7 +41,7 @@ kernel einfold_buf0: one program  # materialises sum[i] over () into buf0 (it sh
   loop i: sum
 kernel einfold_Y: grid (j)  # one program per (j) tile; folds max[k] streamed over their indices
   Y[j] = max[k](Z[j, k]) + buf0
-  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); j: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); BLOCK_j = np2(n_j) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
   split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop k: max
 intermediate buffers: buf0[]"""),
@@ -74,12 +74,12 @@ def test_a_forced_split_materialises_the_fold_another_program_fold_reads():
 schedule: 2 kernel(s), outputs Y, split=2
 kernel einfold_buf0: grid (i)  # materialises sum[j] over (i) into buf0 (a split fold reads it)
   buf0[i] = sum[j](X[i, j])  # buffer
-  tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); i: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
   split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop j: sum
 kernel einfold_Y: grid (i)  # one program per (i) tile; folds sum[j] streamed over their indices
   Y[i] = sum[j](tanh(X[i, j] - buf0[i] / len(j)))
-  tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); i: elementwise tiles sharing a 4096-element budget with the streamed tile (up to 1024 alone), or one program each; warps and stages from 4 launch configs
+  tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
   split (unless split= says): under 2 programs per SM and >= 64 tiles, over min(8 SMs / programs, tiles / 8, 64) programs, merged in order by the combine
   loop j: sum
 intermediate buffers: buf0[i]"""
@@ -145,3 +145,34 @@ def test_the_streamed_tiles_of_a_fold_over_several_indices_share_one_budget():
         assert set(blocks) == {"BLOCK_i", "BLOCK_m", "BLOCK_n"}
         assert blocks["BLOCK_i"] * blocks["BLOCK_m"] * blocks["BLOCK_n"] <= STREAM_BLOCK, (extents, blocks)
         assert blocks["BLOCK_n"] == min(STREAM_BLOCK, 1 << (extents["n"] - 1).bit_length())
+
+
+GRID_TILING = {
+    "elementwise": ("Y[i,j] = X[i,j] + B[j]", {"i": 300, "j": 1000}),
+    "row sum": ("Y[i] = sum[j](X[i,j])", {"i": 300, "j": 1000}),
+    "column sum": ("Y[k] = sum[i](X[i,k])", {"i": 300, "k": 1000}),
+    "attention": ("O[i,j] = softmax[m](Q[i,k] * K[m,k]) * V[m,j]", {"i": 300, "m": 200, "k": 64, "j": 64}),
+    "batch of rows": ("Y[b,i,j] = X[b,i,j] * 2", {"b": 3, "i": 1, "j": 5000}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRID_TILING))
+def test_the_module_tiles_its_grid_as_the_schedule_decides(name):
+    """The grid tiles of a compiled module are the schedule stage's decision
+    (tiles.grid_tiling) evaluated at the call's extents: every tiled grid index's
+    BLOCK in every autotune config is the schedule's, a tiled index of the schedule
+    is tiled in the module, an untiled one is one program each."""
+    from compiler.schedule.tiles import grid_tiling
+    source, extents = GRID_TILING[name]
+    program = compiler.compile(source, backend="triton")
+    (kernel,) = program.schedule.kernels
+    tiling = grid_tiling(kernel, extents.__getitem__)
+    module = program.backend.source_for(program.binder(random_inputs(program.checked, extents)))
+    grid = re.search(r"grid = lambda META: \((.*)\)\n", module).group(1)
+    for g in kernel.grid:
+        if g in tiling.blocks:
+            assert f'META["BLOCK_{g}"]' in grid or f"BLOCK_{g}" in module.split("@triton.jit")[-1], (g, grid)
+            fixed = re.findall(rf"'BLOCK_{g}': (\d+)", module)
+            assert all(int(b) == tiling.blocks[g] for b in fixed) or g in kernel.dot_indices, (g, fixed)
+        else:
+            assert f'n["{g}"]' in grid and f"BLOCK_{g}" not in module, (g, grid)

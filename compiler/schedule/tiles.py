@@ -12,6 +12,10 @@ the next power of two of its extent.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..ir import Access, Reduce, free_indices, walk
 
 DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
@@ -107,6 +111,97 @@ def free_tile(n: int, dot: bool, value: bool) -> int:
     return dot_tile(n) if dot else 0
 
 
+def streamed_width(kernel, extent: Callable[[str], int], cap: int = STREAM_BLOCK) -> int:
+    """The largest non-dot tile a loop of `kernel` streams (it bounds the grid tiles):
+    the product of a fold's streamed tiles, which share `cap` elements, or an
+    epilogue index's loop tile."""
+    dot = kernel.dot_indices
+    widest = 1
+    for s in kernel.statements:
+        for n in walk(s.expr):
+            if isinstance(n, Reduce):
+                indices = [(extent(b), b in dot) for b in n.indices]
+                caps = shared_loop_caps(indices, cap)
+                widest = max(widest, math.prod(loop_tile(e, False, c) for (e, d), c in zip(indices, caps) if not d))
+    for e in kernel.epilogue:
+        if not free_tile(extent(e), e in dot, e in kernel.value_only):
+            widest = max(widest, loop_tile(extent(e), e in dot, cap))
+    return widest
+
+
+def contiguous(kernel, g: str) -> bool:
+    """Whether every multi-dimensional tensor `kernel` reads with `g` has it last (the
+    innermost dimension of a row-major tensor) and some read has it: tiles of g are
+    then contiguous in memory."""
+    reads = [n for st in kernel.statements for n in walk(st.expr)
+             if isinstance(n, Access) and len(n.indices) > 1 and g in n.indices]
+    return bool(reads) and all(a.indices[-1] == g for a in reads)
+
+
+def tiled_grid(kernel, extent: Callable[[str], int]) -> tuple[str, ...]:
+    """The grid indices `kernel` tiles (the others are one program each): up to two,
+    the last first, of extent above 1 and not batch-like -- in a kernel with a
+    contraction, neither read by every access nor by every operand of the contraction
+    (tiling those makes every operand 3-D), nor two sides of one operand.  A kernel
+    without a contraction whose indices are all batch-like tiles its last two."""
+    accesses = [n for st in kernel.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
+    batch = kernel.batch_indices | {g for g in kernel.grid if kernel.contractions and accesses
+                                    and all(g in a.indices for a in accesses)}
+    candidates = [g for g in kernel.grid if extent(g) > 1]
+    tiled: list[str] = []
+    for g in reversed([g for g in candidates if g not in batch]):
+        if len(tiled) < 2 and not any(c.clashes(g, t) for c in kernel.contractions for t in tiled):
+            tiled.insert(0, g)
+    if not tiled and not kernel.contractions:
+        tiled = candidates[-2:]
+    return tuple(tiled)
+
+
+@dataclass(frozen=True)
+class GridTiling:
+    blocks: dict          # tiled grid index -> its tile
+    whole: frozenset      # tiled grid indices held whole (not tuned)
+    loop_cap: int         # the elements a streamed non-dot tile may hold beside the grid tiles
+
+
+def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
+    """The tiles of `kernel`'s grid indices for these extents, the last index first."""
+    dot = kernel.dot_indices
+    tiled = tiled_grid(kernel, extent)
+    has_folds = any(isinstance(n, Reduce) for st in kernel.statements for n in walk(st.expr))
+    streamed = streamed_width(kernel, extent) if (has_folds or kernel.epilogue) else 0
+    projections = [n for st in kernel.statements for n in walk(st.expr)
+                   if isinstance(n, Reduce) and n.result is not None]
+    blocks: dict[str, int] = {}
+    whole: set[str] = set()
+    cap = STREAM_BLOCK
+    for g in reversed(kernel.grid):
+        if g not in tiled:
+            continue
+        n = np2(extent(g))
+        b = free_tile(extent(g), g in dot, g in kernel.value_only)
+        if b and n <= WHOLE_MAX and any(g not in free_indices(p) for p in projections):
+            # tiles of g would each recompute the fields that do not vary over g
+            # (attention's r and l over the value index j): keep g whole
+            b = max(16, n)
+            whole.add(g)
+        if not b and streamed and contiguous(kernel, g):
+            # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
+            # column wide would read memory with a stride per element; a tile of
+            # columns reads whole lines, and the streamed rows share the budget
+            b = min(n, COLUMN_BLOCK)
+            cap = max(1, TILE_BUDGET // b)
+        if not b:
+            if streamed:        # the streamed tile and the other grid tiles share the budget
+                b = min(n, max(1, TILE_BUDGET // (streamed * max(blocks.values(), default=1))))
+            elif not blocks:
+                b = min(n, ROW_BLOCK)
+            else:
+                b = min(n, max(1, TILE_BUDGET // max(blocks.values())))
+        blocks[g] = b
+    return GridTiling(blocks, frozenset(whole), cap)
+
+
 def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
     """The default number of splits (1: none) for a kernel of `programs` programs whose
     longest fold streams `tiles` tiles, on a GPU with `sm_count` SMs."""
@@ -151,12 +246,19 @@ def describe(kernel) -> list[str]:
         elif plain:
             tiles.append(f"{', '.join(f'BLOCK_{b}' for b in plain)} = np2 of each, sharing {STREAM_BLOCK} "
                          f"elements, the last first (streamed)")
-    if kernel.batch_indices | singles:
-        tiles.append(f"{', '.join(sorted(kernel.batch_indices | singles))}: one value at a time")
-    others = [g for g in kernel.grid if g not in dot and g not in kernel.batch_indices]
-    if others:
-        tiles.append(f"{', '.join(others)}: elementwise tiles sharing a {TILE_BUDGET}-element budget with the "
-                     f"streamed tile (up to {ROW_BLOCK} alone), or one program each")
+    tiled = tiled_grid(kernel, lambda g: 2)     # an index of extent 1 is one program instead
+    folds = any(isinstance(n, Reduce) for st in kernel.statements for n in walk(st.expr))
+    elementwise = [g for g in tiled if g not in dot and g not in kernel.value_only]
+    if elementwise:
+        names = ", ".join(f"BLOCK_{g}" for g in elementwise)
+        columns = [g for g in elementwise if (folds or kernel.epilogue) and contiguous(kernel, g)]
+        sizes = (f"np2(n_{elementwise[0]})" if len(elementwise) == 1 else "np2 of each") + f" up to {ROW_BLOCK}"
+        tiles.append(f"{names} = {sizes}{', the last first' if len(elementwise) > 1 else ''}, the program's "
+                     f"tiles within {TILE_BUDGET} elements (elementwise grid tile{'s' * (len(elementwise) > 1)}"
+                     + "".join(f"; {COLUMN_BLOCK} for {g}, contiguous in memory" for g in columns) + ")")
+    ones = sorted(kernel.batch_indices | singles | (set(kernel.grid) - set(tiled)))
+    if ones:
+        tiles.append(f"{', '.join(ones)}: one value at a time")
     untuned = "" if streamed or matmul else f"; warps and stages from {len(LAUNCH)} launch configs"
     lines = [f"  tiles: {'; '.join(tiles)}{untuned}"] if tiles else []
     if kernel.program_folds and not kernel.dependent:

@@ -41,12 +41,9 @@ from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, constant, index_bounds
 from ...schedule.tiles import (
-    COLUMN_BLOCK,
-    ROW_BLOCK,
     STREAM_BLOCK,
-    TILE_BUDGET,
-    WHOLE_MAX,
     free_tile,
+    grid_tiling,
     held_whole,
     loop_tile,
     np2,
@@ -322,12 +319,10 @@ class KernelEmitter:
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
-        exprs = [s.expr for s in spec.statements]
         self.contractions = list(spec.contractions)     # the schedule's tile roles
         self.contraction = set(spec.dot_indices)
         self.dot_batch = set(spec.batch_indices)
         self.value_only = set(spec.value_only)
-        self.has_folds = any(isinstance(n, Reduce) for e in exprs for n in walk(e))
         self.loop_cap = STREAM_BLOCK     # lowered when a grid tile of columns shares the tile budget
 
     # ------------------------------------------------------------ names
@@ -465,9 +460,6 @@ class KernelEmitter:
         return ptr, strides
 
     # ------------------------------------------------------------ tiling
-    def _np(self, name: str) -> int:
-        return np2(self.ctx.extent(name))
-
     # the sizes follow the schedule's tile policy (compiler.schedule.tiles)
     def loop_block(self, name: str) -> int:
         return loop_tile(self.ctx.extent(name), name in self.contraction, self.loop_cap)
@@ -482,30 +474,6 @@ class KernelEmitter:
     def free_block(self, name: str) -> int:
         """Tile of a grid or epilogue index (0: sized by the elementwise budget)."""
         return free_tile(self.ctx.extent(name), name in self.contraction, name in self.value_only)
-
-    def contiguous(self, g: str) -> bool:
-        """Whether every multi-dimensional tensor read with `g` has it last (the
-        innermost dimension of a row-major tensor) and some read has it: tiles of g
-        are then contiguous in memory."""
-        reads = [n for st in self.spec.statements for n in walk(st.expr)
-                 if isinstance(n, Access) and len(n.indices) > 1 and g in n.indices]
-        return bool(reads) and all(a.indices[-1] == g for a in reads)
-
-    def streamed_block(self) -> int:
-        """The largest non-dot tile a loop inside this kernel streams (bounds the grid
-        tile): the product of a fold's streamed tiles, which share STREAM_BLOCK."""
-        widest = 1
-        for s in self.spec.statements:
-            for n in walk(s.expr):
-                if isinstance(n, Reduce):
-                    indices = [(self.ctx.extent(b), b in self.contraction) for b in n.indices]
-                    caps = shared_loop_caps(indices, self.loop_cap)
-                    widest = max(widest, math.prod(loop_tile(e, False, cap) for (e, dot), cap in zip(indices, caps)
-                                                   if not dot))
-        for e in self.spec.epilogue:
-            if not self.free_block(e):
-                widest = max(widest, self.loop_block(e))
-        return widest
 
     # ------------------------------------------------------------ placement and memo
     def target(self, axes, scope: Scope, level: int = 0) -> Scope:
@@ -1395,49 +1363,9 @@ class KernelEmitter:
     def grid_axes(self) -> list[str]:
         """Declare the grid axes; returns the launcher's grid factors."""
         spec = self.spec
-        ext = self.ctx.extent
-        # Tile up to two grid indices, the last first, that are not batch-like: in a kernel
-        # with a contraction, read by every access or by every operand of the contraction
-        # (tiling those makes every operand 3-D), nor two sides of one operand; other grid
-        # indices are one program each.
-        accesses = [n for st in spec.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
-        batch = self.dot_batch | {g for g in spec.grid if self.contractions and accesses
-                                  and all(g in a.indices for a in accesses)}
-        candidates = [g for g in spec.grid if ext(g) > 1]
-        tiled: list[str] = []
-        for g in reversed([g for g in candidates if g not in batch]):
-            if len(tiled) < 2 and not any(c.clashes(g, t) for c in self.contractions for t in tiled):
-                tiled.insert(0, g)
-        if not tiled and not self.contractions:
-            tiled = candidates[-2:]
-        blocks = {}
-        whole: set[str] = set()
-        streamed = self.streamed_block() if (self.has_folds or spec.epilogue) else 0
-        projections = [n for st in spec.statements for n in walk(st.expr)
-                       if isinstance(n, Reduce) and n.result is not None]
-        for g in reversed(spec.grid):
-            if g not in tiled:
-                continue
-            b = self.free_block(g)
-            if b and self._np(g) <= WHOLE_MAX and any(g not in free_indices(p) for p in projections):
-                # tiles of g would each recompute the fields that do not vary over g
-                # (attention's r and l over the value index j): keep g whole
-                b = max(16, self._np(g))
-                whole.add(g)
-            if not b and streamed and self.contiguous(g):
-                # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
-                # column wide would read memory with a stride per element; a tile of
-                # columns reads whole lines, and the streamed rows share the budget
-                b = min(self._np(g), COLUMN_BLOCK)
-                self.loop_cap = max(1, TILE_BUDGET // b)
-            if not b:
-                if streamed:        # the streamed tile and the other grid tiles share the budget
-                    b = min(self._np(g), max(1, TILE_BUDGET // (streamed * max(blocks.values(), default=1))))
-                elif not blocks:
-                    b = min(self._np(g), ROW_BLOCK)
-                else:
-                    b = min(self._np(g), max(1, TILE_BUDGET // max(blocks.values())))
-            blocks[g] = b
+        tiling = grid_tiling(spec, self.ctx.extent)
+        blocks, whole = dict(tiling.blocks), tiling.whole
+        self.loop_cap = tiling.loop_cap
         lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
         for g in lacking:
             if self.ctx.extent(g) == 0:
