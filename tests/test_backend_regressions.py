@@ -286,6 +286,10 @@ def test_gpu_autotuned_launches_match_the_oracle(name, src, sizes):
     ("Y[i] = sum[ptr](X[i,ptr]) + max[pid](Z[i,pid])", {"X": [3, 5], "Z": [3, 4]}),
     ("O[ptr,j] = softmax[s0](offs[ptr,val] * n[s0,val] * BLOCK + mask[ptr,s0]) * pid[s0,j]",
      {"offs": [5, 3], "n": [7, 3], "pid": [7, 2], "mask": [5, 7], "BLOCK": 0.7}),
+    # names of numbered temporaries (t7) and roles (alpha, w, x0): a role is given to a temporary
+    # when the kernel is written out, and must touch neither the program's names nor its comments
+    ("t6[i,t7] = softmax[t8](t9[i,t8] + alpha[i,t8] * w) * x0[t8,t7]",
+     {"t9": [3, 67], "alpha": [3, 67], "w": 0.5, "x0": [67, 5]}),
     ("acc[t, tl] = triton[t, torch] * launch[torch, tl] + grid[t, tl] * META", {
         "triton": [5, 3], "launch": [3, 4], "grid": [5, 4], "META": 1.5}),
 ])

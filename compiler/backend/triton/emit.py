@@ -77,6 +77,7 @@ def ident(name: str) -> str:
 FIXED_NAMES = frozenset({"pid", "split_id", "split", "n_split", "in_group", "first_row", "group_rows",
                          "tl", "triton", "torch", "launch", "range", "float", "int", "min", "max", "abs",
                          "len", "print", "True", "False", "None", *keyword.kwlist})
+NUMBERED = re.compile(r"t\d+")     # an anonymous temporary
 # the generated names of one axis: <prefix>_<var>
 AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk")
 
@@ -313,7 +314,10 @@ class KernelEmitter:
         self.axis_ids = itertools.count()
         self.fold_ids = itertools.count()
         self.taken: set[str] = set(FIXED_NAMES)      # every identifier given out in this kernel
+        # the program's names that look like numbered temporaries (comments quote them)
+        self.taken |= {n for n in program_names(spec, ctx) if NUMBERED.fullmatch(n)}
         self.named: dict[tuple, str] = {}            # meaning (("extent", index), ...) -> its name
+        self.role_names: dict[str, str] = {}         # numbered temporary -> the role it is written as
         ctx.module_names.add(self.name)
         self.whole: dict[str, Axis] = {}
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
@@ -376,33 +380,30 @@ class KernelEmitter:
 
     @staticmethod
     def _numbered(v: Value) -> bool:
-        return re.fullmatch(r"t\d+", v.code) is not None
+        return NUMBERED.fullmatch(v.code) is not None
+
+    def renamed(self, v: Value, stem: str, scope: Scope) -> Value:
+        """`v` under a role's name (`x0`, `o`, `alpha`) when it is a numbered temporary
+        without one: the kernel's lines are written with that name (build)."""
+        if self._numbered(v) and v.code not in self.role_names:
+            self.role_names[v.code] = self.local(ident(stem))
+        return v
 
     @staticmethod
-    def _recode(scope: Scope, old: str, new: str) -> None:
-        """Values remembered in `scope` and around it that name `old` now name `new`."""
-        pattern = re.compile(rf"\b{old}\b")
+    def _transpose_reads(scope: Scope, raw: str) -> None:
+        """Values remembered in `scope` and around it that read the load `raw` read
+        it transposed back."""
+        pattern = re.compile(rf"\b{raw}\b")
 
         def recode(v: Value) -> Value:
-            return replace(v, code=pattern.sub(new, v.code), raw=v.raw and pattern.sub(new, v.raw))
+            trans = f"tl.trans({raw})"
+            return replace(v, code=pattern.sub(trans, v.code), raw=v.raw and pattern.sub(trans, v.raw))
         for sc in scope.chain():
             for key, m in sc.memo.items():
                 if isinstance(m, Value):
                     sc.memo[key] = recode(m)
                 elif isinstance(m, dict):
                     sc.memo[key] = {f: recode(x) for f, x in m.items()}
-
-    def renamed(self, v: Value, stem: str, scope: Scope) -> Value:
-        """`v` under a role's name (`x0`, `o`) when it is a numbered temporary that
-        nothing reads yet; values remembered under the old name follow."""
-        found = self._sole_definition(v.code, scope) if self._numbered(v) else None
-        if found is None:
-            return v
-        lines, k = found
-        new = self.local(ident(stem))
-        lines[k] = new + lines[k][len(v.code):]
-        self._recode(scope, v.code, new)
-        return replace(v, code=new)
 
     def transposed_load(self, v: Value, scope: Scope) -> str | None:
         """The variable of `v`'s load, now loading the transposed tile, when `v` is a 2-D
@@ -417,7 +418,7 @@ class KernelEmitter:
         lines, k = found
         swap = {"[:, None]": "[None, :]", "[None, :]": "[:, None]"}
         lines[k] = re.sub(r"\[:, None\]|\[None, :\]", lambda m: swap[m.group(0)], lines[k])
-        self._recode(scope, v.raw, f"tl.trans({v.raw})")
+        self._transpose_reads(scope, v.raw)
         return v.raw
 
     def axis_var(self, name: str) -> str:
@@ -1508,15 +1509,34 @@ class KernelEmitter:
         writes = self.store_results(root)
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
-        body = inline_single_uses(root.lines)
+        body = inline_single_uses(with_role_names(root.lines, self.role_names))
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(body)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional)
 
 
+def program_names(spec: KernelSchedule, ctx: ModuleContext) -> set[str]:
+    """The names of the program a kernel's comments may quote: tensors, statements, indices."""
+    names = {name for name, _ in ctx.sig.extents} | set(ctx.fresh_names) | ctx.input_names
+    for st in spec.statements:
+        names |= {st.name, *st.indices}
+        for n in walk(st.expr):
+            names |= {n.tensor} if isinstance(n, Access) else set(n.indices) if isinstance(n, Reduce) else set()
+    return names
+
+
+def with_role_names(lines: list[str], names: dict[str, str]) -> list[str]:
+    """The kernel's lines with each numbered temporary that took a role written
+    under the role's name (comments too: no program name is a temporary's)."""
+    if not names:
+        return lines
+    word = re.compile(r"\b(" + "|".join(names) + r")\b")
+    return [word.sub(lambda m: names[m.group(1)], line) for line in lines]
+
+
 INLINE_MAX = 60       # characters of an expression worth its own name when used once
-_TEMPORARY = re.compile(r"( *)(t\d+) = (.*)")
+_TEMPORARY = re.compile(rf"( *)({NUMBERED.pattern}) = (.*)")
 _ASSIGNED = re.compile(r" *([\w, ]+?) *(?:=|\+=)(?!=)")
 
 
