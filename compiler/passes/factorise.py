@@ -37,8 +37,8 @@ from ..algebra import BUILTINS, Block, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
 from ..algebra.moments import MAX_DEGREE, centred_moments, tile_sums
 from ..algebra.properties import additive, extremum
-from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, transform,
-                  unused_name, walk, with_children)
+from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, unused_name,
+                  walk, with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
 from .stabilise import cancel_in_branches, factors, product, simplify
 
@@ -83,6 +83,15 @@ def _substitute(e: Expr, mapping: dict[Expr, Expr]) -> Expr:
     if e in mapping:
         return mapping[e]
     return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
+
+
+def _around_reductions(e: Expr, fn) -> Expr:
+    """`fn` applied bottom-up outside every reduction: a body stays as written, so
+    the groups found before any was factorised still match it (and so does the
+    masked form where(m <= i, x, -inf) that the schedule reads loop bounds from)."""
+    if isinstance(e, Reduce):
+        return e
+    return fn(with_children(e, tuple(_around_reductions(c, fn) for c in children(e))))
 
 
 def _replace_vars(e: Expr, mapping: dict[str, Expr]) -> Expr:
@@ -253,9 +262,9 @@ def _centred_values(lf: str, lead_arg: Expr, values: list[tuple[str, Expr]], tak
         shifts[held] = (shift, total)
         lead = Var(lf) if c == Const(1) else Call("mul", (c, Var(lf)))
         reads[n] = Call("add", (Var(held), Call("mul", (lead, Var(total)))))
-        notes.append(f"{held} = {n} centred on {lf}: v = {_fmt(centred)}, shift s(r, r') = v(x, r') - v(x, r) = "
-                     f"{_fmt(shift)} (free of x: sympy); repaired as h(r, r') * ({held} + s(r, r') * {total}); "
-                     f"read as {n} = {_fmt(reads[n])}")
+        notes.append(f"centred on {lf}: {n} held as {held}, v = {_fmt(centred)}, shift s(r, r') = v(x, r') - "
+                     f"v(x, r) = {_fmt(shift)} (free of x: sympy); repaired as h(r, r') * ({held} + s(r, r') * "
+                     f"{total}); read as {n} = {_fmt(reads[n])}")
     return out, reads, shifts
 
 
@@ -607,7 +616,7 @@ def factorise(program: Program) -> Program:
             continue
         # the projections' formulas (sum x = count * mean, u = u_c + r l, ...) simplify in
         # context, the leader cancelling inside the branches of a where
-        exprs = [e if (new := _substitute(e, result[2])) == e else transform(simplify(new), cancel_in_branches)
+        exprs = [e if (new := _substitute(e, result[2])) == e else _around_reductions(simplify(new), cancel_in_branches)
                  for e in exprs]
     return replace(program, statements=tuple(replace(st, expr=e) for st, e in zip(program.statements, exprs)),
                    notes=program.notes + tuple(notes))

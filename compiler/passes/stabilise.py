@@ -205,20 +205,22 @@ def simplify(e: Expr) -> Expr:
 
 
 def cancel_in_branches(e: Expr) -> Expr:
-    """a + where(c, p, q) = where(c, a + p, a + q), taken where it is smaller: the
+    """A sum multiplied out, or a + where(c, p, q) as where(c, a + p, a + q): the
     terms beside a where go into both branches and cancel there (a leader added
-    in a branch and subtracted outside it: where(|r| < inf, r + log(l), r) - r)."""
+    in a branch and subtracted outside it: where(|r| < inf, r + log(l), r) - r);
+    the smallest of these, where it is smaller than the sum as written."""
     if not (isinstance(e, Call) and e.op in ("add", "sub")):
         return e
     parts = terms(e)
+    candidates = [_expanded(e)]
     for k, (sign, t) in enumerate(parts):
         if isinstance(t, Call) and t.op == "where":
             rest = parts[:k] + parts[k + 1:]
             condition, *branches = t.args
-            candidate = Call("where", (condition, *(_expanded(signed_sum([(sign, b), *rest])) for b in branches)))
-            if _size(candidate) < _size(e):
-                return candidate
-    return e
+            candidates.append(Call("where", (condition, *(_expanded(signed_sum([(sign, b), *rest]))
+                                                          for b in branches))))
+    best = min(candidates, key=_size)
+    return best if _size(best) < _size(e) else e
 
 
 def _expanded(e: Expr) -> Expr:
