@@ -13,7 +13,11 @@ summaries (compiler.algebra.properties), not names:
   running leader and repaired when it moves:
       t = t_a * h(r_a, r) + t_b * h(r_b, r),   r = max(r_a, r_b).
   Readers with one weight share it (the pullback: the weights are computed once
-  for every value v_k); each further weight gets its own component;
+  for every value v_k); each further weight gets its own component.  A value of
+  degree 1 in the leader's own argument is held centred on the leader,
+  v - c r, repaired with its x-free shift through the weight sum l:
+      t = h(r_a, r) (t_a + s(r_a, r) l_a) + h(r_b, r) (t_b + s(r_b, r) l_b),
+  and read as t + c r l (the leader then cancels: entropy is log l - u_c / l);
 - centred moments: the anchor adds its states and every reader is a
   polynomial of degree p <= 6 in (x - S / count) with x-free coefficients:
   the moments (count, mean, err, M2..Mp) with Pébay's stable pairwise merge
