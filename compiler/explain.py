@@ -3,7 +3,7 @@ to the single-pass form, with every derived summary's merge and law status."""
 from __future__ import annotations
 
 from .algebra import Summary
-from .ir import Const, Expr, Reduce, Var, format_expr, format_program, format_statement, transform, walk
+from .ir import Call, Const, Expr, Reduce, Var, format_expr, format_program, format_statement, transform, walk
 
 
 def _indent(text: str, by: str = "  ") -> list[str]:
@@ -39,10 +39,16 @@ def describe_summary(s: Summary, args: tuple[Expr, ...] = (), indices: tuple[str
         lf = r.leader
         structured[lf] = (f"{lf} = {format_expr(r.leader_arg)}", f"{lf} = {r.leader_monoid}(a.{lf}, b.{lf})")
         for name, value in r.values:
-            times = "" if value == Const(1) else f" * {format_expr(value)}"
-            structured[name] = (f"{name} = w(x, {lf}){times}",
-                                f"{name} = a.{name} * h(a.{lf}, {lf}) + b.{name} * h(b.{lf}, {lf})")
+            weight = Var(f"w(x, {lf})")          # printed as written, the value bracketed as a factor
+            lifted = weight if value == Const(1) else Call("mul", (weight, value))
+            shift = r.shift_of(name)
+            side = (lambda x: f"{x}.{name} * h({x}.{lf}, {lf})") if shift is None else \
+                (lambda x: f"h({x}.{lf}, {lf}) * ({x}.{name} + s({x}.{lf}, {lf}) * {x}.{shift[1]})")
+            structured[name] = (f"{name} = {format_expr(lifted)}", f"{name} = {side('a')} + {side('b')}")
         lines.append(f"  w(x, r) = {format_expr(r.weight)};  h(r, r_new) = {format_expr(r.repair)}")
+        for name, s_k, total in r.shifts:
+            lines.append(f"  {name} centred on {lf}: v = {format_expr(dict(r.values)[name])}, "
+                         f"shift s(r, r_new) = {format_expr(s_k)}")
         lines.append(f"  ({lf} = -inf is no reference point: w and h take 0 in its place)")
     lines.append("  lift:")
     lines += [f"    {structured[f][0] if f in structured else f'{f} = {format_expr(e)}'}"

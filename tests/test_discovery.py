@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import compiler
 from compiler.backend import outline
 from compiler.check import check
-from compiler.ir import Call, Reduce, alpha_key, bound_indices, children, format_program, transform, walk, with_children
+from compiler.ir import Call, Reduce, Var, alpha_key, bound_indices, children, format_program, transform, walk, with_children
 from compiler.parse import parse
 from compiler.passes import run_pipeline
 from compiler.passes.fuse import rename_indices
@@ -267,8 +267,8 @@ DISCOVERY_TABLE_ROWS = [
 def discovery_table() -> str:
     """The table of docs/discovery.md: programs against the summaries found."""
     lines = ["| program | spelling | folds | summary fields | how |", "|---|---|---|---|---|"]
-    rules = {"dependent": "repair", "pullback": "pullback", "centred": "centred moments",
-             "separable": "separable (unguarded)"}
+    rules = {"dependent": "repair", "pullback": "pullback", "centred moments": "centred moments",
+             "centred on": "centred on the leader", "separable": "separable (unguarded)"}
     for name, source in DISCOVERY_TABLE_ROWS:
         program = factorised(source)
         found = folds(program)
@@ -463,3 +463,22 @@ def test_spellings_of_the_fixed_programs_schedule_alike(name):
         b = run_pipeline(_commute(_rename_bound(checked, rng), rng))
         assert format_program(a) == format_program(b), seed
         assert str(schedule(a, a.outputs)) == str(schedule(b, b.outputs)), seed
+
+
+def test_a_sum_of_the_leaders_own_argument_is_held_centred_on_it():
+    # entropy: u = sum exp(x - r) x is held as u_c = sum exp(x - r) (x - r), moved by the
+    # shift s(r, r') = r - r' through l, and the leader cancels from the result
+    program = compiler.compile("H[i] = logsumexp[m](X[i,m]) - sum[m](softmax[m](X[i,m]) * X[i,m])",
+                               backend="reference")
+    text = program.explain()
+    assert "centred on r: u held as u_c, v = x0 - r, shift s(r, r') = v(x, r') - v(x, r) = r - r_new" in text
+    assert "u_c = h(a.r, r) * (a.u_c + s(a.r, r) * a.l) + h(b.r, r) * (b.u_c + s(b.r, r) * b.l)" in text
+    assert "H[i] = where(abs(r) < inf, log(l) - u_c / l, -(u_c / l))" in text
+    (fold,) = folds(program)
+    (rescaled,) = fold.summary.rescaled
+    assert rescaled.shifts == ((("u_c", Call("sub", (Var("r"), Var("r_new"))), "l")),)
+    assert not rescaled.base2               # log(l) without r beside it: exp(x - r) is exactly 1 at the max
+    # attention's value is not the leader's argument: nothing is centred, the weights stay in base 2
+    (fold,) = folds(compiler.compile("O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]", backend="reference"))
+    assert fold.summary.field_names == ("r", "l", "u") and not fold.summary.rescaled[0].shifts
+    assert fold.summary.rescaled[0].base2

@@ -10,6 +10,8 @@ only the computation is measured.  Triton backend (the interpreter on CPU; the
 same tests run on CUDA tensors on the GPU machine)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -143,3 +145,65 @@ def test_float32_contractions_are_as_accurate_as_torchs(name, k):
     # the interpreter's dot is numpy's (accurate anyway): on the CPU the kernel's form is what can fail
     assert "summed with Kahan's compensation" in program.source
     assert max(ours_worst) <= 2 * max(theirs_worst) + 2 * eps, (ours_worst, theirs_worst)
+
+
+ENTROPY = {
+    "-sum p log p": "P[i,m] = softmax[m](X[i,m]); H[i] = -sum[m](P[i,m] * log(P[i,m]))",
+    "lse - E[x]": "H[i] = logsumexp[m](X[i,m]) - sum[m](softmax[m](X[i,m]) * X[i,m])",
+}
+
+
+def _dominated(rows: int, n: int, lead: float, seed: int) -> torch.Tensor:
+    """float32 logits, one column `lead` above the rest (the entropy is then ~1e-10
+    next to a max of `lead`); the column is late in the row, so the running max
+    moves after the first tiles and split parts."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    x[:, n - 3] += lead
+    return x
+
+
+def _entropy(x: torch.Tensor) -> torch.Tensor:
+    return -(torch.softmax(x, -1) * torch.log_softmax(x, -1)).sum(-1)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("spelling", sorted(ENTROPY))
+def test_the_entropy_keeps_its_digits_when_one_logit_dominates(spelling, split):
+    # u = sum exp(x - r) x is held centred, u_c = sum exp(x - r) (x - r), so the result is
+    # log(l) - u_c / l: r + log(l) - u / l cancelled to 0 (relative error 1)
+    program = compiler.compile(ENTROPY[spelling], outputs=["H"], split=split)
+    for (rows, n), lead in [((5, 37), 30.0), ((3, 67), 100.0), ((3, 67), 30.0)]:
+        x = _dominated(rows, n, lead, seed=n)
+        want = _entropy(x.double())
+        ours = relative_error(program(X=x.to(DEVICE)), want)
+        theirs = relative_error(_entropy(x), want)
+        assert ours <= 2 * theirs + 2 * torch.finfo(torch.float32).eps, (rows, n, lead, ours, theirs)
+
+
+@pytest.mark.parametrize("spelling", sorted(ENTROPY))
+def test_the_centred_entropy_fold_is_exact_in_any_chunking(spelling):
+    # the chunked executor merges chunk states at random with the combine (the shift
+    # included), in float64: what the float32 kernel approximates, to 1e-9
+    import random
+
+    from compiler import reference
+    from compiler.bind import Binder
+    program = compiler.compile(ENTROPY[spelling], outputs=["H"], backend="reference")
+    x = _dominated(3, 67, 100.0, seed=1).double()
+    x[1] = -math.inf                        # a row of -inf: NaN, as torch gives
+    extents = Binder(program.checked, extents_of=program.factorised)({"X": x}).extents
+    want = _entropy(x)
+    assert torch.isnan(want[1])
+    for seed in range(3):
+        got = reference.run(program.factorised, {"X": x}, extents, ("H",), chunking=random.Random(seed))["H"]
+        assert relative_error(got, want) < 1e-9, seed
+    torch.testing.assert_close(program(X=x.float()), want.float(), equal_nan=True, rtol=1e-5, atol=0)
+
+
+def test_a_row_of_minus_infinity_has_a_nan_entropy_as_in_torch():
+    x = _dominated(4, 37, 30.0, seed=2)
+    x[1] = -math.inf
+    for source in ENTROPY.values():
+        got = compiler.compile(source, outputs=["H"])(X=x.to(DEVICE))
+        torch.testing.assert_close(got.cpu(), _entropy(x), equal_nan=True, rtol=0.07, atol=0)

@@ -31,11 +31,15 @@ class Rescaled:
     """Structure of the fields that the repair-factor derivation produces.
 
     leader r = max (or min) over `leader_arg`, and fields
-        t_k = sum w(x, r) * v_k(x)
+        t_k = sum w(x, r) * v_k(x, r)
     whose weight obeys w(x, r') = h(r, r') * w(x, r), h free of the element x.
+    A value may read the leader by an x-free shift, v_k(x, r') = v_k(x, r) +
+    s_k(r, r') (a value held centred on the leader, x - r: factorise); it is
+    repaired through the component's weight sum t_w = sum w(x, r):
+        t_k' = h(r, r') * (t_k + s_k(r, r') * t_w).
     A streaming fold keeps (r, t_1..t_k):
         r' = max(r, max over the tile of leader_arg)
-        t_k' = t_k * h(r, r') + sum over the tile of w(x, r') * v_k(x)
+        t_k' = (t_k + s_k(r, r') * t_w) * h(r, r') + sum over the tile of w(x, r') * v_k(x, r')
     (the last sum is a matrix product when v_k carries another free index).
     Formulas use Vars x0, x1, ... for the element arguments, `r` and `r_new`."""
 
@@ -44,8 +48,15 @@ class Rescaled:
     leader_arg: Expr                       # over x-vars
     weight: Expr                           # w, over x-vars and Var("r")
     repair: Expr                           # h, over Var("r") and Var("r_new")
-    values: tuple[tuple[str, Expr], ...]   # (field name, v_k over x-vars)
+    values: tuple[tuple[str, Expr], ...]   # (field name, v_k over x-vars and Var("r"))
+    # (field name, s_k over Var("r") and Var("r_new"), the weight-sum field t_w) for the
+    # values that read the leader; every other value is free of r
+    shifts: tuple[tuple[str, Expr, str], ...] = ()
     base2: bool = False                    # weights evaluated as exp2(x log2 e - r log2 e) (passes/base2.py)
+
+    def shift_of(self, field_name: str) -> tuple[Expr, str] | None:
+        """(s(r, r_new), weight-sum field) of a value that reads the leader, else None."""
+        return next(((s, w) for f, s, w in self.shifts if f == field_name), None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,13 @@ not rounded in the fma, so the weights of one row share one rounding factor,
 exp2(r * log2(e) - round(r * log2(e))), which the final fields divide out;
 the leader stays the max of x itself, exact.  The rewrite states only the
 algebraic form (the weight is the exponential of the distance to the leader);
-it sets `Rescaled.base2` and leaves the formulas (the math) as they are."""
+it sets `Rescaled.base2` and leaves the formulas (the math) as they are.
+
+A fold that holds a field centred on its leader (Rescaled.shifts) stays in the
+natural base: its results read the weight sum without the leader beside it
+(entropy: log(l) - u_c / l, where r cancelled), so the rounding factor, 1 ulp
+of l, is no longer small against the result; exp(x - r) is exactly 1 at the
+max, and log(l) exactly 0 when one logit dominates."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -20,7 +26,7 @@ from ..ir import Call, Program, Reduce, Var, transform
 
 def _in_base2(rs: Rescaled) -> bool:
     x = rs.leader_arg
-    return (isinstance(x, Var) and rs.leader_monoid == "max"
+    return (isinstance(x, Var) and rs.leader_monoid == "max" and not rs.shifts
             and rs.weight == Call("exp", (Call("sub", (x, Var("r"))),))
             and rs.repair == Call("exp", (Call("sub", (Var("r"), Var("r_new"))),)))
 

@@ -13,7 +13,11 @@ summaries (compiler.algebra.properties), not names:
   running leader and repaired when it moves:
       t = t_a * h(r_a, r) + t_b * h(r_b, r),   r = max(r_a, r_b).
   Readers with one weight share it (the pullback: the weights are computed once
-  for every value v_k); each further weight gets its own component;
+  for every value v_k); each further weight gets its own component.  A value of
+  degree 1 in the leader's own argument is held centred on the leader,
+  v - c r, repaired with its x-free shift through the weight sum l:
+      t = h(r_a, r) (t_a + s(r_a, r) l_a) + h(r_b, r) (t_b + s(r_b, r) l_b),
+  and read as t + c r l (the leader then cancels: entropy is log l - u_c / l);
 - centred moments: the anchor adds its states and every reader is a
   polynomial of degree p <= 6 in (x - S / count) with x-free coefficients:
   the moments (count, mean, err, M2..Mp) with Pébay's stable pairwise merge
@@ -40,7 +44,7 @@ from ..algebra.properties import additive, extremum
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, unused_name,
                   walk, with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
-from .stabilise import factors, product, simplify
+from .stabilise import cancel_in_branches, factors, product, simplify
 
 _LEADERS = {"max": ("maximum", -math.inf), "min": ("minimum", math.inf)}
 
@@ -55,6 +59,8 @@ class _Component:
     rescaled: Rescaled | None = None
     notes: list[str] = field(default_factory=list)
     blocks: tuple[Block, ...] = ()
+    # a dependent's value as a formula of the fields where it is not one field (a centred sum)
+    reads: dict[str, Expr] = field(default_factory=dict)
 
 
 class _Args:
@@ -81,6 +87,15 @@ def _substitute(e: Expr, mapping: dict[Expr, Expr]) -> Expr:
     if e in mapping:
         return mapping[e]
     return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
+
+
+def _around_reductions(e: Expr, fn) -> Expr:
+    """`fn` applied bottom-up outside every reduction: a body stays as written, so
+    the groups found before any was factorised still match it (and so does the
+    masked form where(m <= i, x, -inf) that the schedule reads loop bounds from)."""
+    if isinstance(e, Reduce):
+        return e
+    return fn(with_children(e, tuple(_around_reductions(c, fn) for c in children(e))))
 
 
 def _replace_vars(e: Expr, mapping: dict[str, Expr]) -> Expr:
@@ -114,6 +129,37 @@ def derive_repair(weight: Expr) -> Expr | None:
     return from_sympy(ratio, table)
 
 
+def derive_shift(value: Expr) -> Expr | None:
+    """s(r, r_new) with value(x, r_new) = value(x, r) + s; None if s depends on x,
+    or if the value does not read the leader (s = 0)."""
+    table = SymbolTable()
+    r, r_new = table.symbol(Var("r"), real=True), table.symbol(Var("r_new"), real=True)
+    v_old = _sym(value, table)
+    shift = sympy.simplify(v_old.subs(r, r_new) - v_old)
+    if shift == 0 or not shift.free_symbols <= {r, r_new}:
+        return None
+    return from_sympy(shift, table)
+
+
+def _centring(value: Expr, lead_arg: Expr) -> Expr | None:
+    """c when `value` is c * x_lead + c0(x), of degree 1 in the leader's own argument
+    with c free of the element; else None.  Such a value is held centred, v - c r:
+    near the leader, where the weights are largest, x_lead - r is small and exact,
+    and the result's c r (times the weight sum) can cancel against the leader
+    symbolically instead of in floating point (entropy: log l - u_c / l)."""
+    if not isinstance(lead_arg, Var):
+        return None
+    table = SymbolTable()
+    x, v = _sym(lead_arg, table), _sym(value, table)
+    if x not in v.free_symbols or not v.is_polynomial(x):
+        return None
+    poly = sympy.Poly(v, x)
+    c = poly.coeff_monomial(x)
+    if poly.degree() != 1 or c.free_symbols:
+        return None
+    return from_sympy(c, table)
+
+
 def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
                          names: dict[Reduce, str]) -> list[_Component] | None:
     """One rescaled component per distinct weight of the dependents (each with
@@ -133,7 +179,7 @@ def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
     for k, (weight, values) in enumerate(by_weight.items()):
         lf = names[leader] if k == 0 else unused_name("r", taken)
         taken.add(lf)
-        component = _rescaled_component(leader, lf, weight, values, args)
+        component = _rescaled_component(leader, lf, weight, values, args, taken)
         if component is None:
             return None
         components.append(component)
@@ -144,12 +190,22 @@ def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
 
 
 def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tuple[str, Expr]],
-                        args: _Args) -> _Component | None:
+                        args: _Args, taken: set[str]) -> _Component | None:
     op, identity = _LEADERS[extremum(leader.summary)]
     lead_arg = args.abstract(leader.args[0], {})
     repair = derive_repair(weight)
     if repair is None:
         return None
+    from ..ir import format_expr
+    notes = [f"dependent reductions over {', '.join(leader.indices)}: "
+             f"{', '.join(n for n, _ in values)} use{'s' * (len(values) == 1)} the "
+             f"{extremum(leader.summary)} {lf}",
+             f"weight w(x, r) = {format_expr(weight)}; repair h(r, r') = w(x, r') / w(x, r) = "
+             f"{format_expr(repair)} (free of x: sympy)"]
+    # Centring lives here, not in stabilise: only once the group is factorised is the
+    # running leader r a field beside the dependent sums, so that a read of u can be
+    # written through the fields as u_c + c r l and the results simplify around r.
+    values, reads, shifts = _centred_values(lf, lead_arg, values, taken, notes)
     a_r, b_r = Var(f"a.{lf}"), Var(f"b.{lf}")
     new_leader = Call(op, (a_r, b_r))
     reference = _stand_in(new_leader, identity)
@@ -157,24 +213,63 @@ def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tupl
     def h(old: Expr) -> Expr:
         return _replace_vars(repair, {"r": old, "r_new": reference})
 
+    def repaired(side: str, n: str, old: Expr) -> Expr:
+        """side.n moved to the common leader: h * (t + s * t_w) for a value that reads r."""
+        if n not in shifts:
+            return Call("mul", (Var(f"{side}.{n}"), h(old)))
+        s, total = shifts[n]
+        moved = _replace_vars(s, {"r": _stand_in(old, identity), "r_new": reference})
+        return Call("mul", (h(old), Call("add", (Var(f"{side}.{n}"), Call("mul", (moved, Var(f"{side}.{total}")))))))
+
+    at_lead = {"r": _stand_in(lead_arg, identity)}
     fields = [Field(lf)] + [Field(n) for n, _ in values]
-    lift = [lead_arg] + [Call("mul", (_replace_vars(weight, {"r": _stand_in(lead_arg, identity)}), v))
-                         if v != Const(1) else _replace_vars(weight, {"r": _stand_in(lead_arg, identity)})
+    lift = [lead_arg] + [Call("mul", (_replace_vars(weight, at_lead), _replace_vars(v, at_lead)))
+                         if v != Const(1) else _replace_vars(weight, at_lead)
                          for _, v in values]
-    combine = [new_leader] + [
-        Call("add", (Call("mul", (Var(f"a.{n}"), h(a_r))), Call("mul", (Var(f"b.{n}"), h(b_r)))))
-        for n, _ in values]
-    structure = Rescaled(lf, extremum(leader.summary), lead_arg, weight, repair, tuple(values))
-    from ..ir import format_expr
-    notes = [f"dependent reductions over {', '.join(leader.indices)}: "
-             f"{', '.join(n for n, _ in values)} use{'s' * (len(values) == 1)} the "
-             f"{extremum(leader.summary)} {lf}",
-             f"weight w(x, r) = {format_expr(weight)}; repair h(r, r') = w(x, r') / w(x, r) = "
-             f"{format_expr(repair)} (free of x: sympy)"]
+    combine = [new_leader] + [Call("add", (repaired("a", n, a_r), repaired("b", n, b_r))) for n, _ in values]
+    structure = Rescaled(lf, extremum(leader.summary), lead_arg, weight, repair, tuple(values),
+                         tuple((n, s, total) for n, (s, total) in shifts.items()))
     if len(values) > 1:
         notes.append(f"pullback: {', '.join(n for n, _ in values)} share the weight w, computed once")
     return _Component(fields, [Const(identity)] + [Const(0.0)] * len(values), lift, combine,
-                      True, structure, notes)
+                      True, structure, notes, reads=reads)
+
+
+def _centred_values(lf: str, lead_arg: Expr, values: list[tuple[str, Expr]], taken: set[str],
+                    notes: list[str]) -> tuple[list[tuple[str, Expr]], dict[str, Expr], dict[str, tuple[Expr, str]]]:
+    """The values with those of degree 1 in the leader's argument held centred on
+    the leader (`_centring`): (the component's values, the reads of the centred
+    dependents as formulas of fields, {field: (shift s(r, r_new), weight-sum field)}).
+    A centred value needs the weight sum (value 1) among the fields to be repaired
+    and read back; it is added where no dependent is the pure weight."""
+    r = Var("r")
+    centres = {n: c for n, v in values if (c := _centring(v, lead_arg)) is not None}
+    if not centres:
+        return values, {}, {}
+    total = next((n for n, v in values if v == Const(1)), None)
+    if total is None:
+        total = unused_name("l", taken)
+        taken.add(total)
+        values = [(total, Const(1)), *values]
+        notes.append(f"{total} = sum of the weight alone, added to repair and read the centred sums")
+    out, reads, shifts = [], {}, {}
+    for n, v in values:
+        if n not in centres:
+            out.append((n, v))
+            continue
+        c = centres[n]
+        held = unused_name(f"{n}_c", taken)
+        taken.add(held)
+        centred = simplify(Call("sub", (v, r if c == Const(1) else Call("mul", (c, r)))))
+        shift = derive_shift(centred)
+        out.append((held, centred))
+        shifts[held] = (shift, total)
+        lead = Var(lf) if c == Const(1) else Call("mul", (c, Var(lf)))
+        reads[n] = Call("add", (Var(held), Call("mul", (lead, Var(total)))))
+        notes.append(f"centred on {lf}: {n} held as {held}, v = {_fmt(centred)}, shift s(r, r') = v(x, r') - "
+                     f"v(x, r) = {_fmt(shift)} (free of x: sympy); repaired as h(r, r') * ({held} + s(r, r') * "
+                     f"{total}); read as {n} = {_fmt(reads[n])}")
+    return out, reads, shifts
 
 
 def _base_component(member: Reduce, name: str, args: _Args) -> _Component:
@@ -266,8 +361,10 @@ def _repair_rule(st: _State, leader: Reduce) -> str | None:
     st.names.update(names)
     st.components.extend(comps)
     st.handled.update([leader, *deps])
+    reads = {n: e for c in comps for n, e in c.reads.items()}
+    projections = {f.name: st.projection(f.name) for c in comps for f in c.fields}
     for m in (leader, *deps):
-        st.replacement[m] = st.projection(names[m])
+        st.replacement[m] = _replace_vars(reads.get(names[m], Var(names[m])), projections)
     return None
 
 
@@ -521,7 +618,9 @@ def factorise(program: Program) -> Program:
         if isinstance(result, list):
             notes += result
             continue
-        # the projections' formulas (sum x = count * mean, ...) simplify in context
-        exprs = [e if (new := _substitute(e, result[2])) == e else simplify(new) for e in exprs]
+        # the projections' formulas (sum x = count * mean, u = u_c + r l, ...) simplify in
+        # context, the leader cancelling inside the branches of a where
+        exprs = [e if (new := _substitute(e, result[2])) == e else _around_reductions(simplify(new), cancel_in_branches)
+                 for e in exprs]
     return replace(program, statements=tuple(replace(st, expr=e) for st, e in zip(program.statements, exprs)),
                    notes=program.notes + tuple(notes))

@@ -204,6 +204,44 @@ def simplify(e: Expr) -> Expr:
     return from_sympy(s, table)
 
 
+def cancel_in_branches(e: Expr) -> Expr:
+    """A sum multiplied out, or a + where(c, p, q) as where(c, a + p, a + q): the
+    terms beside a where go into both branches and cancel there (a leader added
+    in a branch and subtracted outside it: where(|r| < inf, r + log(l), r) - r);
+    the smallest of these, where it is smaller than the sum as written."""
+    if not (isinstance(e, Call) and e.op in ("add", "sub")):
+        return e
+    parts = terms(e)
+    candidates = [_expanded(e)]
+    for k, (sign, t) in enumerate(parts):
+        if isinstance(t, Call) and t.op == "where":
+            rest = parts[:k] + parts[k + 1:]
+            condition, *branches = t.args
+            candidates.append(Call("where", (condition, *(_expanded(signed_sum([(sign, b), *rest]))
+                                                          for b in branches))))
+    best = min(candidates, key=_size)
+    return best if _size(best) < _size(e) else e
+
+
+def _expanded(e: Expr) -> Expr:
+    """e multiplied out (logs, powers and exponentials kept whole), so terms cancel."""
+    table = SymbolTable()
+    s = sympy.expand(to_sympy(e, table, _positive_sums(e)), mul=True, multinomial=False, power_exp=False,
+                     power_base=False, log=False)
+    return from_sympy(s, table)
+
+
+def _size(e: Expr) -> int:
+    """Nodes of e, a reduction counting as one (sympy sees it as one symbol)."""
+    stack, n = [e], 0
+    while stack:
+        node = stack.pop()
+        n += 1
+        if not isinstance(node, Reduce):
+            stack.extend(children(node))
+    return n
+
+
 def simplify_logs(e: Expr) -> Expr:
     """log(exp(M) * l) = M + log(l) wherever the log sits (step 3 runs on the
     statement, where reductions are opaque: a cross-entropy summed over rows

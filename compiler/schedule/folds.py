@@ -108,7 +108,8 @@ def restrict(fold: Reduce, available: frozenset) -> Reduce | None:
         finalize = Var(keep[0])            # never evaluated: every use projects a kept field
     rescaled = tuple(
         replace(rs, leader_arg=_substitute(rs.leader_arg, xs), weight=_substitute(rs.weight, xs),
-                values=tuple((f, _substitute(v, xs)) for f, v in rs.values if f in index))
+                values=tuple((f, _substitute(v, xs)) for f, v in rs.values if f in index),
+                shifts=tuple(sh for sh in rs.shifts if sh[0] in index))
         for rs in s.rescaled if rs.leader in index)
     # a tile formula stays where its fields all stay (its sums read only their arguments)
     blocks = tuple(replace(b, sums=tuple((n, _substitute(e, xs)) for n, e in b.sums))

@@ -16,8 +16,10 @@ Folds follow the summary's algebra, never the operator's name:
   are 2-D tiles at least 16 wide, else a broadcast product and `tl.sum`;
 - max / min: `tl.max` / `tl.min` of the identity-padded tile;
 - a summary with `rescaled` structure streams FlashAttention-style: running
-  leader r, repair factor h(r, r_new) on the carried fields, weights
-  w(x, r_new) on the tile, fields += sum(w * v) (a `tl.dot` for attention);
+  leader r, repair factor h(r, r_new) on the carried fields (a field held
+  centred on the leader first moves by its shift times the weight sum),
+  weights w(x, r_new) on the tile, fields += sum(w * v) (a `tl.dot` for
+  attention);
 - any other summary: the lifted fields, padded with the identity, are reduced
   within the tile with `tl.reduce` and a combine function generated from the
   summary's combine formulas (non-commutative summaries: `tl.associative_scan`,
@@ -287,7 +289,7 @@ def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
 
 # ---------------------------------------------------------------- the kernel emitter
 # values named after their role in a fold (see temp)
-ROLE_STEMS = frozenset({"r_new", "r_use", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty", "term", "acc_new"})
+ROLE_STEMS = frozenset({"r_new", "r_use", "r_old", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty", "term", "acc_new"})
 ROLE_PREFIXES = ("lift_", "tile_", "scan_", "sum_")     # a generic fold's tiles: lift_<field>, ...; a
                                                          # tile formula's sums: sum_<name>
 
@@ -1212,8 +1214,10 @@ class KernelEmitter:
                 p = replace(w, zero=frozenset(dims(RA)))     # nothing to mask: the weights are the p
             else:
                 p = self.assign(p_code, PU, body, stem="p", zero=frozenset(dims(RA)))
+            shifts = self.shifts(rs, r_val, r_use, lit, body)
+            shift_at = len(body.lines)          # the shifts read the weight sum before its update
             for fname, v_expr in rs.values:
-                v = self.as_float(self.formula(v_expr, xs, body))
+                v = self.as_float(self.formula(v_expr, {**xs, "r": r_use}, body))
                 factors = [p] if v.const == 1.0 else [p, v]
                 dot = self.dot_plan(factors, dims(RA))
                 FT = self.accumulator_axes(dot, RA)
@@ -1240,6 +1244,10 @@ class KernelEmitter:
                                          f"{self.expand(r_val, FT)})", FT)
                 else:
                     state[fname] = Value(t, FT)
+            body.lines[shift_at:shift_at] = [
+                line for fname, (s_k, total) in shifts.items()
+                for line in (f"# {fname} is held centred on the leader: move it to r_new by s(r, r_new) * {total}",
+                             f"{variables[fname]} = {variables[fname]} + {s_k.code} * {variables[total]}")]
             variables[rs.leader] = r
             named = {f: f if v == f else f"{f} (in {v})" for f, v in variables.items()}
             repaired = [named[f] for f, _ in rs.values]
@@ -1253,6 +1261,15 @@ class KernelEmitter:
         if rest:
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, fields=rest, xs=xs))
         return state
+
+    def shifts(self, rs, r: Value, r_new: Value, lit: str, body: Scope) -> dict[str, tuple[Value, str]]:
+        """{field: (s(r, r_new), weight-sum field)} for the values that read the leader
+        (Rescaled.shifts); the old leader at the identity takes the stand-in 0 too (its
+        weight sum is 0, and -inf * 0 would be NaN)."""
+        if not rs.shifts:
+            return {}
+        r_old = self.assign(f"tl.where({r.code} == {lit}, 0.0, {r.code})", r.axes, body, stem="r_old")
+        return {f: (self.formula(s_k, {"r": r_old, "r_new": r_new}, body), total) for f, s_k, total in rs.shifts}
 
     def fold_arguments(self, fold: Reduce, body: Scope) -> dict[str, Value]:
         """The fold's arguments on the tile, named as the derivation names them (x0, x1, ...)."""
@@ -1689,11 +1706,17 @@ class MergeEmitter(KernelEmitter):
             r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", axes, body, stem="r_use")
             ha = self.formula(rs.repair, {"r": a, "r_new": r_use}, body)
             hb = self.formula(rs.repair, {"r": b, "r_new": r_use}, body)
+            shifted = (self.shifts(rs, a, r_use, lit, body), self.shifts(rs, b, r_use, lit, body))
             for fname, _ in rs.values:
-                ta, tb = state[fname], loaded[fname]
-                FT = ta.axes
-                new[fname] = self.assign(f"{self.expand(ta, FT)} * {self.expand(ha, FT)} + "
-                                         f"{self.expand(tb, FT)} * {self.expand(hb, FT)}", FT, body)
+                FT = state[fname].axes
+                sides = []
+                for side, h, shifts in zip((state, loaded), (ha, hb), shifted):
+                    t = self.expand(side[fname], FT)
+                    if fname in shifts:     # h * (t + s * t_w), as the combine writes it
+                        s_k, total = shifts[fname]
+                        t = f"({t} + {self.expand(s_k, FT)} * {self.expand(side[total], FT)})"
+                    sides.append(f"{t} * {self.expand(h, FT)}")
+                new[fname] = self.assign(" + ".join(sides), FT, body)
             new[rs.leader] = r_new
         rest = [f for f in s.field_names if f not in new]
         if rest:
