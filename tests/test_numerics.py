@@ -207,3 +207,20 @@ def test_a_row_of_minus_infinity_has_a_nan_entropy_as_in_torch():
     for source in ENTROPY.values():
         got = compiler.compile(source, outputs=["H"])(X=x.to(DEVICE))
         torch.testing.assert_close(got.cpu(), _entropy(x), equal_nan=True, rtol=0.07, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_centred_sum_over_an_empty_index_is_zero(backend):
+    # u = sum exp(x) x is read as (u_c + r l) exp(r): on an empty fold r = -inf and l = 0,
+    # so r l would be NaN; the leader's stand-in (0) there gives the sum's identity.  The
+    # reference backend runs the same factorised program, so torch is the oracle here.
+    for source, torch_code in [("Y[i] = sum[m](exp(X[i,m]) * X[i,m])", lambda x: (x.exp() * x).sum(-1)),
+                               ("Y[i] = sum[m](exp(X[i,m]) * (2 * X[i,m] + 1))",
+                                lambda x: (x.exp() * (2 * x + 1)).sum(-1))]:
+        program = compiler.compile(source, backend=backend)
+        for n in (0, 1, 37):
+            x = torch.randn(3, n, generator=torch.Generator().manual_seed(n))
+            want = torch_code(x.double())
+            got = program(X=x.to(DEVICE)).cpu().double()
+            assert torch.isfinite(got).all(), (source, n, got)
+            assert relative_error(got, want) < 1e-5, (source, n)

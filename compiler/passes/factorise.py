@@ -610,6 +610,30 @@ def _connected(members: list[Reduce]) -> list[list[Reduce]]:
     return list(parts.values())
 
 
+def _mul_factors(e: Expr) -> list[Expr]:
+    if isinstance(e, Call) and e.op == "mul":
+        return _mul_factors(e.args[0]) + _mul_factors(e.args[1])
+    return [e]
+
+
+def _empty_safe(e: Expr) -> Expr:
+    """`e` with the leader in a product with the weight sum of its centred reads
+    (u = u_c + r l) read through its stand-in: on an empty fold r is at its
+    infinite identity and l = 0, and u is 0, not inf * 0; everywhere else the
+    stand-in is r.  (After the cancellation, which needs r itself.)"""
+    factors = _mul_factors(e)
+    if len(factors) < 2:
+        return e
+    for k, f in enumerate(factors):
+        if isinstance(f, Reduce) and f.result is not None:
+            for rs in f.summary.rescaled:
+                totals = {total for _, _, total in rs.shifts}
+                if f.result == rs.leader and any(replace(f, result=t) in factors for t in totals):
+                    held = [*factors[:k], _stand_in(f, _LEADERS[rs.leader_monoid][1]), *factors[k + 1:]]
+                    return product(held, [])
+    return e
+
+
 def factorise(program: Program) -> Program:
     exprs = [st.expr for st in program.statements]
     notes: list[str] = []
@@ -620,7 +644,8 @@ def factorise(program: Program) -> Program:
             continue
         # the projections' formulas (sum x = count * mean, u = u_c + r l, ...) simplify in
         # context, the leader cancelling inside the branches of a where
-        exprs = [e if (new := _substitute(e, result[2])) == e else _around_reductions(simplify(new), cancel_in_branches)
+        exprs = [e if (new := _substitute(e, result[2])) == e
+                 else _around_reductions(_around_reductions(simplify(new), cancel_in_branches), _empty_safe)
                  for e in exprs]
     return replace(program, statements=tuple(replace(st, expr=e) for st, e in zip(program.statements, exprs)),
                    notes=program.notes + tuple(notes))
