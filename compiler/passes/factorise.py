@@ -41,8 +41,8 @@ from ..algebra import BUILTINS, Block, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
 from ..algebra.moments import MAX_DEGREE, centred_moments, tile_sums
 from ..algebra.properties import additive, extremum
-from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, free_indices, unused_name,
-                  walk, with_children)
+from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, format_expr,
+                  free_indices, unused_name, walk, with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
 from .stabilise import cancel_in_branches, factors, product, simplify
 
@@ -196,7 +196,6 @@ def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tupl
     repair = derive_repair(weight)
     if repair is None:
         return None
-    from ..ir import format_expr
     notes = [f"dependent reductions over {', '.join(leader.indices)}: "
              f"{', '.join(n for n, _ in values)} use{'s' * (len(values) == 1)} the "
              f"{extremum(leader.summary)} {lf}",
@@ -219,7 +218,8 @@ def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tupl
             return Call("mul", (Var(f"{side}.{n}"), h(old)))
         s, total = shifts[n]
         moved = _replace_vars(s, {"r": _stand_in(old, identity), "r_new": reference})
-        return Call("mul", (h(old), Call("add", (Var(f"{side}.{n}"), Call("mul", (moved, Var(f"{side}.{total}")))))))
+        moved_total = Call("mul", (moved, Var(f"{side}.{total}")))
+        return Call("mul", (h(old), Call("add", (Var(f"{side}.{n}"), moved_total))))
 
     at_lead = {"r": _stand_in(lead_arg, identity)}
     fields = [Field(lf)] + [Field(n) for n, _ in values]
@@ -236,7 +236,8 @@ def _rescaled_component(leader: Reduce, lf: str, weight: Expr, values: list[tupl
 
 
 def _centred_values(lf: str, lead_arg: Expr, values: list[tuple[str, Expr]], taken: set[str],
-                    notes: list[str]) -> tuple[list[tuple[str, Expr]], dict[str, Expr], dict[str, tuple[Expr, str]]]:
+                    notes: list[str]
+                    ) -> tuple[list[tuple[str, Expr]], dict[str, Expr], dict[str, tuple[Expr, str]]]:
     """The values with those of degree 1 in the leader's argument held centred on
     the leader (`_centring`): (the component's values, the reads of the centred
     dependents as formulas of fields, {field: (shift s(r, r_new), weight-sum field)}).
@@ -266,9 +267,9 @@ def _centred_values(lf: str, lead_arg: Expr, values: list[tuple[str, Expr]], tak
         shifts[held] = (shift, total)
         lead = Var(lf) if c == Const(1) else Call("mul", (c, Var(lf)))
         reads[n] = Call("add", (Var(held), Call("mul", (lead, Var(total)))))
-        notes.append(f"centred on {lf}: {n} held as {held}, v = {_fmt(centred)}, shift s(r, r') = v(x, r') - "
-                     f"v(x, r) = {_fmt(shift)} (free of x: sympy); repaired as h(r, r') * ({held} + s(r, r') * "
-                     f"{total}); read as {n} = {_fmt(reads[n])}")
+        notes.append(f"centred on {lf}: {n} held as {held}, v = {format_expr(centred)}, shift s(r, r') = "
+                     f"v(x, r') - v(x, r) = {format_expr(shift)} (free of x: sympy); repaired as h(r, r') * "
+                     f"({held} + s(r, r') * {total}); read as {n} = {format_expr(reads[n])}")
     return out, reads, shifts
 
 
@@ -382,12 +383,12 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
     for d, body in bodies.items():
         shifted = sympy.expand(body.subs(xs, y + Ss / count))
         if Ss in shifted.free_symbols or not shifted.is_polynomial(y):
-            return f"{_fmt(d)} is not a polynomial in (x - mean)"
+            return f"{format_expr(d)} is not a polynomial in (x - mean)"
         poly = sympy.Poly(shifted, y)
         if any(varies(c) for c in poly.all_coeffs()):
-            return f"{_fmt(d)} has coefficients that vary over {', '.join(st.group.indices)}"
+            return f"{format_expr(d)} has coefficients that vary over {', '.join(st.group.indices)}"
         if poly.degree() > MAX_DEGREE:
-            return f"{_fmt(d)} has degree {poly.degree()} in (x - mean), above {MAX_DEGREE}"
+            return f"{format_expr(d)} has degree {poly.degree()} in (x - mean), above {MAX_DEGREE}"
         centred[d] = dict((deg, c) for (deg,), c in poly.terms())
     degree = max(2, *(max(c) for c in centred.values()))
     name = unused_name("s", st.names.values(), first_plain=False)
@@ -403,7 +404,7 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
     for d, coeffs in centred.items():
         total = sum((c * table.symbol(sums[k], real=True) for k, c in coeffs.items() if k != 1), sympy.Integer(0))
         st.replacement[d] = from_sympy(total, table)
-        comp.notes.append(f"{_fmt(d)} is a polynomial of degree {max(coeffs)} in (x - mean): "
+        comp.notes.append(f"{format_expr(d)} is a polynomial of degree {max(coeffs)} in (x - mean): "
                           f"through the centred moments")
     return None
 
@@ -424,7 +425,7 @@ def _separable_rule(st: _State, base: Reduce) -> str | None:
         if Ss not in centred.free_symbols and centred.is_polynomial(y) and sympy.Poly(centred, y).degree() >= 2:
             # sum (x - mean)^p expanded in powers of the mean cancels catastrophically once
             # the mean is large against the spread: left as two passes (the mean, then the sum)
-            return (f"{_fmt(d)} is a power of (x - mean) of degree {sympy.Poly(centred, y).degree()}: "
+            return (f"{format_expr(d)} is a power of (x - mean) of degree {sympy.Poly(centred, y).degree()}: "
                     f"its expansion in powers of the mean cancels; it folds after the mean, in a second pass")
     name = unused_name("s", st.names.values(), first_plain=False)
     st.names[base] = name
@@ -443,7 +444,7 @@ def _separable_rule(st: _State, base: Reduce) -> str | None:
                 st.components.append(_base_component(term_sum, term_name, st.args))
                 term = table.symbol(st.projection(term_name), real=True)
             total += term * table.symbol(st.projection(name), real=True) ** deg
-        st.components[-1].notes.append(f"separable: {_fmt(d)} expanded in powers of {name} into "
+        st.components[-1].notes.append(f"separable: {format_expr(d)} expanded in powers of {name} into "
                                        f"independent sums; no stable merge is known for this form")
         st.replacement[d] = from_sympy(total, table)
         st.handled.add(d)
@@ -496,7 +497,7 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
             if anchor in st.handled or st.inside[anchor] or not st.reading(anchor):
                 continue
             why_not = apply(st, anchor)
-            st.report.append(f"rule {rule} on {_fmt(anchor)}: " + ("applied" if why_not is None
+            st.report.append(f"rule {rule} on {format_expr(anchor)}: " + ("applied" if why_not is None
                                                                    else f"not applied: {why_not}"))
 
     # everything else in the group folds alongside in the same pass
@@ -548,11 +549,6 @@ def _weight_only(d: Reduce, leader: Reduce) -> Expr:
     """The body of d if it is a pure weight (no value factor): exp(x - r) alone."""
     num, den = factors(d.args[0])
     return d.args[0] if all(leader in set(walk(f)) for f in num + den) else None
-
-
-def _fmt(e: Expr) -> str:
-    from ..ir import format_expr
-    return format_expr(e)
 
 
 # ---------------------------------------------------------------- the pass
@@ -610,27 +606,18 @@ def _connected(members: list[Reduce]) -> list[list[Reduce]]:
     return list(parts.values())
 
 
-def _mul_factors(e: Expr) -> list[Expr]:
-    if isinstance(e, Call) and e.op == "mul":
-        return _mul_factors(e.args[0]) + _mul_factors(e.args[1])
-    return [e]
-
-
 def _empty_safe(e: Expr) -> Expr:
     """`e` with the leader in a product with the weight sum of its centred reads
     (u = u_c + r l) read through its stand-in: on an empty fold r is at its
     infinite identity and l = 0, and u is 0, not inf * 0; everywhere else the
     stand-in is r.  (After the cancellation, which needs r itself.)"""
-    factors = _mul_factors(e)
-    if len(factors) < 2:
-        return e
-    for k, f in enumerate(factors):
+    num, den = factors(e)
+    for k, f in enumerate(num):
         if isinstance(f, Reduce) and f.result is not None:
             for rs in f.summary.rescaled:
                 totals = {total for _, _, total in rs.shifts}
-                if f.result == rs.leader and any(replace(f, result=t) in factors for t in totals):
-                    held = [*factors[:k], _stand_in(f, _LEADERS[rs.leader_monoid][1]), *factors[k + 1:]]
-                    return product(held, [])
+                if f.result == rs.leader and any(replace(f, result=t) in num for t in totals):
+                    return product([*num[:k], _stand_in(f, _LEADERS[rs.leader_monoid][1]), *num[k + 1:]], den)
     return e
 
 

@@ -111,6 +111,11 @@ def free_tile(n: int, dot: bool, value: bool) -> int:
     return dot_tile(n) if dot else 0
 
 
+def streams(kernel) -> bool:
+    """Whether a program of `kernel` loops: it folds, or loops over epilogue indices."""
+    return bool(kernel.epilogue) or any(isinstance(n, Reduce) for st in kernel.statements for n in walk(st.expr))
+
+
 def streamed_width(kernel, extent: Callable[[str], int], cap: int = STREAM_BLOCK) -> int:
     """The largest non-dot tile a loop of `kernel` streams (it bounds the grid tiles):
     the product of a fold's streamed tiles, which share `cap` elements, or an
@@ -168,8 +173,7 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
     """The tiles of `kernel`'s grid indices for these extents, the last index first."""
     dot = kernel.dot_indices
     tiled = tiled_grid(kernel, extent)
-    has_folds = any(isinstance(n, Reduce) for st in kernel.statements for n in walk(st.expr))
-    streamed = streamed_width(kernel, extent) if (has_folds or kernel.epilogue) else 0
+    streamed = streamed_width(kernel, extent) if streams(kernel) else 0
     projections = [n for st in kernel.statements for n in walk(st.expr)
                    if isinstance(n, Reduce) and n.result is not None]
     blocks: dict[str, int] = {}
@@ -247,11 +251,10 @@ def describe(kernel) -> list[str]:
             tiles.append(f"{', '.join(f'BLOCK_{b}' for b in plain)} = np2 of each, sharing {STREAM_BLOCK} "
                          f"elements, the last first (streamed)")
     tiled = tiled_grid(kernel, lambda g: 2)     # an index of extent 1 is one program instead
-    folds = any(isinstance(n, Reduce) for st in kernel.statements for n in walk(st.expr))
     elementwise = [g for g in tiled if g not in dot and g not in kernel.value_only]
     if elementwise:
         names = ", ".join(f"BLOCK_{g}" for g in elementwise)
-        columns = [g for g in elementwise if (folds or kernel.epilogue) and contiguous(kernel, g)]
+        columns = [g for g in elementwise if streams(kernel) and contiguous(kernel, g)]
         sizes = (f"np2(n_{elementwise[0]})" if len(elementwise) == 1 else "np2 of each") + f" up to {ROW_BLOCK}"
         tiles.append(f"{names} = {sizes}{', the last first' if len(elementwise) > 1 else ''}, the program's "
                      f"tiles within {TILE_BUDGET} elements (elementwise grid tile{'s' * (len(elementwise) > 1)}"

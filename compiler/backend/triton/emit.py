@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import itertools
 import keyword
-import math
 import re
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ...errors import BackendError
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_expr, free_indices, walk
+from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_expr, walk
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
@@ -48,7 +47,6 @@ from ...schedule.tiles import (
     grid_tiling,
     held_whole,
     loop_tile,
-    np2,
     one_at_a_time,
     shared_loop_caps,
     split_tile,
@@ -325,9 +323,7 @@ class KernelEmitter:
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
-        self.contractions = list(spec.contractions)     # the schedule's tile roles
-        self.contraction = set(spec.dot_indices)
-        self.dot_batch = set(spec.batch_indices)
+        self.contraction = set(spec.dot_indices)        # the schedule's tile roles
         self.value_only = set(spec.value_only)
         self.loop_cap = STREAM_BLOCK     # lowered when a grid tile of columns shares the tile budget
 
@@ -1180,7 +1176,7 @@ class KernelEmitter:
             r_val = Value(r, FR)
             r_new = self.assign(f"{comb}({r}, {tile.code})", FR, body, stem="r_new")
             body.lines.append("# a leader still at the identity has no mass yet: use the finite stand-in 0")
-            r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", FR, body, stem="r_use")
+            r_use = self.stand_in(r_new, lit, body, "r_use")
             body.lines.append(f"# weight {format_expr(rs.weight)}, repair {format_expr(rs.repair)} "
                               f"(r_new: the moved leader)")
             if not base2:
@@ -1262,13 +1258,17 @@ class KernelEmitter:
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, fields=rest, xs=xs))
         return state
 
+    def stand_in(self, r: Value, lit: str, body: Scope, stem: str) -> Value:
+        """The leader `r` as a reference point: the finite 0 while it is the identity `lit`."""
+        return self.assign(f"tl.where({r.code} == {lit}, 0.0, {r.code})", r.axes, body, stem=stem)
+
     def shifts(self, rs, r: Value, r_new: Value, lit: str, body: Scope) -> dict[str, tuple[Value, str]]:
         """{field: (s(r, r_new), weight-sum field)} for the values that read the leader
         (Rescaled.shifts); the old leader at the identity takes the stand-in 0 too (its
         weight sum is 0, and -inf * 0 would be NaN)."""
         if not rs.shifts:
             return {}
-        r_old = self.assign(f"tl.where({r.code} == {lit}, 0.0, {r.code})", r.axes, body, stem="r_old")
+        r_old = self.stand_in(r, lit, body, "r_old")
         return {f: (self.formula(s_k, {"r": r_old, "r_new": r_new}, body), total) for f, s_k, total in rs.shifts}
 
     def fold_arguments(self, fold: Reduce, body: Scope) -> dict[str, Value]:
@@ -1703,7 +1703,7 @@ class MergeEmitter(KernelEmitter):
             r_new = self.assign(f"{comb}({a.code}, {self.expand(b, axes)})", axes, body, stem="r_new")
             body.lines.append("# the derived merge: rescale both sides to the common leader (finite stand-in "
                               "0 while it is the identity)")
-            r_use = self.assign(f"tl.where({r_new.code} == {lit}, 0.0, {r_new.code})", axes, body, stem="r_use")
+            r_use = self.stand_in(r_new, lit, body, "r_use")
             ha = self.formula(rs.repair, {"r": a, "r_new": r_use}, body)
             hb = self.formula(rs.repair, {"r": b, "r_new": r_use}, body)
             shifted = (self.shifts(rs, a, r_use, lit, body), self.shifts(rs, b, r_use, lit, body))
