@@ -12,6 +12,9 @@ which only shows on a GPU: its test builds the module a GPU would run
 3. autotune configs that do not bind every BLOCK_* constexpr (GPU only);
 4. generated names colliding with user names (n_val, n_s0, pid_ptr, ...);
 5. an index of extent 0 (unmasked loads: a segfault);
+6. a streamed row sum read by several later loops: Triton 3.6's thread-locality
+   rewrite of `acc += tl.sum(tile)` asserts its loop result has one use (GPU only;
+   a streamed sum, max or min now keeps one running value per lane of the tile);
 and numpy's RuntimeWarnings from identity padding under the interpreter."""
 import ast
 import re
@@ -56,6 +59,10 @@ GPU_CRASHES = {
     "label_smoothing": "L[i] = logsumexp[v](X[i,v]) - (1 - eps) * X[i,v] * T[i,v] - eps * mean[v](X[i,v])",
     "bottom_right_causal": ("O[i,j] = softmax[m](where(m <= i + len(m) - len(i), Q[i,c] * K[m,c] * scale, "
                             "-inf)) * V[m,j]"),
+    # found by the generated-program test on the GPU: each row sum is read by every later loop
+    "repeated_centring": ("A[i,v] = X[i,v]; R0[i] = sum[v](A[i,v]); B0[i,v] = A[i,v] - R0[i]\n"
+                          "R1[i] = sum[v](B0[i,v]); B1[i,v] = B0[i,v] - R1[i]\n"
+                          "R2[i] = sum[v](B1[i,v]); B2[i,v] = B1[i,v] - R2[i]"),
 }
 
 
@@ -276,6 +283,52 @@ def test_gpu_autotuned_launches_match_the_oracle(name, src, sizes):
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         torch.testing.assert_close(g.cpu(), w, equal_nan=True, **{torch.float16: {"rtol": 2e-2, "atol": 2e-2},
                                                                   torch.float32: {"rtol": 2e-3, "atol": 2e-3}}[dtype])
+
+
+# ---------------------------------------------------------------- 6. a loop result read by several loops
+PER_TILE = {"tl.sum", "tl.max", "tl.min"}
+
+
+def per_tile_reductions(source: str) -> list[str]:
+    """The loop-carried updates Triton 3.6's thread-locality pass rewrites and then
+    asserts on when the loop's result has several uses: `v += tl.sum(...)` or
+    `v = tl.maximum(v, tl.max(...))` inside a `for` (tl.min likewise)."""
+    found = []
+    for loop in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.For)):
+        for st in ast.walk(loop):
+            value = None
+            if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name):
+                value = st.value
+            elif isinstance(st, ast.Assign) and isinstance(st.value, ast.Call) and st.value.args and \
+                    isinstance(st.value.args[0], ast.Name) and st.value.args[0].id == ast.unparse(st.targets[0]):
+                value = st.value.args[-1]
+            if isinstance(value, ast.Call) and ast.unparse(value.func) in PER_TILE:
+                found.append(ast.unparse(st))
+    return found
+
+
+def test_the_per_tile_reduction_finder_finds_one():
+    assert per_tile_reductions("for s in range(4):\n    acc += tl.sum(x, 1)\n    r = tl.maximum(r, tl.max(y, 1))")\
+        == ["acc += tl.sum(x, 1)", "r = tl.maximum(r, tl.max(y, 1))"]
+
+
+@pytest.mark.parametrize("name, src, sizes", SOURCE_CASES, ids=[case[0] for case in SOURCE_CASES])
+def test_a_streamed_sum_max_or_min_keeps_lanes(name, src, sizes):
+    """A streamed sum, max or min keeps one running value per lane of its tile and
+    reduces the lanes after the loop: no per-tile reduction into a loop-carried value
+    (class 6, a GPU-only compiler assertion)."""
+    outputs = ["O", "L"] if name == "attention_lse" else None
+    backend, binding = meta_binding(src, sizes, torch.float32, outputs, None)
+    assert per_tile_reductions(backend.source_for(binding, sm_count=132)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_streamed_sum_inside_a_streamed_fold_reduces_only_its_own_lanes(dtype):
+    # found by the generated-program test on the GPU: the row sum over k, streamed inside
+    # the softmax's loop over j, once reduced the j lanes as well
+    src = "S[i,j] = sum[k](Q[i,k] * K[j,k]) * 0.5\nO[i,m] = softmax[j](S[i,j]) * V[j,m]"
+    ref = compiler.compile(src, backend="reference")
+    assert_matches_oracle(src, inputs_for(ref, {"i": 1, "j": 2, "k": 67, "m": 1}, dtype))
 
 
 # ---------------------------------------------------------------- 4. generated names vs user names

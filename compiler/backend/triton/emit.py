@@ -803,10 +803,11 @@ class KernelEmitter:
             body = Scope(T.parent, T.level, env, T.kind, lines=T.lines, memo=T.memo)
         RA = sort_axes(bound)
         init: list[str] = []
+        finish: list[str] = []
         mark = len(T.lines)
         T.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}]"
                        + (f" over tiles of {', '.join(a.name for a in loops)}" if loops else " (whole)"))
-        state = self.fold_tiles(fold, prefix, body, RA, bool(loops), init)
+        state = self.fold_tiles(fold, prefix, body, RA, bool(loops), init, finish)
         if loops:
             relations = index_bounds(fold)
             interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T)
@@ -836,15 +837,18 @@ class KernelEmitter:
                 depth += 1
             T.lines.extend(headers)
             T.lines.extend(indent(body.lines, depth))
+            T.lines.extend(finish)
         else:
             T.lines[mark + 1:mark + 1] = init      # the state exists before the straight-line body
         return state
 
-    def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list) -> dict[str, Value]:
-        """Emit one tile's update of the fold's state into `body`: the first lowering
-        of FOLD_LOWERINGS whose algebraic precondition the summary meets."""
+    def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list,
+                   finish: list) -> dict[str, Value]:
+        """Emit one tile's update of the fold's state into `body` (its initial state
+        into `init`, what completes it after the loops into `finish`): the first
+        lowering of FOLD_LOWERINGS whose algebraic precondition the summary meets."""
         lowering = next(method for _, applies, method in FOLD_LOWERINGS if applies(fold.summary))
-        return getattr(self, lowering)(fold, prefix, body, RA, looped, init)
+        return getattr(self, lowering)(fold, prefix, body, RA, looped, init, finish)
 
     def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T):
         """For a single loop bounded above by a predicate (m <= i: causal), the
@@ -863,7 +867,7 @@ class KernelEmitter:
         inner = Scope(T, T.level + 1, env, "body")
         inner.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
         inner.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
-        self.fold_tiles(assume_relation(fold, bound), prefix, inner, RA, True, [])
+        self.fold_tiles(assume_relation(fold, bound), prefix, inner, RA, True, [], [])
         return self.tile_start(first_failing, ax, bound), inner
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
@@ -948,13 +952,17 @@ class KernelEmitter:
             self.whole[name] = ax
         return self.whole[name]
 
-    def reduce_padded(self, v: Value, RA, fn: str, identity: str, body: Scope, stem: str = "t") -> Value:
-        """`fn` (tl.sum / tl.max / tl.min) of `v` over the RA axes, padding at `identity`."""
+    def reduce_padded(self, v: Value, RA, fn: str, identity: str, body: Scope, stem: str = "t",
+                      keep=()) -> Value:
+        """`fn` (tl.sum / tl.max / tl.min) of `v` over the RA axes but `keep`, padding at
+        `identity`."""
         U = sort_axes(list(v.axes) + list(RA))
         padded = self.masked(RA, U, self.expand(v, U), identity)
         if dims(U) != dims(v.axes) or v.const is not None:
             padded = self.broadcast(padded, U)
-        return self.reduce_axes(padded, U, RA, fn, body, stem)
+        if not set(dims(RA)) - set(keep):
+            return self.assign(padded, U, body, stem=stem)
+        return self.reduce_axes(padded, U, [a for a in RA if a not in keep], fn, body, stem)
 
     def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope, stem: str = "t") -> Value:
         """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
@@ -966,8 +974,28 @@ class KernelEmitter:
         left = sort_axes(a for a in axes if a not in reduced)
         return self.assign(code, left, body, stem=stem)
 
+    @staticmethod
+    def lanes(RA) -> tuple[Axis, ...]:
+        """The streamed tile of a fold's loops: a sum, max or min keeps one running value
+        per lane of it and reduces the lanes once, after the loops (as a hand-written
+        Triton kernel does).  Besides saving a cross-thread reduction per tile, this
+        keeps Triton 3.6's thread-locality rewrite away from a loop result that later
+        loops read (it asserts the result has one use)."""
+        return tuple(a for a in dims(RA) if a.kind == "loop")
+
+    def fold_lanes(self, acc: str, lanes: Value, RA, fn: str, finish: list[str]) -> Value:
+        """After the loops, `acc` = `fn` over the lanes (the streamed tile of RA) of the
+        running tile `lanes`."""
+        current = list(dims(lanes.axes))
+        code = lanes.code
+        for ax in sorted(self.lanes(RA), key=lambda a: -current.index(a)):
+            code = f"{fn}({code}, {current.index(ax)})"
+            current.remove(ax)
+        finish.append(f"{acc} = {code}")
+        return Value(acc, sort_axes(a for a in lanes.axes if a not in RA))
+
     # sum: contraction-aware
-    def sum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
+    def sum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         (field_name,) = fold.summary.field_names
         factors = [self.as_float(self.value(f, body)) for f in flatten_mul(fold.args[0])]
         dot = self.dot_plan(factors, dims(RA))
@@ -980,14 +1008,19 @@ class KernelEmitter:
             else:
                 self.emit_dot(*dot, body, into=acc)
             return {field_name: Value(acc, FA)}
-        contrib = self.contract(factors, RA, body)
-        FA = sort_axes(a for a in contrib.axes if a not in RA)
+        contrib = self.contract(factors, RA, body, keep=self.lanes(RA) if looped else ())
         if not looped:
             return {field_name: contrib}
         acc = self.state_var(prefix, field_name)
-        init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
-        body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
-        return {field_name: Value(acc, FA)}
+        FA = sort_axes(a for a in contrib.axes if a not in RA)
+        if not set(contrib.axes) & set(RA):      # a tl.dot's tile, or no lanes to keep
+            init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
+            body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
+            return {field_name: Value(acc, FA)}
+        lanes = self.local(f"{acc}_lanes", ("lanes", prefix, field_name))
+        init.append(f"{lanes} = tl.zeros({self.shape(contrib.axes)}, {self.ctx.cdt})")
+        body.lines.append(f"{lanes} += {contrib.code}")
+        return {field_name: self.fold_lanes(acc, Value(lanes, contrib.axes), RA, "tl.sum", finish)}
 
     def in_order(self, dtype) -> bool:
         """tl.dot of `dtype` operands sums each tile's products in order in float32
@@ -1010,9 +1043,10 @@ class KernelEmitter:
         body.lines += [f"{y} = {tile.code} - {err}", f"{total} = {acc} + {y}",
                        f"{err} = ({total} - {acc}) - {y}", f"{acc} = {total}"]
 
-    def contract(self, factors: list[Value], RA, body: Scope) -> Value:
+    def contract(self, factors: list[Value], RA, body: Scope, keep=()) -> Value:
         """sum over the RA axes of the product of `factors`: tl.dot when it is a
-        matrix product of two 2-D tiles at least 16 wide, else broadcast and tl.sum."""
+        matrix product of two 2-D tiles at least 16 wide, else broadcast and tl.sum
+        over the RA axes but `keep`."""
         ra_dims = dims(RA)
         dot = self.dot_plan(factors, ra_dims)
         if dot is not None:
@@ -1027,9 +1061,9 @@ class KernelEmitter:
             all(set(ra_dims) <= f.zero or f.raw is not None for f in factors)
         if mask and not padded:
             product = f"tl.where({mask}, {product}, 0.0)"
-        if not ra_dims:
+        if not set(ra_dims) - set(keep):
             return self.assign(product, U, body)
-        return self.reduce_axes(product, U, RA, "tl.sum", body)
+        return self.reduce_axes(product, U, [a for a in RA if a not in keep], "tl.sum", body)
 
     def dot_plan(self, factors, ra_dims):
         if self.ctx.dot_dtype is None or len(ra_dims) != 1:
@@ -1138,23 +1172,25 @@ class KernelEmitter:
         return v
 
     # max / min
-    def extremum_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
+    def extremum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         s = fold.summary
         (field_name,) = s.field_names
         x = self.as_float(self.value(fold.args[0], body))
         fn, combine = ("tl.max", "tl.maximum") if extremum(s) == "max" else ("tl.min", "tl.minimum")
         identity = emission.literal(s.identity[0].value)
-        tile = self.reduce_padded(x, RA, fn, identity, body)
+        tile = self.reduce_padded(x, RA, fn, identity, body, keep=self.lanes(RA) if looped else ())
         if not looped:
             return {field_name: tile}
-        FA = tile.axes
         acc = self.state_var(prefix, field_name)
-        init.append(f"{acc} = tl.full({self.shape(FA)}, {identity}, {self.ctx.cdt})")
-        body.lines.append(f"{acc} = {combine}({acc}, {tile.code})")
-        return {field_name: Value(acc, FA)}
+        running = self.local(f"{acc}_lanes", ("lanes", prefix, field_name)) if set(tile.axes) & set(RA) else acc
+        init.append(f"{running} = tl.full({self.shape(tile.axes)}, {identity}, {self.ctx.cdt})")
+        body.lines.append(f"{running} = {combine}({running}, {tile.code})")
+        if running == acc:
+            return {field_name: Value(acc, tile.axes)}
+        return {field_name: self.fold_lanes(acc, Value(running, tile.axes), RA, fn, finish)}
 
     # rescaled (FlashAttention-style)
-    def rescaled_fold(self, fold, prefix, body, RA, looped, init) -> dict[str, Value]:
+    def rescaled_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         s = fold.summary
         cdt = self.ctx.cdt
         xs = self.fold_arguments(fold, body)
@@ -1255,7 +1291,7 @@ class KernelEmitter:
         body.lines.extend(updates)
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
-            state.update(self.generic_fold(fold, prefix, body, RA, True, init, fields=rest, xs=xs))
+            state.update(self.generic_fold(fold, prefix, body, RA, True, init, finish, fields=rest, xs=xs))
         return state
 
     def stand_in(self, r: Value, lit: str, body: Scope, stem: str) -> Value:
@@ -1277,7 +1313,7 @@ class KernelEmitter:
                 for k, a in enumerate(fold.args)}
 
     # any summary
-    def generic_fold(self, fold, prefix, body, RA, looped, init, fields=None, xs=None) -> dict[str, Value]:
+    def generic_fold(self, fold, prefix, body, RA, looped, init, finish, fields=None, xs=None) -> dict[str, Value]:
         s = fold.summary
         fields = s.field_names if fields is None else fields
         cdt = self.ctx.cdt
