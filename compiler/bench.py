@@ -538,8 +538,17 @@ def host_cost(compile_) -> list[Row]:
         ours_us, theirs_us = _host_us(lambda x, p=program: p(**x), x), _host_us(fn, x)
         extra = {"direct_triton_launch_us": program.backend.launch_overhead_probe(x),
                  "kernels": len(program.plan(**x).kernels)}       # 2 where the decode is split
+        captured = program.capture(**x)
+        # a replay reading the capture's own inputs (written in place), and one given the inputs
+        replay_us = _host_us(lambda x: captured(), x)
+        copied_us = _host_us(lambda x: captured(**x), x)
         rows += [Row("host", name, "einfold", ours_us, float("nan"), "us", 1.0, _error(program(**x), fn(x)),
                      extra=extra),
+                 Row("host", name, "einfold captured", replay_us, float("nan"), "us", None,
+                     _error(captured(**x), fn(x)),
+                     note=f"us per replay: {theirs_us / replay_us:.2f}x {baseline}'s speed; "
+                          f"{copied_us:.1f} us with the inputs copied in",
+                     extra={"with_inputs_copied_us": copied_us}),
                  Row("host", name, baseline, theirs_us, float("nan"), "us", theirs_us / ours_us, 0.0)]
     return rows
 

@@ -156,26 +156,35 @@ class Program:
         if args:
             self._positional_error(args)
         import torch
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-                isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values())):
+        key, requires_grad = self._key_of(inputs)
+        if requires_grad and torch.is_grad_enabled() or torch.compiler.is_compiling():
             from .autograd import call_op
             return call_op(self, inputs)
-        return self._run(inputs)
+        return self._run(inputs, key)
 
-    def _run(self, inputs: dict) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The outputs for `inputs`, outside autograd."""
-        # Inputs of the shapes, dtypes and devices seen before bind the same way:
-        # reuse that call's runner (no re-checking, no re-specialising).
+    def _key_of(self, inputs: dict) -> tuple[tuple, bool]:
+        """(the runner key of `inputs`: each tensor's shape, dtype and device, each
+        number's type; whether a tensor requires grad), in one pass over them: a
+        cached call's host time is mostly such bookkeeping.  Numbers are converted
+        to the float64 scalars they run as, in `inputs`."""
         import torch
-        key = []
+        key, requires_grad = [], False
         for name, v in inputs.items():
             if isinstance(v, torch.Tensor):
                 key.append((name, v.shape, v.dtype, v.device))
+                requires_grad = requires_grad or v.requires_grad
             else:
                 if type(v) is not float:            # numbers run as float64 scalars
                     v = inputs[name] = _number(self.checked, name, v)
                 key.append((name, type(v)))
-        key = tuple(key)
+        return tuple(key), requires_grad
+
+    def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The outputs for `inputs` (whose runner key is `key` when known), outside autograd."""
+        # Inputs of the shapes, dtypes and devices seen before bind the same way:
+        # reuse that call's runner (no re-checking, no re-specialising).
+        if key is None:
+            key, _ = self._key_of(inputs)
         runner = self._runners.get(key)
         if runner is None:
             binding = self.binder(inputs)
@@ -216,6 +225,22 @@ class Program:
         raise BindError(f"inputs are passed by name, not by position (got {len(args)} positional "
                         f"argument{'s' * (len(args) != 1)}); call it as ({example}) -- the program's "
                         f"inputs are: {names or 'none'}")
+
+    def capture(self, *args, **inputs):
+        """The program recorded as one CUDA graph for inputs of these shapes, dtypes
+        and numbers (Triton backend, CUDA tensors): calling the result replays it,
+        a few microseconds of host time whatever the number of kernels. See
+        compiler/capture.py for its inputs and outputs (its own tensors).
+
+        Raises:
+            BindError: the inputs do not fit the program.
+            BackendError: not the Triton backend, or not CUDA tensors.
+        """
+        if args:
+            self._positional_error(args)
+        from .capture import CapturedProgram
+        inputs = {name: _number(self.checked, name, v) for name, v in inputs.items()}
+        return CapturedProgram(self, inputs)
 
     def plan(self, *args, **inputs) -> Plan:
         """The plan the backend follows for these inputs (nothing runs): its

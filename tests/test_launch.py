@@ -73,12 +73,33 @@ def test_a_kernel_binds_once_per_guard_then_launches_directly(fake_driver):
     kernel[grid](x, 130, 0.25, BLOCK_k=16)
     assert len(tuner.slow) == 1
     (run,) = compiled.runs
-    assert run[:7] == (3, 1, 1, 7, "function", "metadata", ("metadata of", (3, 1, 1), 7))
+    # no profiler's launch hooks: no launch metadata, no hooks to call
+    assert run[:9] == (3, 1, 1, 7, "function", "metadata", None, None, None)
     assert run[-5:] == (x, 130, 0.25, 64, 16)
     # a misaligned tensor or another extent is another specialisation: Triton's path again
     kernel[grid](torch.zeros(65)[1:], 130, 0.25, BLOCK_k=16)
     kernel[grid](x, 131, 0.25, BLOCK_k=16)
     assert len(tuner.slow) == 3 and len(compiled.runs) == 1
+
+
+def test_a_launch_hook_gets_the_launch_metadata(fake_driver, monkeypatch):
+    from triton import knobs
+    from compiler.backend.triton.launch import hooked
+    assert not hooked(None) and hooked(print)
+    enter = print
+    if hasattr(knobs.runtime.launch_enter_hook, "calls"):        # Triton >= 3.5: a chain of hooks
+        assert not hooked(type(knobs.runtime.launch_enter_hook)())
+        enter = type(knobs.runtime.launch_enter_hook)()
+        enter.add(print)
+        assert hooked(enter)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", enter)
+    compiled = FakeCompiled()
+    kernel = DirectLaunch(FakeAutotuner(FakeJit(compiled)))
+    grid = lambda META: (-(-META["n_i"] // META["BLOCK_i"]),)  # noqa: E731
+    for _ in range(2):
+        kernel[grid](torch.zeros(64), 130, 0.5, BLOCK_k=16)
+    (run,) = compiled.runs
+    assert run[5:8] == ("metadata", ("metadata of", (3, 1, 1), 7), enter)
 
 
 def test_the_guard_holds_what_the_binder_specialises_on():

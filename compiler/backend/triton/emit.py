@@ -1448,7 +1448,7 @@ class KernelEmitter:
             ax = axes[g]
             n = self.extent_param(g)
             count = self.tile_count(ax)
-            launcher = f'n["{g}"]' if ax.scalar else f'triton.cdiv(n["{g}"], {ax.block})'
+            launcher = f'n["{g}"]' if ax.scalar else host_tile_count(f'n["{g}"]', ax.block)
             if g in self.optional:
                 launcher = f"max({launcher}, 1)"
             factors.append(launcher)
@@ -1768,6 +1768,12 @@ class MergeEmitter(KernelEmitter):
         return state
 
     # ------------------------------------------------------------ the kernel
+
+
+def host_tile_count(extent: str, block: int) -> str:
+    """The launcher's count of `block`-wide tiles over `extent`, in plain integer
+    arithmetic (triton.cdiv is a constexpr function: microseconds per host call)."""
+    return extent if block == 1 else f"({extent} + {block - 1}) // {block}"
 
 
 def rescaled_fields(s) -> set[str]:

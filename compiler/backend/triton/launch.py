@@ -45,21 +45,25 @@ class DirectLaunch:
     Autotuner over one."""
 
     def __init__(self, kernel):
+        from triton import knobs
+        from triton.runtime.driver import driver
         self.kernel = kernel
         self.tuned = hasattr(kernel, "configs")          # an Autotuner (a JITFunction's fn is its Python function)
         self.jit = kernel.fn if self.tuned else kernel
         self.bound: dict[tuple, tuple] = {}
         self.positions = None   # (tensor positions, integer picker): a launch site passes fixed kinds
+        # resolved once: `driver.active` is a lazy proxy, each attribute a lookup through it
+        self.hooks = knobs.runtime
+        self.current_device = driver.active.get_current_device
+        self.current_stream = driver.active.get_current_stream
 
     def __getitem__(self, grid):
         return lambda *args, **constexprs: self.launch(grid, args, constexprs)
 
     def launch(self, grid, args: tuple, constexprs: dict) -> None:
-        from triton import knobs
-        from triton.runtime.driver import driver
         if self.positions is None:
             self.positions = positions_of(args)
-        device = driver.active.get_current_device()
+        device = self.current_device()
         key = (device, guard_of(args, *self.positions))
         found = self.bound.get(key)
         if found is None:
@@ -67,11 +71,14 @@ class DirectLaunch:
             self.bound[key] = self.bind(grid, args, constexprs)
             return
         compiled, grid3, tail = found
-        stream = driver.active.get_current_stream(device)
+        stream = self.current_stream(device)
         full = (*args, *tail)
-        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid3, stream, *full),
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *full)
+        enter, leave = self.hooks.launch_enter_hook, self.hooks.launch_exit_hook
+        if hooked(enter) or hooked(leave):
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
+                         compiled.launch_metadata(grid3, stream, *full), enter, leave, *full)
+        else:       # no profiler's hooks: no launch metadata to build (a dict per launch), none to call
+            compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
     def bind(self, grid, args: tuple, constexprs: dict) -> tuple:
         """(compiled kernel, 3-D grid, the constexprs in parameter order) for this
@@ -89,6 +96,13 @@ class DirectLaunch:
             compiled = compiled.result()
         compiled._init_handles()
         return compiled, grid3, tail
+
+
+def hooked(hook) -> bool:
+    """Whether a launch hook is installed: Triton 3.5 and later hold a HookChain,
+    never None and empty unless a profiler added to it; earlier versions a
+    function or None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def positions_of(args: tuple) -> tuple:

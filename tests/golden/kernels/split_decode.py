@@ -126,13 +126,13 @@ def launch(t, n, device):
     t["einfold_O_state0_l"] = torch.empty((n_split, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device)
     t["einfold_O_state0_u"] = torch.empty((n_split, n["b"], n["h"], n["i"], n["j"],), dtype=torch.float32, device=device)
     t["einfold_O_state0_r"] = torch.empty((n_split, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device)
-    grid = triton.cdiv(n["j"], 128) * n["i"] * n["h"] * n["b"]
+    grid = (n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"]
     if grid > 0:                       # an empty output launches nothing
         einfold_O_partial[(grid, n_split)](
             n_split, n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["einfold_O_state0_l"], *t["einfold_O_state0_l"].stride(), t["einfold_O_state0_u"], *t["einfold_O_state0_u"].stride(), t["einfold_O_state0_r"], *t["einfold_O_state0_r"].stride(), BLOCK_j=128, BLOCK_m=64, BLOCK_k=128)
     # einfold_O_merge: one program per (b, h, i, j) tile; folds fold1_r_l_u[m] streamed over their indices [grid (b, h, i, j/128)]
     n_split = 64
-    grid = triton.cdiv(n["j"], 128) * n["i"] * n["h"] * n["b"]
+    grid = (n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"]
     if grid > 0:                       # an empty output launches nothing
         einfold_O_merge[(grid,)](
             n_split, n["j"], n["i"], n["h"], n["b"], t["einfold_O_state0_r"], *t["einfold_O_state0_r"].stride(), t["einfold_O_state0_l"], *t["einfold_O_state0_l"].stride(), t["einfold_O_state0_u"], *t["einfold_O_state0_u"].stride(), t["O"], *t["O"].stride(), BLOCK_j=128)
