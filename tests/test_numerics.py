@@ -181,6 +181,34 @@ def test_the_entropy_keeps_its_digits_when_one_logit_dominates(spelling, split):
         assert ours <= 2 * theirs + 2 * torch.finfo(torch.float32).eps, (rows, n, lead, ours, theirs)
 
 
+KL = {
+    "sum p (log p - log q)": ("D[i] = sum[m](softmax[m](X[i,m]) * (log(softmax[m](X[i,m])) - "
+                              "log(softmax[m](Y[i,m]))))"),
+    "E[x - y] - lse x + lse y": ("D[i] = sum[m](softmax[m](X[i,m]) * (X[i,m] - Y[i,m])) - logsumexp[m](X[i,m]) "
+                                 "+ logsumexp[m](Y[i,m])"),
+}
+
+
+def _kl(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (torch.softmax(x, -1) * (torch.log_softmax(x, -1) - torch.log_softmax(y, -1))).sum(-1)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("spelling", sorted(KL))
+def test_the_kl_divergence_keeps_its_digits_when_one_logit_dominates(spelling, split):
+    # the same centring as the entropy's: sum p (x - y) is held centred on the running max
+    program = compiler.compile(KL[spelling], outputs=["D"], split=split)
+    for (rows, n), lead in [((5, 37), 30.0), ((3, 67), 100.0), ((3, 67), 1e3)]:
+        x = _dominated(rows, n, lead, seed=n)
+        # E_p[x] - logsumexp(x) = -H(p) is ~1e-10 beside terms of size `lead`: uncentred, its
+        # absolute error of eps * lead would be most of the divergence's error
+        y = torch.randn(rows, n, generator=torch.Generator().manual_seed(n + 1))
+        want = _kl(x.double(), y.double())
+        ours = relative_error(program(X=x.to(DEVICE), Y=y.to(DEVICE)), want)
+        theirs = relative_error(_kl(x, y), want)
+        assert ours <= 2 * theirs + 2 * torch.finfo(torch.float32).eps, (rows, n, lead, ours, theirs)
+
+
 @pytest.mark.parametrize("spelling", sorted(ENTROPY))
 def test_the_centred_entropy_fold_is_exact_in_any_chunking(spelling):
     # the chunked executor merges chunk states at random with the combine (the shift
