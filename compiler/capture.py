@@ -5,8 +5,7 @@ output allocation, one Triton launch per kernel); for tiny inputs that is most
 of the call.  `Program.capture(**inputs)` runs the program once (compiling and
 tuning it), then records its kernels for those shapes, dtypes and numbers as a
 CUDA graph (`torch.cuda.CUDAGraph`); a call of the result replays the graph,
-which costs a few microseconds whatever the number of kernels (the split
-decode's partial and merge kernels included).
+which costs a few microseconds whatever the number of kernels.
 
 The graph reads its own input tensors and writes its own output tensors:
 `captured.inputs` holds the inputs (copies of the capture's), written in place

@@ -1,6 +1,6 @@
 """Program.capture: a program recorded as one CUDA graph (compiler/capture.py).
 Its errors on the CPU; replays, in-place inputs, copied inputs and the split
-decode's two kernels on the GPU."""
+decode on the GPU."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +28,7 @@ def _attention(q, k, v, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [40, 8192])          # 8192 keys of one query row: the split decode, two kernels
+@pytest.mark.parametrize("m", [40, 8192])          # 8192 keys of one query row: the split decode
 def test_a_captured_program_replays_with_new_inputs(m):
     g = torch.Generator(device="cuda").manual_seed(0)
     i = 1 if m > 1000 else 33
@@ -53,7 +53,8 @@ def test_a_captured_program_replays_with_new_inputs(m):
     torch.testing.assert_close(out.double(), _attention(2 * q2, k2, v2, 0.125), rtol=2e-2, atol=2e-2)
     assert torch.equal(q2, q2_before)
     if m > 1000:
-        assert len(program.plan(Q=q, K=k, V=v, scale=0.125).kernels) == 2
+        (kernel,) = program.plan(Q=q, K=k, V=v, scale=0.125).kernels     # split; its last programs merge
+        assert kernel.name.endswith("_partial")
 
 
 @pytest.mark.gpu

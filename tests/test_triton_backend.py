@@ -232,7 +232,8 @@ def test_index_predicates_bound_the_loops(src, relation):
 def test_causal_attention_split():
     inputs = {"Q": randn(70, 16), "K": randn(70, 16, seed=1), "V": randn(70, 8, seed=2), "scale": 0.3}
     ref, backend = assert_matches_oracle(CAUSAL, inputs, split=3)
-    assert len(plan(backend, ref, inputs).kernels) == 2
+    (kernel,) = plan(backend, ref, inputs).kernels              # the split and its merge: one launch
+    assert kernel.name.endswith("_partial") and "einfold_O_merge, called: one launch" in kernel.why
 
 
 def test_fully_masked_rows_follow_the_oracle():
@@ -461,15 +462,22 @@ def test_outputs_with_different_grids_get_kernels_of_their_own():
 
 
 # ---------------------------------------------------------------- split reductions
-def test_forced_split_plans_kernel_and_merge():
+def test_forced_split_plans_one_launch_whose_last_program_merges():
     inputs = {"Q": randn(2, 3, 1, 16), "K": randn(2, 3, 150, 16, seed=1), "V": randn(2, 3, 150, 8, seed=2),
               "scale": 0.25}
     ref, backend = assert_matches_oracle(ATTENTION, inputs, split=3)
     p = plan(backend, ref, inputs)
-    assert kernel_names(p) == ["einfold_O_partial", "einfold_O_merge"]
-    assert all(b.startswith("einfold_O_state0_") for b in p.buffers) and len(p.buffers) == 3
-    assert "in order" in p.kernels[1].why
-    assert "rescale both sides to the common leader" in backend.source
+    assert kernel_names(p) == ["einfold_O_partial"]
+    assert sorted(p.buffers) == ["einfold_O_arrivals", "einfold_O_state0_l", "einfold_O_state0_r",
+                                 "einfold_O_state0_u"]
+    assert "in order" in p.kernels[0].why and "O" in p.kernels[0].writes
+    source = backend.source
+    assert "rescale both sides to the common leader" in source
+    # the merge is a function the last program of a tile calls; one launch, counters zeroed per call
+    assert "einfold_O_merge[" not in source and "        einfold_O_merge(n_split, " in source
+    assert 'tl.atomic_add(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 1, sem="acq_rel")' \
+        in source
+    assert 't["einfold_O_arrivals"] = torch.zeros(' in source
 
 
 @pytest.mark.parametrize("src, shape", [("Y[i,j] = softmax[j](X[i,j])", (5, 300)),
@@ -479,8 +487,8 @@ def test_forced_split_plans_kernel_and_merge():
 def test_split_3_matches_the_oracle(src, shape):
     inputs = {"X": randn(*shape)}
     ref, backend = assert_matches_oracle(src, inputs, split=3)
-    names = kernel_names(plan(backend, ref, inputs))
-    assert len(names) == 2 and names[0].endswith("_partial") and names[1].endswith("_merge")
+    (name,) = kernel_names(plan(backend, ref, inputs))
+    assert name.endswith("_partial") and name.removesuffix("_partial") + "_merge(" in backend.source
 
 
 def test_split_of_dependent_folds_materialises_the_inner_one():
@@ -492,7 +500,7 @@ def test_split_of_dependent_folds_materialises_the_inner_one():
     got = backend.run(bind(checked, {"X": x}))["Y"]
     torch.testing.assert_close(got.cpu(), torch.softmax(x.cpu(), 1), rtol=1e-4, atol=1e-6)
     p = backend.plan(bind(checked, {"X": x}))
-    assert len(p.kernels) == 4 and "buf0" in p.buffers
+    assert len(p.kernels) == 2 and "buf0" in p.buffers          # two split kernels, each merging itself
 
 
 def test_auto_split_heuristic():
@@ -592,7 +600,7 @@ def test_gpu_decode_uses_the_automatic_split():
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     names = kernel_names(program.plan(Q=q, K=k, V=v, scale=0.125))
-    assert names == ["einfold_O_partial", "einfold_O_merge"]
+    assert names == ["einfold_O_partial"]                       # its last programs merge: one launch
 
 
 @gpu
@@ -671,8 +679,7 @@ def test_gpu_strided_inputs_and_forced_split():
     src = "O[h,i,j] = softmax[m](Q[h,i,k] * K[h,m,k] * scale) * V[h,m,j]"
     program = compiler.compile(src, backend="triton", split=7)
     out = program(Q=q, K=k, V=v_t, scale=0.125)
-    assert [kk.name for kk in program.plan(Q=q, K=k, V=v_t, scale=0.125).kernels] == ["einfold_O_partial",
-                                                                                     "einfold_O_merge"]
+    assert [kk.name for kk in program.plan(Q=q, K=k, V=v_t, scale=0.125).kernels] == ["einfold_O_partial"]
     want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v_t.double(), scale=0.125)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
 
@@ -691,9 +698,9 @@ def test_plan_lists_each_kernels_loops_in_nesting_order():
     (kernel,) = layernorm.plan(X=torch.randn(4, 9)).kernels
     assert [str(loop) for loop in kernel.loops] == [f"loop j: {kernel.loops[0].folds[0]}", "loop j (epilogue)"]
     split = compiler.compile(attention.text, outputs=["O"], split=4)
-    partial, merge = split.plan(**{**small, "K": torch.randn(700, 4), "V": torch.randn(700, 3)}).kernels
-    assert [loop.indices for loop in partial.loops] == [("m",)]
-    assert [(loop.indices, loop.folds) for loop in merge.loops] == [((), partial.loops[0].folds)]
+    (kernel,) = split.plan(**{**small, "K": torch.randn(700, 4), "V": torch.randn(700, 3)}).kernels
+    streamed, merged = kernel.loops         # the program's chunk of m, then (its last program) the merge
+    assert streamed.indices == ("m",) and (merged.indices, merged.folds) == ((), streamed.folds)
 
 
 # ---------------------------------------------------------------- dtype policy of tl.dot operands

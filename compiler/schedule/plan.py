@@ -9,8 +9,8 @@ from dataclasses import dataclass
 class Loop:
     """A loop of a kernel: over `indices` (tiles of them), carrying the running
     states of `folds` (summary names), with the loops nested inside it.  An
-    epilogue loop carries no fold; a merge kernel's loop runs over the partial
-    states (`indices` is empty).  A loop whose extent fits one tile runs once; a
+    epilogue loop carries no fold; a split kernel's merge loop runs over the
+    partial states (`indices` is empty).  A loop whose extent fits one tile runs once; a
     bound from a predicate (`m <= i`) lets it skip the tiles where the predicate
     fails everywhere."""
 

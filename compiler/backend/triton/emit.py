@@ -194,6 +194,8 @@ class KernelCode:
     # grid indices that some statement it stores lacks (attention's j beside its row
     # logsumexp L[i]): at extent 0 they still launch one tile, so L is written
     optional: frozenset[str] = frozenset()
+    functions: tuple = ()        # the jit functions it calls (a one-launch split's merge), defined before it
+    zeroed: frozenset[str] = frozenset()      # buffers the launcher fills with zeros (arrival counters)
 
 
 class ModuleContext:
@@ -1560,13 +1562,20 @@ class KernelEmitter:
         factors = self.grid_axes()
         root = self.root
         writes = self.store_results(root)
+        functions, zeroed = self.finish(root, factors)
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
         body = inline_single_uses(with_role_names(root.lines, self.role_names))
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(body)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
-                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional)
+                          dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
+                          functions, zeroed)
+
+    def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
+        """Lines after the results are stored: none for a whole kernel.  Returns (the jit
+        functions the kernel calls, the buffers the launcher zeroes)."""
+        return (), frozenset()
 
 
 def program_names(spec: KernelSchedule, ctx: ModuleContext) -> set[str]:
@@ -1643,8 +1652,9 @@ def _atomic(expr: str) -> bool:
 
 
 class PartialEmitter(KernelEmitter):
-    """A split kernel's first half: program (tile, split_id) folds chunk split_id of
-    its program folds' tiles and stores every field of their states to buffers."""
+    """A split kernel: program (tile, split_id) folds chunk split_id of its program
+    folds' tiles and stores every field of their states to buffers; the last
+    program of each tile merges them (the MergeEmitter's kernel, called)."""
     suffix = "_partial"
     tuned = False
     chunked = True
@@ -1684,10 +1694,37 @@ class PartialEmitter(KernelEmitter):
             writes += [b for b, _ in layout.values()]
         return writes
 
+    def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
+        """One launch for the split: each program counts itself in on its tile's arrival
+        counter once its states are stored, and the last of the n_split merges them all
+        (in split order, so the result does not depend on which one is last) by calling
+        the merge kernel as a function.  The atomic's acquire-release order makes the
+        others' stores visible to it; the merge reads them past L1."""
+        merge = MergeEmitter(self.ctx, self.spec, self.split).build()
+        counter = self.ctx.buffer_name(f"{self.spec.name}_arrivals")
+        self.ctx.tensors[counter] = TensorInfo("tensor", 1, torch.int32)
+        self.buffers.append((counter, [" * ".join(factors) or "1"], str(torch.int32)))
+        ptr, (stride,) = self.tensor_params(counter, 1)
+        by_launcher = {expr: name for name, expr in self.params.items()}
+        args = []
+        for name, expr in merge.params:
+            if expr not in by_launcher:
+                by_launcher[expr] = self.local(name)
+                self.params[by_launcher[expr]] = expr
+            args.append(by_launcher[expr])
+        args += [f"{c}={v}" for c, v in merge.constexprs.items()]
+        arrived = self.local("arrived")
+        root.lines += ["# one launch: the last of this tile's n_split programs to store its state merges them all",
+                       f"{arrived} = tl.atomic_add({ptr} + tl.program_id(0) * {stride}, 1, sem=\"acq_rel\")",
+                       f"if {arrived} == n_split - 1:",
+                       f"    {merge.name}({', '.join(args)})"]
+        return (merge,), frozenset({counter})
+
 
 class MergeEmitter(KernelEmitter):
-    """A split kernel's second half: folds the n_split partial states of each program
-    fold in order with the summary's combine, then finishes like the whole kernel."""
+    """A split kernel's merge: folds the n_split partial states of each program fold
+    in order with the summary's combine, then finishes like the whole kernel; a
+    jit function the partial kernel's last program of a tile calls."""
     suffix = "_merge"
     tuned = False
 
@@ -1727,7 +1764,9 @@ class MergeEmitter(KernelEmitter):
                 address += " + " + self.offsets(axes, strides[1:], target)
             mask = self.mask_code(target, target)
             ident_lit = emission.literal(s.identity[s.field_names.index(f)].value)
-            load = f"tl.load({address}, mask={mask}, other={ident_lit})" if mask else f"tl.load({address})"
+            # stored by other programs of the launch: read from L2, past this SM's L1
+            load = (f"tl.load({address}, mask={mask}, other={ident_lit}, cache_modifier=\".cg\")" if mask
+                    else f"tl.load({address}, cache_modifier=\".cg\")")
             loaded[f] = self.assign(load, target, body, stem=f"part_{ident(f)}_")
         new: dict[str, Value] = {}
         covered = rescaled_fields(s) if rescaled_lowering(s) else set()

@@ -4,9 +4,10 @@ kernels and a launcher that runs them in order; and the Plan that describes it.
 Split reductions (flash-decoding).  A kernel whose program folds are
 independent can split each fold's loop over N programs per output tile: the
 `_partial` kernel writes every field of each program's summary state to a
-buffer, the `_merge` kernel folds the N states in order with the summary's
-combine (the rescaled merge for rescaled fields), finalizes and runs the rest
-of the kernel.  `split=N` forces N; by default (`split=None`) a kernel is split
+buffer, and the last of a tile's N programs to finish (an atomic arrival
+counter) calls the `_merge` function, which folds the N states in order with
+the summary's combine (the rescaled merge for rescaled fields), finalizes and
+runs the rest of the kernel: one launch.  `split=N` forces N; by default (`split=None`) a kernel is split
 when it launches fewer than 2 programs per SM and its longest program fold
 streams at least SPLIT_MIN_TILES tiles (a long reduction: decoding against a
 long KV cache, a few very long rows): N = min(ceil(8 * SMs / programs),
@@ -24,7 +25,7 @@ import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from ...schedule.tiles import auto_split
-from .emit import KernelCode, KernelEmitter, MergeEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo
+from .emit import KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo
 from .ops import HELPERS
 from .tuning import binding, candidates, decorator
 
@@ -113,22 +114,22 @@ class ModuleBuilder:
             code = full.build()
             n_split, why = self._split_for(spec, full)
             if n_split > 1:
+                # one launch: the last program of each tile calls the merge (PartialEmitter.finish);
+                # not autotuned: the split fixes its tiles, and the kernel is launch-bound,
+                # where the autotuner's per-call host cost showed (decode at L = 8k: 0.044 ms
+                # -> 0.080 ms, H200)
                 partial = PartialEmitter(self.ctx, spec, n_split).build()
-                merge = MergeEmitter(self.ctx, spec, n_split).build()
-                # not autotuned: the split fixes their tiles, and these short kernels are
-                # launch-bound, where the autotuner's per-call host cost showed (decode at
-                # L = 8k: 0.044 ms -> 0.080 ms, H200)
-                self.kernels += [(partial, n_split), (merge, n_split)]
+                (merge,) = partial.functions
+                self.kernels.append((partial, n_split))
                 streamed = spec.loops
                 merged = Loop((), tuple(dict.fromkeys(f.summary.name for f in spec.program_folds)))
-                plan_kernels.append(Kernel(partial.name, partial.writes,
+                plan_kernels.append(Kernel(partial.name, (*partial.writes, *merge.writes),
                                            f"{partial.why}; the program folds split over {n_split} programs per "
-                                           f"tile ({why}), each writing its summary state",
-                                           tuple(loop for loop in streamed if loop.folds)))
-                plan_kernels.append(Kernel(merge.name, merge.writes,
-                                           f"merges the {n_split} partial states in order with the combine, "
-                                           f"finalizes and stores",
-                                           (merged, *(loop for loop in streamed if not loop.folds))))
+                                           f"tile ({why}), each writing its summary state; the last of a tile "
+                                           f"merges the {n_split} states in order with the combine, finalizes "
+                                           f"and stores ({merge.name}, called: one launch)",
+                                           (*(loop for loop in streamed if loop.folds), merged,
+                                            *(loop for loop in streamed if not loop.folds))))
                 buffers += [b for b, _, _ in partial.buffers]
             else:
                 if why:
@@ -169,7 +170,8 @@ class ModuleBuilder:
             if code.split_axis or n_split > 1:
                 lines.append(f"    n_split = {n_split}")
             for name, shape, dtype in code.buffers:
-                lines.append(f'    t["{name}"] = torch.empty(({", ".join(shape)},), dtype={dtype}, '
+                allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
+                lines.append(f'    t["{name}"] = {allocate}(({", ".join(shape)},), dtype={dtype}, '
                              f'device=device)')
             args = packed_strides([expr for _, expr in code.params])
             if code.name in self.tuned:
@@ -203,7 +205,8 @@ class ModuleBuilder:
         parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
         parts += [HELPERS[h].rstrip() for h in sorted(self.ctx.helpers)]
         parts += [src.rstrip() for _, src in self.ctx.combines.values()]
-        parts += [(f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip()
-                  for code, _ in self.kernels]
+        for code, _ in self.kernels:
+            parts += [f.source.rstrip() for f in code.functions]
+            parts.append((f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip())
         parts.append("\n".join(self.launcher()))
         return "\n\n\n".join(parts) + "\n"

@@ -31,7 +31,43 @@ def _natural(t, r):
 
 
 @triton.jit
-def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, K_s3, Q_ptr, Q_s0, Q_s1, Q_s2, Q_s3, V_ptr, V_s0, V_s1, V_s2, V_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
+def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_j = pid % tl.cdiv(n_j, BLOCK_j)
+    pid = pid // tl.cdiv(n_j, BLOCK_j)
+    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
+    mask_j = offs_j < n_j
+    pid_i = pid % n_i
+    pid = pid // n_i
+    idx_i = pid_i
+    pid_h = pid % n_h
+    pid = pid // n_h
+    idx_h = pid_h
+    pid_b = pid
+    idx_b = pid_b
+    # fold 0: fold1_r_l_u[m], merged from n_split partial states in order
+    r = tl.full([], -float("inf"), tl.float32)
+    l = tl.full([], 0.0, tl.float32)
+    u = tl.full([BLOCK_j], 0.0, tl.float32)
+    for split in range(0, n_split):
+        part_r_0 = tl.load(einfold_O_state0_r_ptr + tl.cast(split, tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, cache_modifier=".cg")
+        part_l_1 = tl.load(einfold_O_state0_l_ptr + tl.cast(split, tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, cache_modifier=".cg")
+        part_u_2 = tl.load(einfold_O_state0_u_ptr + tl.cast(split, tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, cache_modifier=".cg")
+        r_new = tl.maximum(r, part_r_0)
+        # the derived merge: rescale both sides to the common leader (finite stand-in 0 while it is the identity)
+        r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
+        t4 = tl.exp((r - r_use))
+        t6 = tl.exp((part_r_0 - r_use))
+        r = r_new
+        l = (l * t4 + part_l_1 * t6)
+        u = (u * t4 + part_u_2 * t6)
+    O = (u / l)
+    # O[b, h, i, j]
+    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + idx_i.to(tl.int64) * O_s2 + offs_j.to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
+
+
+@triton.jit
+def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, K_s3, Q_ptr, Q_s0, Q_s1, Q_s2, Q_s3, V_ptr, V_s0, V_s1, V_s2, V_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_arrivals_ptr, einfold_O_arrivals_s0, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     split_id = tl.program_id(1)
     pid = tl.program_id(0)
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
@@ -80,42 +116,10 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
     tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(l, r))
     tl.store(einfold_O_state0_u_ptr + split_id.to(tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, _natural(u, r))
     tl.store(einfold_O_state0_r_ptr + split_id.to(tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, r)
-
-
-@triton.jit
-def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_j = pid % tl.cdiv(n_j, BLOCK_j)
-    pid = pid // tl.cdiv(n_j, BLOCK_j)
-    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
-    pid_i = pid % n_i
-    pid = pid // n_i
-    idx_i = pid_i
-    pid_h = pid % n_h
-    pid = pid // n_h
-    idx_h = pid_h
-    pid_b = pid
-    idx_b = pid_b
-    # fold 0: fold1_r_l_u[m], merged from n_split partial states in order
-    r = tl.full([], -float("inf"), tl.float32)
-    l = tl.full([], 0.0, tl.float32)
-    u = tl.full([BLOCK_j], 0.0, tl.float32)
-    for split in range(0, n_split):
-        part_r_0 = tl.load(einfold_O_state0_r_ptr + tl.cast(split, tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3)
-        part_l_1 = tl.load(einfold_O_state0_l_ptr + tl.cast(split, tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3)
-        part_u_2 = tl.load(einfold_O_state0_u_ptr + tl.cast(split, tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4)
-        r_new = tl.maximum(r, part_r_0)
-        # the derived merge: rescale both sides to the common leader (finite stand-in 0 while it is the identity)
-        r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
-        t4 = tl.exp((r - r_use))
-        t6 = tl.exp((part_r_0 - r_use))
-        r = r_new
-        l = (l * t4 + part_l_1 * t6)
-        u = (u * t4 + part_u_2 * t6)
-    O = (u / l)
-    # O[b, h, i, j]
-    tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + idx_i.to(tl.int64) * O_s2 + offs_j.to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
+    # one launch: the last of this tile's n_split programs to store its state merges them all
+    arrived = tl.atomic_add(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 1, sem="acq_rel")
+    if arrived == n_split - 1:
+        einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j=128)
 
 
 def launch(t, n, device):
@@ -126,13 +130,8 @@ def launch(t, n, device):
     t["einfold_O_state0_l"] = torch.empty((n_split, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device)
     t["einfold_O_state0_u"] = torch.empty((n_split, n["b"], n["h"], n["i"], n["j"],), dtype=torch.float32, device=device)
     t["einfold_O_state0_r"] = torch.empty((n_split, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device)
+    t["einfold_O_arrivals"] = torch.zeros(((n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"],), dtype=torch.int32, device=device)
     grid = (n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"]
     if grid > 0:                       # an empty output launches nothing
         einfold_O_partial[(grid, n_split)](
-            n_split, n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["einfold_O_state0_l"], *t["einfold_O_state0_l"].stride(), t["einfold_O_state0_u"], *t["einfold_O_state0_u"].stride(), t["einfold_O_state0_r"], *t["einfold_O_state0_r"].stride(), BLOCK_j=128, BLOCK_m=64, BLOCK_k=128)
-    # einfold_O_merge: one program per (b, h, i, j) tile; folds fold1_r_l_u[m] streamed over their indices [grid (b, h, i, j/128)]
-    n_split = 64
-    grid = (n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"]
-    if grid > 0:                       # an empty output launches nothing
-        einfold_O_merge[(grid,)](
-            n_split, n["j"], n["i"], n["h"], n["b"], t["einfold_O_state0_r"], *t["einfold_O_state0_r"].stride(), t["einfold_O_state0_l"], *t["einfold_O_state0_l"].stride(), t["einfold_O_state0_u"], *t["einfold_O_state0_u"].stride(), t["O"], *t["O"].stride(), BLOCK_j=128)
+            n_split, n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["einfold_O_state0_l"], *t["einfold_O_state0_l"].stride(), t["einfold_O_state0_u"], *t["einfold_O_state0_u"].stride(), t["einfold_O_state0_r"], *t["einfold_O_state0_r"].stride(), t["einfold_O_arrivals"], *t["einfold_O_arrivals"].stride(), t["O"], *t["O"].stride(), BLOCK_j=128, BLOCK_m=64, BLOCK_k=128)
