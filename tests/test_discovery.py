@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -21,12 +22,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compiler
+from compiler.algebra import BUILTINS
 from compiler.backend import outline
 from compiler.check import check
-from compiler.ir import Call, Reduce, Var, alpha_key, bound_indices, children, format_program, transform, walk, with_children
+from compiler.ir import (Access, Assign, Call, Composite, Const, Extent, Index, Reduce, Var, alpha_key, bound_indices,
+                         children, format_program, free_indices, transform, walk, with_children)
+from compiler.ops import FLOAT, INT, OPS
 from compiler.parse import parse
 from compiler.passes import run_pipeline
-from compiler.passes.fuse import rename_indices
+from compiler.passes.fuse import FreshNames, rename_indices
 from test_passes import PROGRAMS, folds
 
 
@@ -80,10 +84,183 @@ def _commute(program, rng: random.Random):
                                              for s in program.statements))
 
 
-@settings(max_examples=30, deadline=None, database=None)
+# ---------------------------------------------------------------- algebraic rewrites
+def _value_type(e, statement_types: dict[str, str]) -> str:
+    """The language type (float, int, bool) of `e`, as check gives it."""
+    if isinstance(e, Const):
+        return INT if isinstance(e.value, int) else FLOAT
+    if isinstance(e, Index | Extent):
+        return INT
+    if isinstance(e, Access):
+        return statement_types.get(e.tensor, FLOAT)
+    if isinstance(e, Composite):
+        return FLOAT
+    arg_types = tuple(_value_type(c, statement_types) for c in children(e))
+    return OPS[e.op].result(arg_types) if isinstance(e, Call) else e.summary.result_type(arg_types)
+
+
+def _is_sum(e) -> bool:
+    return isinstance(e, Reduce) and e.summary == BUILTINS["sum"] and e.result is None
+
+
+def _invariant(e, indices) -> bool:
+    """`e` does not vary over `indices` (and moving it across their binder captures nothing)."""
+    return not set(free_indices(e)) & set(indices)
+
+
+def _operand_pairs(n, op: str):
+    """(one operand, the other) of a call of `op`, both ways round."""
+    if isinstance(n, Call) and n.op == op:
+        yield n.args
+        yield tuple(reversed(n.args))
+
+
+def _count(indices):
+    out = Extent(indices[0])
+    for i in indices[1:]:
+        out = Call("mul", (out, Extent(i)))
+    return out
+
+
+# Each row: an equation that holds for every input, exact arithmetic and the same
+# domain, as a rewrite of one node (None where it does not apply).  `numeric` says
+# whether a node is an int or float value (where x * 1, x + 0 and --x are x).
+EXPRESSION_REWRITES = {
+    "a - b = a + (-1) * b": lambda n, numeric: (
+        Call("add", (n.args[0], Call("mul", (Const(-1), n.args[1])))) if isinstance(n, Call) and n.op == "sub"
+        else None),
+    "a / b = a * (1 / b)": lambda n, numeric: (
+        Call("mul", (n.args[0], Call("div", (Const(1), n.args[1])))) if isinstance(n, Call) and n.op == "div"
+        else None),
+    "x = x * 1": lambda n, numeric: Call("mul", (n, Const(1))) if numeric(n) else None,
+    "x = x + 0": lambda n, numeric: Call("add", (n, Const(0))) if numeric(n) else None,
+    "x = -(-x)": lambda n, numeric: Call("neg", (Call("neg", (n,)),)) if numeric(n) else None,
+    "exp(a + b) = exp(a) * exp(b)": lambda n, numeric: (
+        Call("mul", tuple(Call("exp", (a,)) for a in n.args[0].args))
+        if isinstance(n, Call) and n.op == "exp" and isinstance(n.args[0], Call) and n.args[0].op == "add"
+        else None),
+    "exp(a - b) = exp(a) / exp(b)": lambda n, numeric: (
+        Call("div", tuple(Call("exp", (a,)) for a in n.args[0].args))
+        if isinstance(n, Call) and n.op == "exp" and isinstance(n.args[0], Call) and n.args[0].op == "sub"
+        else None),
+    "c * sum[I](f) = sum[I](c * f)": lambda n, numeric: next(
+        (replace(s, args=(Call("mul", (c, s.args[0])),)) for c, s in _operand_pairs(n, "mul")
+         if _is_sum(s) and _invariant(c, s.indices)), None),
+    "sum[I](c * f) = c * sum[I](f)": lambda n, numeric: next(
+        (Call("mul", (c, replace(n, args=(f,)))) for c, f in _operand_pairs(n.args[0], "mul")
+         if _invariant(c, n.indices)), None) if _is_sum(n) else None,
+    # the composites by their definitions (lower's table, written out here again)
+    "softmax[I](x) = exp(x) / sum[I](exp(x))": lambda n, numeric: (
+        Call("div", (Call("exp", (n.arg,)), Reduce(BUILTINS["sum"], n.indices, (Call("exp", (n.arg,)),))))
+        if isinstance(n, Composite) and n.op == "softmax" else None),
+    "logsumexp[I](x) = log(sum[I](exp(x)))": lambda n, numeric: (
+        Call("log", (Reduce(BUILTINS["sum"], n.indices, (Call("exp", (n.arg,)),)),))
+        if isinstance(n, Composite) and n.op == "logsumexp" else None),
+    "mean[I](x) = sum[I](x) / len(I)": lambda n, numeric: (
+        Call("div", (Reduce(BUILTINS["sum"], n.indices, (n.arg,)), _count(n.indices)))
+        if isinstance(n, Composite) and n.op == "mean" else None),
+    "softmax[I](x) = exp(x - logsumexp[I](x))": lambda n, numeric: (
+        Call("exp", (Call("sub", (n.arg, Composite("logsumexp", n.indices, n.arg))),))
+        if isinstance(n, Composite) and n.op == "softmax" else None),
+}
+
+
+def _rewrite_at_random(program, rng: random.Random, rule) -> tuple[object, int]:
+    """`rule` applied at a random nonempty subset of the nodes where it applies
+    (each with probability 1/2, one drawn at random where the draws chose none);
+    returns the program and how many nodes it rewrote."""
+    types = {s.name: s.dtype for s in program.statements}
+
+    def numeric(n) -> bool:
+        return _value_type(n, types) in (INT, FLOAT)
+
+    def rewrite_where(chosen: set[int]):
+        seen = fired = 0
+
+        def visit(n):
+            nonlocal seen, fired
+            new = rule(n, numeric)
+            if new is None:
+                return n
+            seen += 1
+            if seen - 1 not in chosen:
+                return n
+            fired += 1
+            return new
+        statements = tuple(replace(s, expr=transform(s.expr, visit)) for s in program.statements)
+        return replace(program, statements=statements), seen, fired
+
+    _, applicable, _ = rewrite_where(set())
+    if not applicable:
+        return program, 0
+    chosen = {k for k in range(applicable) if rng.random() < 0.5} or {rng.randrange(applicable)}
+    rewritten, _, fired = rewrite_where(chosen)
+    return rewritten, fired
+
+
+def _inline_single_use(program, rng: random.Random) -> tuple[object, int]:
+    """A statement that is no output and is read once, substituted into its reader."""
+    reads_of = Counter(n.tensor for s in program.statements for n in walk(s.expr) if isinstance(n, Access))
+    candidates = [s for s in program.statements if s.name not in program.outputs and reads_of[s.name] == 1]
+    if not candidates:
+        return program, 0
+    inlined = rng.choice(candidates)
+    extents = dict(program.extents)
+    fresh = FreshNames(extents).fresh
+
+    def substitute(n):
+        if isinstance(n, Access) and n.tensor == inlined.name:
+            return rename_indices(inlined.expr, dict(zip(inlined.indices, n.indices)), fresh)
+        return n
+    statements = tuple(replace(s, expr=transform(s.expr, substitute)) for s in program.statements
+                       if s is not inlined)
+    return replace(program, statements=statements, extents=tuple(sorted(extents.items()))), 1
+
+
+def _name_subexpression(program, rng: random.Random) -> tuple[object, int]:
+    """A float subexpression (a call or a reduction) becomes a statement of its own,
+    over its free indices, read where it stood."""
+    types = {s.name: s.dtype for s in program.statements}
+    sites = [(k, n) for k, s in enumerate(program.statements) for n in walk(s.expr)
+             if isinstance(n, Call | Reduce | Composite) and _value_type(n, types) == FLOAT]
+    k, named = rng.choice(sites)
+    taken = {s.name for s in program.statements} | {i.name for i in program.inputs}
+    name = next(f"T{j}" for j in range(len(taken) + 1) if f"T{j}" not in taken)
+    indices = free_indices(named)
+    read = Access(name, indices)
+    reader = program.statements[k]
+    statements = (*program.statements[:k], Assign(name, indices, named, FLOAT),
+                  replace(reader, expr=transform(reader.expr, lambda n: read if n == named else n)),
+                  *program.statements[k + 1:])
+    return replace(program, statements=statements), 1
+
+
+STATEMENT_REWRITES = {
+    "inline a statement read once": _inline_single_use,
+    "name a subexpression": _name_subexpression,
+}
+
+
+def _rewrite_algebraically(program, rng: random.Random, rules: list[str]) -> tuple[object, int]:
+    """The named rewrites, in the order given, each at random places."""
+    fired = 0
+    for rule in rules:
+        if rule in EXPRESSION_REWRITES:
+            program, n = _rewrite_at_random(program, rng, EXPRESSION_REWRITES[rule])
+        else:
+            program, n = STATEMENT_REWRITES[rule](program, rng)
+        fired += n
+    return program, fired
+
+
+ALGEBRAIC_REWRITES = (*EXPRESSION_REWRITES, *STATEMENT_REWRITES)
+
+
+@settings(max_examples=100, deadline=None, database=None)
 @given(name=st.sampled_from(sorted(PROGRAMS)), seed=st.integers(0, 2**16))
 def test_equal_programs_get_one_factorisation_and_one_plan(name, seed):
-    """Renamed bound indices, swapped commutative operands and re-associated sums
+    """Renamed bound indices, algebraic rewrites (a sequence of ALGEBRAIC_REWRITES,
+    each at random places), swapped commutative operands and re-associated sums
     and products change neither the factorised program nor the kernel plan, and
     the values agree."""
     checked = check(parse(PROGRAMS[name]))
@@ -91,10 +268,16 @@ def test_equal_programs_get_one_factorisation_and_one_plan(name, seed):
     renamed = _rename_bound(checked, rng)
     binders = any(bound_indices(n) for s in checked.statements for n in walk(s.expr))
     assert (format_program(renamed) != format_program(checked)) == binders
-    rewritten = _commute(renamed, rng)
+    rules = rng.choices(ALGEBRAIC_REWRITES, k=rng.randint(1, 12))
+    rewritten, fired = _rewrite_algebraically(renamed, rng, rules)
+    while not fired:                       # none applied: more until one does (x = x * 1 always can)
+        rules.append(rng.choice(ALGEBRAIC_REWRITES))
+        rewritten, fired = _rewrite_algebraically(rewritten, rng, rules[-1:])
+    assert format_program(rewritten) != format_program(renamed), rules
+    rewritten = _commute(rewritten, rng)
     a, b = run_pipeline(checked), run_pipeline(rewritten)
-    assert format_program(a) == format_program(b)
-    assert str(outline("triton", a, a.outputs)) == str(outline("triton", b, b.outputs))
+    assert format_program(a) == format_program(b), rules
+    assert str(outline("triton", a, a.outputs)) == str(outline("triton", b, b.outputs)), rules
     from compiler.random_inputs import random_inputs
     inputs = random_inputs(checked, {}, dtype=torch.float64, seed=seed)
     from compiler import reference
@@ -103,6 +286,19 @@ def test_equal_programs_get_one_factorisation_and_one_plan(name, seed):
     got = reference.run(rewritten, inputs, bind(rewritten, inputs).extents, rewritten.outputs)
     for name_ in checked.outputs:
         torch.testing.assert_close(got[name_], want[name_], rtol=1e-9, atol=1e-12, equal_nan=True)
+
+
+def test_every_algebraic_rewrite_applies_to_the_corpus():
+    """Each rewrite of the property test rewrites some corpus program (a row that
+    never applies would test nothing), some only after others: the composites
+    written out by their definitions (exponentials), a factor pushed into a sum."""
+    checked = [check(parse(PROGRAMS[n])) for n in sorted(PROGRAMS)]
+    expanded = [_rewrite_algebraically(p, random.Random(0), ["softmax[I](x) = exp(x) / sum[I](exp(x))",
+                                                              "logsumexp[I](x) = log(sum[I](exp(x)))",
+                                                              "c * sum[I](f) = sum[I](c * f)"])[0]
+                for p in checked]
+    for rule in ALGEBRAIC_REWRITES:
+        assert any(_rewrite_algebraically(p, random.Random(0), [rule])[1] for p in checked + expanded), rule
 
 
 # ---------------------------------------------------------------- equivalent spellings

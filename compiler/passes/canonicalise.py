@@ -12,11 +12,18 @@
    the exponential family; a backend may rewrite back to base 2.
 3. Operands of commutative operators are put in one order (their printed form),
    after flattening chains of an associative one: Q*K and K*Q, (a+b)+c and
-   a+(c+b) are one expression, so equal reductions are equal values.
+   a+(c+b) are one expression, so equal reductions are equal values.  Sums and
+   differences are one chain of signed terms (the added ones, then the
+   subtracted ones), products and quotients one chain of factors over divisors,
+   so the identities of arithmetic give one spelling: a + (-1) * b = a - b,
+   -(-x) = x, x + 0 = x, x * 1 = x, a * (1 / b) = a / b, (a - b) + c = a + c - b.
+   A product's sign sits on its first factor (-a * b), where `factors` sees the
+   others; exponentials multiplied or divided are one, exp(a) / exp(b) =
+   exp(a - b), so stabilise shifts one exponent.
 
 4. Sums over the same indices, with the same free indices, that are added or
-   subtracted are one sum (linearity), with the factors their terms share
-   pulled out:
+   subtracted anywhere in one chain are one sum (linearity), with the factors
+   their terms share (up to sign) pulled out:
    sum[v](a * W) + sum[v](b * W * Y) = sum[v]((a + b * Y) * W).  A gradient
    accumulates one such term per use of an input; as one product the sum is
    one contraction (one tl.dot) instead of a fold of a pair of sums.
@@ -49,7 +56,7 @@ from ..ir import (
 )
 from ..ops import ASSOCIATIVE, COMMUTATIVE
 from .fuse import FreshNames, rename_indices
-from .stabilise import factors, is_sum, product
+from .stabilise import factors, is_sum, product, signed_sum
 
 LN2 = Const(math.log(2.0))
 
@@ -66,68 +73,203 @@ def natural_base(e: Expr) -> Expr:
     return e
 
 
+# One row per operator that chains: the chain it belongs to and the sign each of
+# its operands enters with (a sum's terms added or subtracted, a product's factors
+# multiplied or divided).  Associative commutative operators of their own chain
+# (max, min, and, or) enter with +1.
+CHAINS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "add": ("sum", (1, 1)), "sub": ("sum", (1, -1)), "neg": ("sum", (-1,)),
+    "mul": ("product", (1, 1)), "div": ("product", (1, -1)),
+    **{op: (op, (1, 1)) for op in ASSOCIATIVE - {"add", "mul"}},
+}
+
+
 def order_operands(e: Expr) -> Expr:
-    """`e` with the operands of every commutative call sorted by their printed form,
-    chains of an associative operator flattened first and rebuilt from the left.
+    """`e` with every chain in its normal form (rule 3): sums and differences as one
+    chain of signed terms, products and quotients as one chain of factors over
+    divisors, other associative calls flattened; operands sorted by printed form.
     Iterative, and each chain is flattened once at its top: linear in its length."""
     done: dict[int, Expr] = {}
-    stack: list[tuple[Expr, list[Expr] | None]] = [(e, None)]
+    stack: list[tuple[Expr, list[tuple[int, Expr]] | None]] = [(e, None)]
     while stack:
         node, operands = stack.pop()
         if id(node) in done:
             continue
         if operands is None:
-            operands = _operands(node)
-            pending = [a for a in operands if id(a) not in done]
+            operands = _signed_operands(node)
+            pending = [a for _, a in operands if id(a) not in done]
             if pending:
                 stack.append((node, operands))
                 stack.extend((a, None) for a in pending)
                 continue
-        new = [done[id(a)] for a in operands]
-        if isinstance(node, Call) and node.op in COMMUTATIVE:
-            new.sort(key=format_expr)
-            out = new[0]
-            for a in new[1:]:
-                out = Call(node.op, (out, a))
-            done[id(node)] = out
+        new = [(sign, done[id(a)]) for sign, a in operands]
+        chain = _chain(node)
+        if chain == "sum":
+            done[id(node)] = _normal_sum(new)
+        elif chain == "product":
+            done[id(node)] = _normal_product(new)
+        elif isinstance(node, Call) and node.op in COMMUTATIVE:
+            # an operand may have become a chain of this operator (max(a, b) * 1): joined in
+            flat = [b for _, a in new for _, b in (_signed_operands(a) if chain and _chain(a) == chain else [(1, a)])]
+            done[id(node)] = _left_chain(node.op, sorted(flat, key=format_expr))
         else:
-            done[id(node)] = with_children(node, tuple(new))
+            done[id(node)] = with_children(node, tuple(a for _, a in new))
     return done[id(e)]
 
 
-def _operands(node: Expr) -> list[Expr]:
-    """A node's children; for an associative call, the operands of its whole chain."""
-    if not (isinstance(node, Call) and node.op in ASSOCIATIVE):
-        return list(children(node))
-    operands, pending = [], [node]
+def _chain(node: Expr) -> str | None:
+    return CHAINS[node.op][0] if isinstance(node, Call) and node.op in CHAINS else None
+
+
+def _signed_operands(node: Expr) -> list[tuple[int, Expr]]:
+    """A node's children (sign +1); for the top of a chain, the operands of the whole
+    chain with the sign each enters with."""
+    chain = _chain(node)
+    if chain is None:
+        return [(1, c) for c in children(node)]
+    operands, pending = [], [(1, node)]
     while pending:
-        n = pending.pop()
-        if isinstance(n, Call) and n.op == node.op:
-            pending.extend(reversed(n.args))
+        sign, n = pending.pop()
+        if _chain(n) == chain:
+            pending.extend(reversed([(sign * s, a) for s, a in zip(CHAINS[n.op][1], n.args)]))
         else:
-            operands.append(n)
+            operands.append((sign, n))
     return operands
+
+
+def _left_chain(op: str, operands: list[Expr]) -> Expr:
+    out = operands[0]
+    for a in operands[1:]:
+        out = Call(op, (out, a))
+    return out
+
+
+def _is_number(e: Expr, value) -> bool:
+    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value == value
+
+
+def _normal_sum(operands: list[tuple[int, Expr]]) -> Expr:
+    """Signed terms (already normal) as one chain: added terms sorted, then the
+    subtracted ones sorted; terms that are sums themselves joined in (-(-x) = x),
+    a product's sign read off its first factor (a + (-1) * b = a - b), zeros
+    dropped (x + 0 = x)."""
+    added, subtracted = [], []
+    for sign, term in operands:
+        for s, t in (_signed_operands(term) if _chain(term) == "sum" else [(1, term)]):
+            s, t = _sign_of_product(s, t)
+            if not _is_number(t, 0):
+                (added if sign * s > 0 else subtracted).append(t)
+    added.sort(key=format_expr)
+    subtracted.sort(key=format_expr)
+    if not added:
+        if not subtracted:
+            return Const(0)
+        added, subtracted = [_negated(subtracted[0])], subtracted[1:]
+    out = _left_chain("add", added)
+    for t in subtracted:
+        out = Call("sub", (out, t))
+    return out
+
+
+def _sign_of_product(sign: int, term: Expr) -> tuple[int, Expr]:
+    """A term -a * b as the sign -1 and the term a * b."""
+    if _chain(term) != "product":
+        return sign, term
+    numerator, denominator = factors(term)
+    first = numerator[0]
+    if not (isinstance(first, Call) and first.op == "neg"):
+        return sign, term
+    return -sign, product([first.args[0], *numerator[1:]], denominator)
+
+
+def _negated(term: Expr) -> Expr:
+    """-term in normal form: a product carries the sign on its first factor, where
+    `factors` (stabilise's pull out, factorise) still sees every other factor."""
+    if _chain(term) != "product":
+        return Call("neg", (term,))
+    numerator, denominator = factors(term)
+    return product([Call("neg", (numerator[0],)), *numerator[1:]], denominator)
+
+
+def _normal_product(operands: list[tuple[int, Expr]]) -> Expr:
+    """Factors (already normal; +1 multiplied, -1 divided) as one chain: the sorted
+    factors over the sorted divisors; factors that are products themselves joined
+    in (a * (1 / b) = a / b), ones dropped (x * 1 = x), the signs of negated
+    factors and of -1 collected onto the first factor (a * -b = -a * b), and
+    exponentials multiplied or divided as one (exp(a) / exp(b) = exp(a - b): one
+    exponent for stabilise to shift)."""
+    numerator, denominator, negated = [], [], False
+    pending = list(reversed(operands))
+    while pending:
+        power, f = pending.pop()
+        if _chain(f) == "product":
+            pending.extend(reversed([(power * p, g) for p, g in _signed_operands(f)]))
+        elif isinstance(f, Call) and f.op == "neg":
+            negated = not negated
+            pending.append((power, f.args[0]))
+        elif _is_number(f, -1):
+            negated = not negated
+        elif not _is_number(f, 1):
+            (numerator if power > 0 else denominator).append(f)
+    exponentials = [(1, f) for f in numerator if _is_exp(f)] + [(-1, f) for f in denominator if _is_exp(f)]
+    if len(exponentials) > 1 or any(power < 0 for power, _ in exponentials):
+        numerator = [f for f in numerator if not _is_exp(f)]
+        denominator = [f for f in denominator if not _is_exp(f)]
+        numerator.append(Call("exp", (_normal_sum([(power, f.args[0]) for power, f in exponentials]),)))
+    out = product(sorted(numerator, key=format_expr), sorted(denominator, key=format_expr))
+    return _negated(out) if negated else out
+
+
+def _is_exp(e: Expr) -> bool:
+    return isinstance(e, Call) and e.op == "exp"
 
 
 def merge_sums(e: Expr) -> Expr:
     """sum[I](a) +/- sum[I](b) -> sum[I]((a' +/- b') * common), `common` the factors
-    of the numerators a and b share (structurally, with canonical bound names).
+    of the numerators a and b share (structurally, with canonical bound names, up
+    to their signs), for any two terms of one chain of sums and differences (its
+    normal form orders terms by sign, so such sums need not stand side by side).
     Only sums with the same free indices: dP[i,m] - D[i] = sum[j](dO V) -
     sum[j](dO O) as one sum would compute D once per (i, m), and would make
     (V[m,j] - O[i,j]) one factor, not a matrix product."""
-    if not (isinstance(e, Call) and e.op in ("add", "sub") and all(is_sum(a) for a in e.args)
-            and e.args[0].indices == e.args[1].indices
-            and set(free_indices(e.args[0])) == set(free_indices(e.args[1]))):
-        return e
-    (left, left_den), (right, right_den) = factors(e.args[0].args[0]), factors(e.args[1].args[0])
+    if not (_chain(e) == "sum" and any(is_sum(a) for a in e.args)):
+        return e                # (a chain's sums are joined as each is added: linear without sums)
+    operands = _signed_operands(e)
+    merged: list[tuple[int, Expr]] = []
+    for sign, term in operands:
+        partner = next((k for k, (_, t) in enumerate(merged) if is_sum(term) and is_sum(t)
+                        and t.indices == term.indices and set(free_indices(t)) == set(free_indices(term))), None)
+        if partner is None:
+            merged.append((sign, term))
+        else:
+            first_sign, first = merged[partner]
+            merged[partner] = (first_sign, _merged_sum(first, term, sign * first_sign))
+    return e if len(merged) == len(operands) else signed_sum(merged)
+
+
+def _merged_sum(left_sum: Reduce, right_sum: Reduce, sign: int) -> Reduce:
+    """sum[I](a) + sign * sum[I](b) as one sum, the factors a and b share outside."""
+    (left, left_den), (right, right_den) = factors(left_sum.args[0]), factors(right_sum.args[0])
+    left_sign, left = _unsigned(left)
+    right_sign, right = _unsigned(right)
     common = []
     for f in list(left):
         if f in right:
             common.append(f)
             left.remove(f)
             right.remove(f)
-    body = product([Call(e.op, (product(left, left_den), product(right, right_den))), *common], [])
-    return Reduce(BUILTINS["sum"], e.args[0].indices, (body,))
+    body = signed_sum([(left_sign, product(left, left_den)), (sign * right_sign, product(right, right_den))])
+    return Reduce(BUILTINS["sum"], left_sum.indices, (product([body, *common], []),))
+
+
+def _unsigned(numerator: list[Expr]) -> tuple[int, list[Expr]]:
+    """Factors with their negations taken off, and the sign of their product."""
+    sign, out = 1, []
+    for f in numerator:
+        while isinstance(f, Call) and f.op == "neg":
+            sign, f = -sign, f.args[0]
+        out.append(f)
+    return sign, out
 
 
 def nest_sums(e: Expr, elsewhere: frozenset = frozenset()) -> Expr:
