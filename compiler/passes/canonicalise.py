@@ -144,8 +144,11 @@ def _left_chain(op: str, operands: list[Expr]) -> Expr:
     return out
 
 
-def _is_number(e: Expr, value) -> bool:
-    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value == value
+def _is_number(e: Expr, value: int) -> bool:
+    """Whether `e` is the integer literal `value`: only an integer 1, 0 or -1 is
+    dropped or taken as a sign, since a float one also converts an integer
+    operand (`i * 1.0` is a float)."""
+    return isinstance(e, Const) and type(e.value) is int and e.value == value
 
 
 def _normal_sum(operands: list[tuple[int, Expr]]) -> Expr:
