@@ -1229,9 +1229,11 @@ class KernelEmitter:
                 # (where r a would overflow) takes a = 1: float32 values that large are 2**104 apart,
                 # so exp(x - r) is exactly 1 at the max and 0 elsewhere, and so is exp2(x - r).
                 self.ctx.helpers.add("base2")
+                # The repair is exp2(r2_old - r2): the weights so far erred by exp2(r_old a - r2_old)
+                # and from here by exp2(r_new a - r2), so both rounded r2 enter exactly (_scaled).
                 a = self.assign(f"_base2({r_use.code})", FR, body, stem="a")
-                r2 = self.assign(f"{r_use.code} * {a.code}", FR, body, stem="r2")
-                alpha = self.assign(f"tl.exp2({r} * _base2({r}) - {r2.code})", FR, body, stem="alpha")
+                r2 = self.assign(f"_scaled({r_use.code})", FR, body, stem="r2")
+                alpha = self.assign(f"tl.exp2(_scaled({r}) - {r2.code})", FR, body, stem="alpha")
                 WU = sort_axes(list(la.axes) + list(FR))
                 # the weights are the p of the update unless padding must be masked out of them
                 stem = "w" if self.mask_code(RA, sort_axes(list(WU) + list(RA))) else "p"

@@ -30,6 +30,14 @@ def _base2(r):
     # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
     # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
     return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
+
+
+@triton.jit
+def _scaled(r):
+    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+    # into the subtraction that reads it (fp contraction on the GPU), and the repair
+    # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
+    return tl.fma(r, _base2(r), 0.0)
 ''',
     "natural": '''\
 @triton.jit
@@ -37,9 +45,7 @@ def _natural(t, r):
     # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
     # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    a = _base2(r)
-    r2 = r * a
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, a, -r2)))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
 ''',
     "pow": '''\
 @triton.jit

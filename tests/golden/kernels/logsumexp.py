@@ -21,13 +21,19 @@ def _base2(r):
 
 
 @triton.jit
+def _scaled(r):
+    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+    # into the subtraction that reads it (fp contraction on the GPU), and the repair
+    # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
+    return tl.fma(r, _base2(r), 0.0)
+
+
+@triton.jit
 def _natural(t, r):
     # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
     # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    a = _base2(r)
-    r2 = r * a
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, a, -r2)))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
 
 
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'])
@@ -51,8 +57,8 @@ def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, B
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
-        r2 = r_use * a
-        alpha = tl.exp2(r * _base2(r) - r2)
+        r2 = _scaled(r_use)
+        alpha = tl.exp2(_scaled(r) - r2)
         p = tl.exp2(tl.fma(x_X0, a[:, None], -r2[:, None]))
         l = l * alpha + tl.sum(p, 1)
         r = r_new

@@ -21,13 +21,19 @@ def _base2(r):
 
 
 @triton.jit
+def _scaled(r):
+    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+    # into the subtraction that reads it (fp contraction on the GPU), and the repair
+    # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
+    return tl.fma(r, _base2(r), 0.0)
+
+
+@triton.jit
 def _natural(t, r):
     # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
     # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    a = _base2(r)
-    r2 = r * a
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, a, -r2)))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
 
 
 @triton.jit
@@ -107,8 +113,8 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
-        r2 = r_use * a
-        alpha = tl.exp2(r * _base2(r) - r2)
+        r2 = _scaled(r_use)
+        alpha = tl.exp2(_scaled(r) - r2)
         p = tl.exp2(tl.fma(x0, a, -r2))
         l = l * alpha + tl.sum(p, 0)
         u = u * alpha + tl.sum(p[None, :] * x_V4.to(tl.float32), 1)
