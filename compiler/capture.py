@@ -37,7 +37,6 @@ class CapturedProgram:
                                f"{', '.join(off_gpu)} {'is' if len(off_gpu) == 1 else 'are'} on "
                                f"{inputs[off_gpu[0]].device.type}")
         binding = program.binder(inputs)
-        self.program = program
         runner = program.backend.runner(binding)
         values = {name: v.detach().clone() if isinstance(v, torch.Tensor) else v
                   for name, v in binding.values.items()}

@@ -985,16 +985,26 @@ class KernelEmitter:
         loops read (it asserts the result has one use)."""
         return tuple(a for a in dims(RA) if a.kind == "loop")
 
-    def fold_lanes(self, acc: str, lanes: Value, RA, fn: str, finish: list[str]) -> Value:
-        """After the loops, `acc` = `fn` over the lanes (the streamed tile of RA) of the
-        running tile `lanes`."""
-        current = list(dims(lanes.axes))
-        code = lanes.code
-        for ax in sorted(self.lanes(RA), key=lambda a: -current.index(a)):
-            code = f"{fn}({code}, {current.index(ax)})"
-            current.remove(ax)
-        finish.append(f"{acc} = {code}")
-        return Value(acc, sort_axes(a for a in lanes.axes if a not in RA))
+    def running(self, prefix: str, field_name: str, tile: Value, RA, start: str, update: str, fn: str,
+                body: Scope, init: list[str], finish: list[str]) -> Value:
+        """The running state of a sum, max or min folded from `tile`: one value per lane
+        where the tile keeps the streamed axes (`fn` over the lanes after the loops),
+        else the tile's own.  `start` is its initial value ({shape}), `update` how a
+        tile joins it ({var}, {tile})."""
+        acc = self.state_var(prefix, field_name)
+        lanes = [a for a in self.lanes(RA) if a in tile.axes]
+        var = self.local(f"{acc}_lanes", ("lanes", prefix, field_name)) if lanes else acc
+        held = tile.axes if lanes else sort_axes(a for a in tile.axes if a not in RA)
+        init.append(f"{var} = {start.format(shape=self.shape(held))}")
+        body.lines.append(update.format(var=var, tile=self.expand(tile, held)))
+        if lanes:
+            current = list(dims(held))
+            code = var
+            for ax in sorted(lanes, key=lambda a: -current.index(a)):
+                code = f"{fn}({code}, {current.index(ax)})"
+                current.remove(ax)
+            finish.append(f"{acc} = {code}")
+        return Value(acc, sort_axes(a for a in held if a not in RA))
 
     # sum: contraction-aware
     def sum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
@@ -1013,16 +1023,9 @@ class KernelEmitter:
         contrib = self.contract(factors, RA, body, keep=self.lanes(RA) if looped else ())
         if not looped:
             return {field_name: contrib}
-        acc = self.state_var(prefix, field_name)
-        FA = sort_axes(a for a in contrib.axes if a not in RA)
-        if not set(contrib.axes) & set(RA):      # a tl.dot's tile, or no lanes to keep
-            init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
-            body.lines.append(f"{acc} += {self.expand(contrib, FA)}")
-            return {field_name: Value(acc, FA)}
-        lanes = self.local(f"{acc}_lanes", ("lanes", prefix, field_name))
-        init.append(f"{lanes} = tl.zeros({self.shape(contrib.axes)}, {self.ctx.cdt})")
-        body.lines.append(f"{lanes} += {contrib.code}")
-        return {field_name: self.fold_lanes(acc, Value(lanes, contrib.axes), RA, "tl.sum", finish)}
+        # a tl.dot's tile is summed over its lanes already
+        return {field_name: self.running(prefix, field_name, contrib, RA, f"tl.zeros({{shape}}, {self.ctx.cdt})",
+                                         "{var} += {tile}", "tl.sum", body, init, finish)}
 
     def in_order(self, dtype) -> bool:
         """tl.dot of `dtype` operands sums each tile's products in order in float32
@@ -1183,13 +1186,9 @@ class KernelEmitter:
         tile = self.reduce_padded(x, RA, fn, identity, body, keep=self.lanes(RA) if looped else ())
         if not looped:
             return {field_name: tile}
-        acc = self.state_var(prefix, field_name)
-        running = self.local(f"{acc}_lanes", ("lanes", prefix, field_name)) if set(tile.axes) & set(RA) else acc
-        init.append(f"{running} = tl.full({self.shape(tile.axes)}, {identity}, {self.ctx.cdt})")
-        body.lines.append(f"{running} = {combine}({running}, {tile.code})")
-        if running == acc:
-            return {field_name: Value(acc, tile.axes)}
-        return {field_name: self.fold_lanes(acc, Value(running, tile.axes), RA, fn, finish)}
+        return {field_name: self.running(prefix, field_name, tile, RA,
+                                         f"tl.full({{shape}}, {identity}, {self.ctx.cdt})",
+                                         f"{{var}} = {combine}({{var}}, {{tile}})", fn, body, init, finish)}
 
     # rescaled (FlashAttention-style)
     def rescaled_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
