@@ -684,3 +684,12 @@ def test_a_sum_of_the_leaders_own_argument_is_held_centred_on_it():
     (fold,) = folds(compiler.compile("O[i,j] = softmax[m](Q[i,k]*K[m,k]) * V[m,j]", backend="reference"))
     assert fold.summary.field_names == ("r", "l", "u") and not fold.summary.rescaled[0].shifts
     assert fold.summary.rescaled[0].base2
+
+
+def test_a_float_one_keeps_its_conversion_of_an_integer():
+    # the normal form drops x * 1 and x + 0 for the integer literals only: i * 1.0 is a float,
+    # and as an integer i * 2**40 * 2**40 would wrap at 64 bits
+    program = compiler.compile("Y[i] = X[i] + i * 1.0 * 1099511627776 * 1099511627776", backend="reference")
+    assert "1.0" in format_program(program.factorised)
+    got = program(X=torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(got, torch.arange(3, dtype=torch.float64) * 2.0 ** 80)
