@@ -204,3 +204,5 @@ ASSOCIATIVE = frozenset({"add", "mul", "maximum", "minimum", "and", "or"})
 
 # Named constants of the language.
 CONSTANTS: dict[str, float] = {"inf": math.inf, "pi": math.pi}
+# comparisons and their logical combinations: the calls that make a predicate
+PREDICATES = frozenset(op.name for op in OPS.values() if op.result in (_to_bool, _logical))

@@ -96,3 +96,70 @@ def test_the_interior_of_a_window_drops_the_predicate_the_far_past_is_skipped():
     window = "(offs_i[:, None] - offs_m[None, :])"
     assert window in interior and causal not in interior
     assert window in boundary and causal in boundary
+
+
+# ---------------------------------------------------------------- predicates on data
+DOCUMENT = "O[i,j] = softmax[m](where(D[i] == D[m] and m <= i, Q[i,c] * K[m,c] * 0.5, -inf)) * V[m,j]"
+PADDING = "O[i,j] = softmax[m](where(P[m] > 0, Q[i,c] * K[m,c] * 0.5, -inf)) * V[m,j]"
+DATA_CASES = {
+    DOCUMENT: "D[i] == D[i_2]",          # m reads D as i does: one extent class, named after i
+    PADDING: "P[m] > 0",
+    # a gradient's mask under a sum: the elements failing it are 0
+    "G[i,c] = sum[m](where(P[m] > 0, S[i,m], 0.0) * K[m,c])": "P[m] > 0",
+}
+
+
+@pytest.mark.parametrize("source", list(DATA_CASES))
+def test_a_predicate_on_data_is_tested_per_tile(source):
+    program = compiler.compile(source, backend="triton")
+    (loop,) = outline(program.factorised, program.outputs).kernels[0].loops
+    assert loop.skips == (DATA_CASES[source],)
+    assert f"[skips tiles where {DATA_CASES[source]} fails]" in str(loop)
+
+
+def test_a_predicate_on_the_updates_own_data_is_not_tested_per_tile():
+    # the test would load X to save nothing: X is read by the update anyway
+    program = compiler.compile("R[i] = sum[m](where(X[i,m] > 0, X[i,m], 0.0) * K[m])", backend="triton")
+    (loop,) = outline(program.factorised, program.outputs).kernels[0].loops
+    assert loop.skips == ()
+
+
+def test_a_predicate_on_data_that_does_not_mask_to_the_identity_skips_nothing():
+    # where it fails the element is 1, not the sum's identity: every tile counts
+    program = compiler.compile("G[i] = sum[m](where(P[m] > 0, S[i,m], 1.0))", backend="triton")
+    (loop,) = outline(program.factorised, program.outputs).kernels[0].loops
+    assert loop.skips == ()
+
+
+def _documents(n: int, generator) -> torch.Tensor:
+    """Sorted document ids of random lengths, as packed sequences have them."""
+    return torch.sort(torch.randint(0, max(n // 9, 1), (n,), generator=generator)).values.double()
+
+
+@pytest.mark.parametrize("sizes", [{"i": 53, "m": 53}, {"i": 1, "m": 1}, {"i": 70, "m": 70}])
+def test_skipped_tiles_leave_the_documents_exact(sizes):
+    """Several 16-wide tiles per document boundary: rows attend within their document only."""
+    ref = compiler.compile(DOCUMENT, backend="reference")
+    backend = TritonBackend(schedule(ref.factorised, ref.outputs))
+    g = torch.Generator().manual_seed(sizes["i"])
+    inputs = {"Q": torch.randn(sizes["i"], 8, generator=g), "K": torch.randn(sizes["m"], 8, generator=g),
+              "V": torch.randn(sizes["m"], 4, generator=g), "D": _documents(sizes["i"], g).float()}
+    inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
+    got = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))["O"]
+    want = ref(**{k: v.double().cpu() for k, v in inputs.items()})
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
+    assert "if tl.max(" in backend.source
+
+
+@pytest.mark.parametrize("kept", [0.0, 0.05, 1.0])
+def test_skipped_tiles_of_a_padding_mask_match_the_oracle(kept):
+    """No key kept (every row NaN: a softmax of nothing), a few, all."""
+    ref = compiler.compile(PADDING, backend="reference")
+    backend = TritonBackend(schedule(ref.factorised, ref.outputs))
+    g = torch.Generator().manual_seed(3)
+    inputs = {"Q": torch.randn(5, 8, generator=g), "K": torch.randn(200, 8, generator=g),
+              "V": torch.randn(200, 4, generator=g), "P": (torch.rand(200, generator=g) < kept).float()}
+    inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
+    got = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))["O"]
+    want = ref(**{k: v.double().cpu() for k, v in inputs.items()})
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5, equal_nan=True)

@@ -732,6 +732,17 @@ def test_a_float32_parameter_keeps_bfloat16_tensor_core_operands():
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
+def test_a_float32_parameter_leaves_a_bfloat16_contraction_held_whole():
+    # d = 128: a bf16 Q K^T holds k whole (one tl.dot per key tile), as without the float32
+    # slopes; only an in-order float32 dot streams k in compensated tiles of 64
+    q, k, v = (torch.randn(1, 2, 64, 128, dtype=torch.bfloat16) for _ in range(3))
+    alibi = gpu_source(ALIBI, Q=q, K=k, V=v, A=torch.rand(2), scale=0.2)
+    plain = gpu_source(ALIBI.replace(" - A[h] * abs(i - m)", ""), Q=q, K=k, V=v, scale=0.2)
+    assert "for start_k" not in alibi and "for start_k" not in plain
+    exact = gpu_source(ALIBI, Q=q.float(), K=k.float(), V=v.float(), A=torch.rand(2), scale=0.2)
+    assert "for start_k" in exact
+
+
 def test_float32_statistics_keep_a_gradient_programs_dots_in_bfloat16():
     # the saved row logsumexp is float32 beside bf16 tensors; every dot of dQ, dK, dV stays bf16
     causal = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"

@@ -34,6 +34,8 @@ def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     # A row whose every element is -inf has no mass: its softmax is 0/0 = NaN,
     # as torch.softmax gives and as the factorised form u / l gives.
     import torch
+    if x.numel() == 0:      # no row, or rows of no element: nothing to normalise
+        return x.clone()
     m = torch.amax(x, dim=dims, keepdim=True)
     w = torch.exp(x - m)
     return w / w.sum(dim=dims, keepdim=True)

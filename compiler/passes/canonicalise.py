@@ -19,7 +19,15 @@
    -(-x) = x, x + 0 = x, x * 1 = x, a * (1 / b) = a / b, (a - b) + c = a + c - b.
    A product's sign sits on its first factor (-a * b), where `factors` sees the
    others; exponentials multiplied or divided are one, exp(a) / exp(b) =
-   exp(a - b), so stabilise shifts one exponent.
+   exp(a - b), so stabilise shifts one exponent.  Equal terms added and
+   subtracted in one chain cancel (x + y - x = y): the chain's terms are
+   reordered, so without it (X + 2) - (X + 2) would round to 2 + X - 2 - X,
+   a few ulps, not 0, and a comparison with 0 would flip.  The normal form
+   computes in the reals here.  A chain keeps the indices it varies over (a
+   reduction's body its index): where every term cancels one pair t - t stays,
+   exactly 0 for a finite t (NaN for an infinite one, as written), and no
+   term cancels where the rest would lose an index.  A chain that loses every
+   float term keeps its type with + 0.0.
 
 4. Sums over the same indices, with the same free indices, that are added or
    subtracted anywhere in one chain are one sum (linearity), with the factors
@@ -41,10 +49,13 @@ from dataclasses import replace
 
 from ..algebra import BUILTINS
 from ..ir import (
+    Access,
     Call,
+    Composite,
     Const,
     Expr,
     Extent,
+    Index,
     Program,
     Reduce,
     children,
@@ -54,7 +65,7 @@ from ..ir import (
     walk,
     with_children,
 )
-from ..ops import ASSOCIATIVE, COMMUTATIVE
+from ..ops import ASSOCIATIVE, COMMUTATIVE, FLOAT, INT, OPS
 from .fuse import FreshNames, rename_indices
 from .stabilise import factors, is_sum, product, signed_sum
 
@@ -84,10 +95,11 @@ CHAINS: dict[str, tuple[str, tuple[int, ...]]] = {
 }
 
 
-def order_operands(e: Expr) -> Expr:
+def order_operands(e: Expr, types: ExpressionTypes | None = None) -> Expr:
     """`e` with every chain in its normal form (rule 3): sums and differences as one
     chain of signed terms, products and quotients as one chain of factors over
     divisors, other associative calls flattened; operands sorted by printed form.
+    With the program's `types`, equal terms added and subtracted cancel.
     Iterative, and each chain is flattened once at its top: linear in its length."""
     done: dict[int, Expr] = {}
     stack: list[tuple[Expr, list[tuple[int, Expr]] | None]] = [(e, None)]
@@ -105,7 +117,7 @@ def order_operands(e: Expr) -> Expr:
         new = [(sign, done[id(a)]) for sign, a in operands]
         chain = _chain(node)
         if chain == "sum":
-            done[id(node)] = _normal_sum(new)
+            done[id(node)] = _normal_sum(new, types)
         elif chain == "product":
             done[id(node)] = _normal_product(new)
         elif isinstance(node, Call) and node.op in COMMUTATIVE:
@@ -151,17 +163,20 @@ def _is_number(e: Expr, value: int) -> bool:
     return isinstance(e, Const) and type(e.value) is int and e.value == value
 
 
-def _normal_sum(operands: list[tuple[int, Expr]]) -> Expr:
+def _normal_sum(operands: list[tuple[int, Expr]], types: ExpressionTypes | None = None) -> Expr:
     """Signed terms (already normal) as one chain: added terms sorted, then the
     subtracted ones sorted; terms that are sums themselves joined in (-(-x) = x),
     a product's sign read off its first factor (a + (-1) * b = a - b), zeros
-    dropped (x + 0 = x)."""
+    dropped (x + 0 = x); with `types`, equal terms added and subtracted cancelled
+    (x + y - x = y), a chain left without its float terms keeping its type (+ 0.0)."""
     added, subtracted = [], []
     for sign, term in operands:
         for s, t in (_signed_operands(term) if _chain(term) == "sum" else [(1, term)]):
             s, t = _sign_of_product(s, t)
             if not _is_number(t, 0):
                 (added if sign * s > 0 else subtracted).append(t)
+    if types is not None and added and subtracted:
+        added, subtracted = _cancelled(added, subtracted, types)
     added.sort(key=format_expr)
     subtracted.sort(key=format_expr)
     if not added:
@@ -172,6 +187,39 @@ def _normal_sum(operands: list[tuple[int, Expr]]) -> Expr:
     for t in subtracted:
         out = Call("sub", (out, t))
     return out
+
+
+def _cancelled(added: list[Expr], subtracted: list[Expr], types: ExpressionTypes) -> tuple[list, list]:
+    """The terms left when equal terms added and subtracted cancel in pairs.  The
+    chain keeps the indices it varies over (a reduction's body keeps its index):
+    where every term cancels, one pair t - t stays (exactly 0 for a finite t),
+    and nothing cancels where the rest would lose an index."""
+    pending: dict[Expr, int] = {}
+    for t in subtracted:
+        pending[t] = pending.get(t, 0) + 1
+    kept, cancelled = [], []
+    for t in added:
+        if pending.get(t):
+            pending[t] -= 1
+            cancelled.append(t)
+        else:
+            kept.append(t)
+    if not cancelled:
+        return added, subtracted
+    left = []
+    for t in subtracted:            # each subtracted term as often as it was not cancelled
+        if pending[t]:
+            pending[t] -= 1
+            left.append(t)
+    if not kept and not left:
+        pair = max(cancelled, key=lambda t: (len(free_indices(t)), types(t) == FLOAT))
+        kept, left = [pair], [pair]
+    varies = {i for t in added + subtracted for i in free_indices(t)}
+    if {i for t in kept + left for i in free_indices(t)} != varies:
+        return added, subtracted
+    if any(types(t) == FLOAT for t in cancelled) and all(types(t) != FLOAT for t in kept + left):
+        kept.append(Const(0.0))
+    return kept, left
 
 
 def _sign_of_product(sign: int, term: Expr) -> tuple[int, Expr]:
@@ -308,9 +356,33 @@ def nest_sums(e: Expr, elsewhere: frozenset = frozenset()) -> Expr:
     return nest_sums(Reduce(BUILTINS["sum"], rest, (product([*out_num, inner], out_den),)), elsewhere)
 
 
-def _linear_forms(e: Expr) -> Expr:
+def _linear_forms(e: Expr, types: ExpressionTypes) -> Expr:
     elsewhere = frozenset(n for n in walk(e) if is_sum(n))
-    return order_operands(transform(e, lambda n: merge_sums(nest_sums(n, elsewhere))))
+    return order_operands(transform(e, lambda n: merge_sums(nest_sums(n, elsewhere))), types)
+
+
+class ExpressionTypes:
+    """The type (int or float) of an expression of a program, memoised: a chain whose
+    float terms cancel keeps its type (rule 3)."""
+
+    def __init__(self, statement_types: dict[str, str]):
+        self.statement_types = statement_types
+        self.types: dict[Expr, str | None] = {}
+
+    def __call__(self, e: Expr) -> str | None:
+        if e not in self.types:
+            if isinstance(e, Const):
+                self.types[e] = INT if isinstance(e.value, int) else FLOAT
+            elif isinstance(e, Index | Extent):
+                self.types[e] = INT
+            elif isinstance(e, Access):
+                self.types[e] = self.statement_types.get(e.tensor, FLOAT)     # inputs are float
+            elif isinstance(e, Composite):
+                self.types[e] = FLOAT
+            else:
+                args = tuple(self(c) for c in children(e))
+                self.types[e] = OPS[e.op].result(args) if isinstance(e, Call) else e.summary.result_type(args)
+        return self.types[e]
 
 
 class _Binders:
@@ -350,8 +422,10 @@ class _Binders:
 
 def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
+    types = ExpressionTypes({s.name: s.dtype for s in program.statements})
     statements = tuple(
-        replace(s, expr=_linear_forms(order_operands(binders.rename(transform(s.expr, natural_base)))))
+        replace(s, expr=_linear_forms(order_operands(binders.rename(transform(s.expr, natural_base)), types),
+                                      types))
         for s in program.statements)
     named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
         n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}

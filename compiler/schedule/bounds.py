@@ -3,13 +3,16 @@
 the elements where it fails contribute nothing (their masked argument acts as
 the summary's identity).  A loop over `m` then starts at the first and stops
 after the last tile where every such relation can hold, and the tiles where a
-relation holds everywhere run without its mask (`assume_relation`)."""
+relation holds everywhere run without its mask (`assume_relation`).  A
+conjunct that reads tensors (a document mask's `D[i] == D[m]`) bounds nothing
+before the run, but a tile where it fails everywhere contributes nothing
+either: the loop tests it per tile and skips the tile (`tile_tests`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..ir import Call, Const, Expr, Index, Reduce, Var, format_expr, free_indices, transform, walk
-from ..ops import OPS
+from ..ir import Access, Call, Const, Expr, Index, Reduce, Var, format_expr, free_indices, reads, transform, walk
+from ..ops import OPS, PREDICATES
 
 
 _FLIP = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
@@ -182,6 +185,30 @@ def index_bounds(fold: Reduce) -> dict[str, list[Bound]]:
     return out
 
 
+def tile_tests(fold: Reduce) -> dict[str, list[Expr]]:
+    """Per bound index b of `fold`: the conjuncts of its masking predicates that
+    read a tensor and vary over b (data: no bound follows from them before the
+    run), such that elements where one fails contribute nothing, as for
+    `index_bounds`.  A tile of b where such a conjunct fails for every element
+    then leaves the state as it was: the loop may skip it.  Only conjuncts that
+    read no tensor the update reads otherwise (a document's ids, a padding
+    mask, beside the keys and values): testing one that reads the update's own
+    data (`where(X > 0, X, 0)`) would load that data to save nothing."""
+    out: dict[str, list[Expr]] = {}
+    conjuncts = dict.fromkeys(c for arg in fold.args for w in walk(arg)
+                              if isinstance(w, Call) and w.op == "where" for c in _conjuncts(w.args[0]))
+    for c in conjuncts:
+        rest = reads(Call("and", tuple(transform(a, lambda n: Const(True) if n == c else n) for a in fold.args))
+                     if len(fold.args) > 1 else transform(fold.args[0], lambda n: Const(True) if n == c else n))
+        if not reads(c) or reads(c) & rest:
+            continue
+        for index in fold.indices:
+            if index in free_indices(c) and any(_masks(arg, c) and _vanishes(fold, k, arg, c)
+                                                for k, arg in enumerate(fold.args)):
+                out.setdefault(index, []).append(c)
+    return out
+
+
 def _masks(arg: Expr, relation: Expr) -> bool:
     return any(_selects_by(w, relation) for w in walk(arg))
 
@@ -212,9 +239,16 @@ def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
     if masked is None:
         return False
     g = torch.Generator().manual_seed(2)
-    env = {v.name: torch.randn(16, generator=g, dtype=torch.float64) * 3 for v in leaves.values()}
+    # random finite values; a predicate left standing (another where's condition) random truths
+    env = {v.name: torch.rand(16, generator=g, dtype=torch.float64) < 0.5 if _predicate(e)
+           else torch.randn(16, generator=g, dtype=torch.float64) * 3 for e, v in leaves.items()}
     values = evaluate(masked, env).expand(16)
     return bool(torch.all(values == values[0])) and acts_as_identity(fold.summary, k, float(values[0]))
+
+
+def _predicate(e: Expr) -> bool:
+    """Whether `e` is a comparison or a logical combination of them."""
+    return isinstance(e, Call) and e.op in PREDICATES
 
 
 def assume_relation(fold: Reduce, relation: Bound) -> Reduce:

@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError
-from ..ir import Access, Assign, Composite, Expr, Program, Reduce, alpha_key, children, reads, walk, with_children
+from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, alpha_key, children, format_expr, reads, walk,
+                  with_children)
 from ..passes.lower import lower
-from .bounds import index_bounds
+from .bounds import index_bounds, tile_tests
 from .folds import (
     contraction_names,
     contractions,
@@ -326,7 +327,9 @@ def _fold_loops(folds: list[Reduce]) -> tuple[Loop, ...]:
         names = tuple(dict.fromkeys(f.summary.name for f in group))
         bounds = tuple(dict.fromkeys(str(b) for f in group for relations in index_bounds(f).values()
                                      for b in relations))
-        out.append(Loop(indices, names, _fold_loops(inner), bounds))
+        skips = tuple(dict.fromkeys(format_expr(c) for f in group for tests in tile_tests(f).values()
+                                    for c in tests))
+        out.append(Loop(indices, names, _fold_loops(inner), bounds, skips))
     return tuple(out)
 
 

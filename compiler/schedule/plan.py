@@ -12,16 +12,19 @@ class Loop:
     epilogue loop carries no fold; a split kernel's merge loop runs over the
     partial states (`indices` is empty).  A loop whose extent fits one tile runs once; a
     bound from a predicate (`m <= i`) lets it skip the tiles where the predicate
-    fails everywhere."""
+    fails everywhere, and a predicate on data (`D[i] == D[m]`) is tested per tile
+    at run time, the tiles where it fails everywhere skipped."""
 
     indices: tuple[str, ...]
     folds: tuple[str, ...]
     inner: tuple["Loop", ...] = ()
     bounds: tuple[str, ...] = ()    # relations from index predicates that bound it (`m <= i`)
+    skips: tuple[str, ...] = ()     # predicates on data tested per tile (`D[i] == D[m]`)
 
     def __str__(self) -> str:
         over = ", ".join(self.indices) if self.indices else "partial states"
         bounded = f" [bounds: {', '.join(self.bounds)}]" if self.bounds else ""
+        bounded += f" [skips tiles where {' and '.join(self.skips)} fails]" if self.skips else ""
         carries = f": {', '.join(self.folds)}" if self.folds else " (epilogue)"
         nested = f" {{ {'; '.join(str(loop) for loop in self.inner)} }}" if self.inner else ""
         return f"loop {over}{bounded}{carries}{nested}"

@@ -40,7 +40,7 @@ from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
-from ...schedule.bounds import assume_relation, constant, index_bounds
+from ...schedule.bounds import assume_relation, constant, index_bounds, tile_tests
 from ...schedule.tiles import (
     STREAM_BLOCK,
     free_tile,
@@ -779,7 +779,8 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
             elif b in batch:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # a contraction's batch index
-            elif nested and held_whole(self.ctx.extent(b), b in self.contraction and self.in_order(self.ctx.dot_dtype)):
+            elif nested and held_whole(self.ctx.extent(b), b in self.contraction and self.in_order(
+                    self.contraction_dtype(fold))):
                 ax = self.whole_axis(b)
             elif b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
@@ -809,7 +810,8 @@ class KernelEmitter:
         mark = len(T.lines)
         T.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}]"
                        + (f" over tiles of {', '.join(a.name for a in loops)}" if loops else " (whole)"))
-        state = self.fold_tiles(fold, prefix, body, RA, bool(loops), init, finish)
+        state = self.skipping_dead_tiles(fold, loops, body, lambda: self.fold_tiles(
+            fold, prefix, body, RA, bool(loops), init, finish))
         if loops:
             relations = index_bounds(fold)
             interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T)
@@ -869,8 +871,28 @@ class KernelEmitter:
         inner = Scope(T, T.level + 1, env, "body")
         inner.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
         inner.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
-        self.fold_tiles(assume_relation(fold, bound), prefix, inner, RA, True, [], [])
+        assumed = assume_relation(fold, bound)
+        self.skipping_dead_tiles(assumed, loops, inner, lambda: self.fold_tiles(assumed, prefix, inner, RA, True,
+                                                                                [], []))
         return self.tile_start(first_failing, ax, bound), inner
+
+    def skipping_dead_tiles(self, fold: Reduce, loops, body: Scope, update):
+        """`update()` writes one tile's update of the fold into `body`; where a predicate
+        on data masks the fold (tile_tests), under a test that some element of the tile
+        passes it: a tile where it fails everywhere would leave the state as it was."""
+        tests = [c for ax in loops if not ax.scalar for c in tile_tests(fold).get(ax.name, [])]
+        if not tests:
+            return update()
+        live = self.value(tests[0] if len(tests) == 1 else Call("and", tuple(tests[:2])), body)
+        for c in tests[2:]:
+            live = self.call("and", [live, self.value(c, body)], None, body)
+        start = len(body.lines)
+        state = update()
+        body.lines[start:] = [f"# skip the tile where {' and '.join(format_expr(c) for c in tests)} fails "
+                              f"everywhere: its elements contribute nothing",
+                              f"if tl.max({live.code}.to(tl.int32)) != 0:",
+                              *indent(body.lines[start:], 1)]
+        return state
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
         """Tighten a loop's range to the tiles where an index predicate can hold."""
@@ -1026,6 +1048,18 @@ class KernelEmitter:
         # a tl.dot's tile is summed over its lanes already
         return {field_name: self.running(prefix, field_name, contrib, RA, f"tl.zeros({{shape}}, {self.ctx.cdt})",
                                          "{var} += {tile}", "tl.sum", body, init, finish)}
+
+    def contraction_dtype(self, fold: Reduce):
+        """The operand dtype of a contraction `fold`'s tl.dot, as operand_dtype will
+        find it: the promoted dtype of the program inputs it reads (a bfloat16 Q K^T
+        stays bfloat16 beside a float32 slope outside it), else the module's."""
+        stored = [self.ctx.tensors[n.tensor].dtype for a in fold.args for n in walk(a)
+                  if isinstance(n, Access) and n.tensor in self.ctx.input_names
+                  and self.ctx.tensors[n.tensor].dtype is not None]
+        dtype = stored[0] if stored else self.ctx.dot_dtype
+        for other in stored[1:]:
+            dtype = torch.promote_types(dtype, other)
+        return dtype
 
     def in_order(self, dtype) -> bool:
         """tl.dot of `dtype` operands sums each tile's products in order in float32
