@@ -193,7 +193,7 @@ def _moments_summary(degree, block):
                    blocks=(block,))
 
 
-@pytest.mark.parametrize("degree", [2, 3, 4, 6])
+@pytest.mark.parametrize("degree", [2, 3, 4, 6, 7, 10])
 def test_the_moments_tile_formula_is_the_fold_of_the_tile(degree):
     from compiler.algebra.moments import tile_sums
     report = check_laws(_moments_summary(degree, tile_sums("s", Var("x0"), degree)), examples=60)

@@ -469,7 +469,7 @@ def _clearly_nonzero(diff: sympy.Expr) -> bool:
                                                                                        rng.randint(1, 13))
             point[x] = v if x.is_positive or rng.random() < 0.5 else -v
         try:
-            value = complex(diff.subs(point).evalf(30))
+            value = complex(diff.xreplace(point).evalf(30))
         except (TypeError, ValueError):
             continue
         if math.isfinite(abs(value)) and abs(value) > 1e-12:

@@ -48,8 +48,6 @@ from ..ir import Const, Expr, Var
 from .summary import Block, Field
 from .user import Sym, fn, lift_value, state
 
-MAX_DEGREE = 6
-
 
 def centred_moments(prefix: str, element: Expr, degree: int = 2):
     """Fields `{prefix}_n`, `{prefix}_mean`, `{prefix}_err`, `{prefix}_m2` ...
@@ -121,4 +119,4 @@ def tile_sums(prefix: str, element: Expr, degree: int = 2) -> Block:
     return Block(tuple(sums), tuple((f, lift_value(e)) for f, e in fields))
 
 
-__all__ = ["MAX_DEGREE", "centred_moments", "tile_sums"]
+__all__ = ["centred_moments", "tile_sums"]

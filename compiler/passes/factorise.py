@@ -19,7 +19,7 @@ summaries (compiler.algebra.properties), not names:
       t = h(r_a, r) (t_a + s(r_a, r) l_a) + h(r_b, r) (t_b + s(r_b, r) l_b),
   and read as t + c r l (the leader then cancels: entropy is log l - u_c / l);
 - centred moments: the anchor adds its states and every reader is a
-  polynomial of degree p <= 6 in (x - S / count) with x-free coefficients:
+  polynomial of any degree p in (x - S / count) with x-free coefficients:
   the moments (count, mean, err, M2..Mp) with Pébay's stable pairwise merge
   (Chan's, i.e. Welford's, for p = 2), the mean compensated (mean + err);
 - separable: the readers are polynomials in the anchor S: expanded in powers
@@ -39,7 +39,7 @@ import sympy
 
 from ..algebra import BUILTINS, Block, Field, Rescaled, Summary
 from ..algebra.laws import require_laws
-from ..algebra.moments import MAX_DEGREE, centred_moments, tile_sums
+from ..algebra.moments import centred_moments, tile_sums
 from ..algebra.properties import additive, extremum
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, format_expr,
                   free_indices, unused_name, walk, with_children)
@@ -387,8 +387,6 @@ def _moments_rule(st: _State, base: Reduce) -> str | None:
         poly = sympy.Poly(shifted, y)
         if any(varies(c) for c in poly.all_coeffs()):
             return f"{format_expr(d)} has coefficients that vary over {', '.join(st.group.indices)}"
-        if poly.degree() > MAX_DEGREE:
-            return f"{format_expr(d)} has degree {poly.degree()} in (x - mean), above {MAX_DEGREE}"
         centred[d] = dict((deg, c) for (deg,), c in poly.terms())
     degree = max(2, *(max(c) for c in centred.values()))
     name = unused_name("s", st.names.values(), first_plain=False)
