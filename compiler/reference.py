@@ -8,6 +8,7 @@ serves every summary, user-defined and non-commutative ones included.
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Mapping
@@ -203,6 +204,11 @@ def _run(program, inputs, extents, outputs, chunking):
         v = evaluator(st.expr)
         shape = [extents[i] for i in st.indices]
         t = v.aligned(st.indices).expand(shape).contiguous()
+        if st.dtype == INT and t.is_floating_point():
+            # an empty integral max or min saturates at the int64 extremes (the kernels' identities)
+            limits = torch.iinfo(torch.int64)
+            whole = torch.where(torch.isinf(t), 0.0, t).to(torch.int64)
+            t = torch.where(t == math.inf, limits.max, torch.where(t == -math.inf, limits.min, whole))
         t = t.to(_RESULT_DTYPES.get(st.dtype, torch.float64))
         evaluator.values[st.name] = Labelled(t, ())
         results[st.name] = t

@@ -781,3 +781,57 @@ def test_gpu_alibi_with_float32_slopes_and_bfloat16_tensors():
     want = torch.softmax(q.double() @ k.double().transpose(-1, -2) * 0.125 + bias, -1) @ v.double()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- integer folds
+INTEGER_FOLDS = [
+    # sums past 2**24 (float32's exact integers) and 2**31 (int32's range)
+    ("S[i] = sum[j](where(X[i,j] > 0, j * j, 0))", lambda x, j: (torch.where(x > 0, j * j, 0)).sum(1)),
+    ("S[i] = sum[j](where(X[i,j] > 0, 3000000000, 0) * (j + 1))",
+     lambda x, j: (torch.where(x > 0, 3000000000, 0) * (j + 1)).sum(1)),
+    ("M[i] = max[j](where(X[i,j] > 0, j * 1000000007, -j))",
+     lambda x, j: torch.where(x > 0, j * 1000000007, -j).amax(1)),
+    ("M[i] = min[j](where(X[i,j] > 0, -j * 1000000007, j))",
+     lambda x, j: torch.where(x > 0, -j * 1000000007, j).amin(1)),
+    # an integral field beside a float one in one derived summary (the generic fold)
+    ("S[i] = sum[j](X[i,j]); C[i] = sum[j](where(X[i,j] > 0, j * 100003, 0))",
+     lambda x, j: (torch.where(x > 0, j * 100003, 0)).sum(1)),
+]
+
+
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("k", range(len(INTEGER_FOLDS)))
+def test_integer_folds_are_exact_in_64_bits(k, split):
+    """An integer sum, max or min folds in int64 (the language types it int): exact
+    where float32 state would round (past 2**24) and int32 would wrap (past 2**31),
+    split or not, alone or as a field of a derived summary."""
+    src, want_of = INTEGER_FOLDS[k]
+    x = randn(3, 3001)
+    x[1] = x[1].abs()                     # a row where every position passes
+    ref, backend = triton_backend(src, **({"split": split} if split else {}))
+    got = run(backend, ref, {"X": x})
+    got = got[-1] if isinstance(got, tuple) else got
+    want = want_of(x.cpu(), torch.arange(x.shape[1], dtype=torch.int64))
+    assert got.dtype == torch.int64 and want.abs().max() > 2 ** 31
+    assert torch.equal(got.cpu(), want), (got, want)
+
+
+def test_an_empty_integer_max_or_min_saturates_on_every_backend():
+    for src, limit in (("M[i] = max[j](where(X[i,j] > 0, j, 0))", torch.iinfo(torch.int64).min),
+                       ("M[i] = min[j](where(X[i,j] > 0, j, 0))", torch.iinfo(torch.int64).max)):
+        for backend in ("reference", "triton"):
+            got = compiler.compile(src, backend=backend)(X=randn(2, 0))
+            assert got.tolist() == [limit, limit], (src, backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_integer_arithmetic_and_constant_folding_follow_the_documented_types(backend):
+    """Index arithmetic past 2**31 is computed in 64 bits; `**` and `/` give floats
+    even where both operands are integer literals (2 ** -1 is 0.5, not 0)."""
+    x = randn(5).abs()
+    i = torch.arange(5, dtype=torch.int64)
+    wide = compiler.compile("Y[i] = where(X[i] > 0, i * 100000 * 100000 + 1, -i)", backend=backend)(X=x)
+    assert wide.dtype == torch.int64 and torch.equal(wide.cpu(), i * 10 ** 10 + 1)
+    for src in ("Y[i] = where(X[i] > 0, i, 0) * 2 ** -1", "Y[i] = where(X[i] > 0, i, 0) * (1 / 2)"):
+        half = compiler.compile(src, backend=backend)(X=x)
+        assert half.dtype.is_floating_point and torch.equal(half.cpu().double(), i / 2), src

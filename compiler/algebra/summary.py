@@ -14,8 +14,10 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from collections.abc import Mapping
+
 from ..ir import Call, Const, Expr, Var, walk
-from ..ops import FLOAT
+from ..ops import FLOAT, INT, OPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,35 @@ class Summary:
         if any(t not in ("int", "float") for t in arg_types):
             return None
         return arg_types[0] if self.name in BUILTINS and len(arg_types) == 1 else FLOAT
+
+    def field_types(self, arg_types: tuple[str, ...]) -> dict[str, str]:
+        """The type each field holds when the elements have `arg_types`: a field is
+        integral while its lift and its combine keep integers integral (an integer
+        sum, max or min folds exactly, in 64 bits), widened to float where either
+        reaches a float (a Welford mean divides); a field declared int stays int."""
+        types = {f.name: INT for f in self.fields}
+        changed = True
+        while changed:
+            changed = False
+            env = {f"x{k}": t for k, t in enumerate(arg_types)}
+            env.update({f"{side}{n}": t for n, t in types.items() for side in ("a.", "b.")})
+            for f, lift, combine in zip(self.fields, self.lift, self.combine):
+                if types[f.name] == INT and f.dtype != INT and \
+                        any(formula_type(e, env) != INT for e in (lift, combine)):
+                    types[f.name], changed = FLOAT, True
+        return types
+
+
+def formula_type(e: Expr, types: Mapping[str, str]) -> str | None:
+    """The type of a summary formula over Vars of the given types (None: ill-typed)."""
+    if isinstance(e, Var):
+        return types[e.name]
+    if isinstance(e, Const):
+        return INT if isinstance(e.value, int) and not isinstance(e.value, bool) else FLOAT
+    if isinstance(e, Call):
+        args = tuple(formula_type(a, types) for a in e.args)
+        return None if None in args else OPS[e.op].result(args)
+    return None
 
 
 @lru_cache(maxsize=1024)

@@ -29,7 +29,7 @@ from ..ir import Call, Const, Expr, Var
 from ..ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
 from .composites import COMPOSITES
 from .laws import DEFAULT_EXAMPLES, require_laws
-from .summary import BUILTINS, Field, Summary
+from .summary import BUILTINS, Field, Summary, formula_type
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\Z")
 _KEYWORDS = ("and", "or", "not", "len")
@@ -227,7 +227,7 @@ def summary(name: str, *, fields: Iterable[str | tuple[str, str]], identity: Ite
         types.update({f"a.{f.name}": f.dtype, f"b.{f.name}": f.dtype, f.name: f.dtype})
     for part, formulas in (("lift", lifted), ("combine", combined), ("finalize", (final,))):
         for k, formula in enumerate(formulas):
-            t = _type(formula, types)
+            t = formula_type(formula, types)
             if t not in (INT, FLOAT):
                 where = f"field '{names[k]}' of {part}" if part != "finalize" else "finalize"
                 raise CheckError(f"summary '{name}': {where} is {t or 'ill-typed'}, not a number"
@@ -329,17 +329,6 @@ def _per_field(name: str, part: str, value, names: tuple[str, ...]) -> tuple[Exp
         return tuple(lift_value(v) for v in value)
     except TypeError as err:
         raise CheckError(f"summary '{name}': {part}: {err}") from err
-
-
-def _type(e: Expr, types: Mapping[str, str]) -> str | None:
-    if isinstance(e, Var):
-        return types[e.name]
-    if isinstance(e, Const):
-        return INT if isinstance(e.value, int) else FLOAT
-    if isinstance(e, Call):
-        args = tuple(_type(a, types) for a in e.args)
-        return None if None in args else OPS[e.op].result(args)
-    return None
 
 
 __all__ = ["Sym", "fn", "state", "summary"]

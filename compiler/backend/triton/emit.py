@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import keyword
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -433,6 +434,21 @@ class KernelEmitter:
             self.ctx.local_names.add(f"{p}_{var}")
         return var
 
+    def state_dtype(self, kind: str) -> str:
+        """A fold field's dtype: int64 for an integral field (an integer sum, max or min
+        folds exactly), else the module's float state dtype."""
+        return "tl.int64" if kind == "int" else self.ctx.cdt
+
+    @staticmethod
+    def identity_literal(s, field_name: str, kind: str = "float") -> str:
+        """A field's identity as a literal of its kind: an integral max or min starts
+        from the int64 extremes (its infinite identity has no integer)."""
+        value = s.identity[s.field_names.index(field_name)].value
+        if kind == "int":
+            value = INT64_EXTREMES.get(value, value)
+            value = int(value)
+        return emission.literal(value)
+
     def state_var(self, prefix: str, field_name: str, role: str | None = None) -> str:
         """The variable of a fold's running field, named after the field (`r`, `l`) or
         its role (`acc`: a tl.dot accumulator); one name however often its update is
@@ -521,10 +537,11 @@ class KernelEmitter:
         parts = [self.expand(Value(a.mask, (a,), "bool"), target) for a in dims(mask_axes) if self.ragged(a)]
         return " & ".join(parts) if parts else None
 
-    def broadcast(self, code: str, axes) -> str:
-        """A float value broadcast to the tile of `axes`; works for constants too
-        (tl.broadcast_to takes tensors only, and an unmasked lift may be a literal)."""
-        return f"({code} + tl.zeros({self.shape(axes)}, {self.ctx.cdt}))"
+    def broadcast(self, code: str, axes, dtype: str | None = None) -> str:
+        """A value broadcast to the tile of `axes` (float, or of `dtype`); works for
+        constants too (tl.broadcast_to takes tensors only, and an unmasked lift may be
+        a literal)."""
+        return f"({code} + tl.zeros({self.shape(axes)}, {dtype or self.ctx.cdt}))"
 
     def masked(self, mask_axes, target, code: str, other: str) -> str:
         """`code` where the tile is inside every extent, `other` (the identity) outside."""
@@ -624,11 +641,14 @@ class KernelEmitter:
                 args = [self.as_float(a) for a in args]
         bounds = emission.int_bounds(op, [a.bounds if a.const is None else (a.const, a.const) for a in args]) \
             if kind == "int" else None
-        codes = [self.expand(a, axes) if a.const is None else a.code for a in args]
+        # an integer literal past 32 bits is an int64 (Triton would take 3000000000 as uint32)
+        codes = [self.expand(a, axes) if a.const is None else
+                 f"tl.full([], {a.code}, tl.int64)" if a.kind == "int" and abs(a.const) >= 2 ** 31 else a.code
+                 for a in args]
         if bounds is not None and max(map(abs, bounds)) >= 2 ** 31:
             # int32 index arithmetic would wrap: compute this operation in 64 bits
-            codes = [f"{c}.to(tl.int64)" if a.const is None and (a.bounds is None or
-                                                                 max(map(abs, a.bounds)) < 2 ** 31) else c
+            codes = [f"{c}.to(tl.int64)" if a.kind == "int" and a.const is None and
+                     (a.bounds is None or max(map(abs, a.bounds)) < 2 ** 31) else c
                      for c, a in zip(codes, args)]
         code = emission.emit(op, codes, self.ctx.helpers)
         if cse is not None:
@@ -979,16 +999,17 @@ class KernelEmitter:
     def reduce_padded(self, v: Value, RA, fn: str, identity: str, body: Scope, stem: str = "t",
                       keep=()) -> Value:
         """`fn` (tl.sum / tl.max / tl.min) of `v` over the RA axes but `keep`, padding at
-        `identity`."""
+        `identity`; an int `v` is reduced in 64 bits."""
         U = sort_axes(list(v.axes) + list(RA))
-        padded = self.masked(RA, U, self.expand(v, U), identity)
+        padded = self.masked(RA, U, self.expand(self.to_kind(v, "int") if v.kind == "int" else v, U), identity)
         if dims(U) != dims(v.axes) or v.const is not None:
-            padded = self.broadcast(padded, U)
+            padded = self.broadcast(padded, U, self.state_dtype(v.kind))
         if not set(dims(RA)) - set(keep):
-            return self.assign(padded, U, body, stem=stem)
-        return self.reduce_axes(padded, U, [a for a in RA if a not in keep], fn, body, stem)
+            return self.assign(padded, U, body, v.kind, stem=stem)
+        return self.reduce_axes(padded, U, [a for a in RA if a not in keep], fn, body, stem, v.kind)
 
-    def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope, stem: str = "t") -> Value:
+    def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope, stem: str = "t",
+                    kind: str = "float") -> Value:
         """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
         self.tile(axes)
         current = list(dims(axes))
@@ -996,7 +1017,7 @@ class KernelEmitter:
             code = f"{fn}({code}, {current.index(ax)})"
             current.remove(ax)
         left = sort_axes(a for a in axes if a not in reduced)
-        return self.assign(code, left, body, stem=stem)
+        return self.assign(code, left, body, kind, stem=stem)
 
     @staticmethod
     def lanes(RA) -> tuple[Axis, ...]:
@@ -1026,12 +1047,20 @@ class KernelEmitter:
                 code = f"{fn}({code}, {current.index(ax)})"
                 current.remove(ax)
             finish.append(f"{acc} = {code}")
-        return Value(acc, sort_axes(a for a in held if a not in RA))
+        return Value(acc, sort_axes(a for a in held if a not in RA), tile.kind)
 
     # sum: contraction-aware
     def sum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         (field_name,) = fold.summary.field_names
-        factors = [self.as_float(self.value(f, body)) for f in flatten_mul(fold.args[0])]
+        factors = [self.value(f, body) for f in flatten_mul(fold.args[0])]
+        if all(f.kind == "int" for f in factors):
+            # an integer sum folds exactly: int64 products and state, never a float tl.dot
+            contrib = self.contract(factors, RA, body, keep=self.lanes(RA) if looped else (), exact=True)
+            if not looped:
+                return {field_name: contrib}
+            return {field_name: self.running(prefix, field_name, contrib, RA, "tl.zeros({shape}, tl.int64)",
+                                             "{var} += {tile}", "tl.sum", body, init, finish)}
+        factors = [self.as_float(f) for f in factors]
         dot = self.dot_plan(factors, dims(RA))
         if looped and (FA := self.accumulator_axes(dot, RA)) is not None:
             # a matrix product accumulates in tl.dot's accumulator
@@ -1082,27 +1111,31 @@ class KernelEmitter:
         body.lines += [f"{y} = {tile.code} - {err}", f"{total} = {acc} + {y}",
                        f"{err} = ({total} - {acc}) - {y}", f"{acc} = {total}"]
 
-    def contract(self, factors: list[Value], RA, body: Scope, keep=()) -> Value:
+    def contract(self, factors: list[Value], RA, body: Scope, keep=(), exact: bool = False) -> Value:
         """sum over the RA axes of the product of `factors`: tl.dot when it is a
         matrix product of two 2-D tiles at least 16 wide, else broadcast and tl.sum
-        over the RA axes but `keep`."""
+        over the RA axes but `keep`; `exact`: integer factors, summed in int64."""
         ra_dims = dims(RA)
-        dot = self.dot_plan(factors, ra_dims)
+        dot = None if exact else self.dot_plan(factors, ra_dims)
         if dot is not None:
             v = self.emit_dot(*dot, body)
             # an index folded one value at a time (a scalar axis of RA) is summed by the loop
             return replace(v, axes=sort_axes(a for a in v.axes if a not in RA))
         U = sort_axes([a for f in factors for a in f.axes] + list(RA))
         self.tile(U)
-        product = " * ".join(self.expand(f, U) for f in factors) if factors else "1.0"
+        product = " * ".join(self.expand(f, U) for f in factors) if factors else "1"
+        kind = "int" if exact else "float"
+        if exact:
+            product = self.broadcast(f"({product}).to(tl.int64)", U, "tl.int64") if dims(U) \
+                else f"({product}).to(tl.int64)"
         mask = self.mask_code(RA, U)
         padded = any(set(ra_dims) <= f.zero for f in factors) and \
             all(set(ra_dims) <= f.zero or f.raw is not None for f in factors)
         if mask and not padded:
-            product = f"tl.where({mask}, {product}, 0.0)"
+            product = f"tl.where({mask}, {product}, {'0' if exact else '0.0'})"
         if not set(ra_dims) - set(keep):
-            return self.assign(product, U, body)
-        return self.reduce_axes(product, U, [a for a in RA if a not in keep], "tl.sum", body)
+            return self.assign(product, U, body, kind)
+        return self.reduce_axes(product, U, [a for a in RA if a not in keep], "tl.sum", body, kind=kind)
 
     def dot_plan(self, factors, ra_dims):
         if self.ctx.dot_dtype is None or len(ra_dims) != 1:
@@ -1214,14 +1247,16 @@ class KernelEmitter:
     def extremum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         s = fold.summary
         (field_name,) = s.field_names
-        x = self.as_float(self.value(fold.args[0], body))
+        x = self.value(fold.args[0], body)
+        if x.kind != "int" or x.const is not None:
+            x = self.as_float(x)
         fn, combine = ("tl.max", "tl.maximum") if extremum(s) == "max" else ("tl.min", "tl.minimum")
-        identity = emission.literal(s.identity[0].value)
+        identity = self.identity_literal(s, field_name, x.kind)
         tile = self.reduce_padded(x, RA, fn, identity, body, keep=self.lanes(RA) if looped else ())
         if not looped:
             return {field_name: tile}
         return {field_name: self.running(prefix, field_name, tile, RA,
-                                         f"tl.full({{shape}}, {identity}, {self.ctx.cdt})",
+                                         f"tl.full({{shape}}, {identity}, {self.state_dtype(x.kind)})",
                                          f"{{var}} = {combine}({{var}}, {{tile}})", fn, body, init, finish)}
 
     # rescaled (FlashAttention-style)
@@ -1344,26 +1379,33 @@ class KernelEmitter:
         r_old = self.stand_in(r, lit, body, "r_old")
         return {f: (self.formula(s_k, {"r": r_old, "r_new": r_new}, body), total) for f, s_k, total in rs.shifts}
 
-    def fold_arguments(self, fold: Reduce, body: Scope) -> dict[str, Value]:
-        """The fold's arguments on the tile, named as the derivation names them (x0, x1, ...)."""
-        return {f"x{k}": self.as_float(self.renamed(self.value(a, body), f"x{k}", body))
-                for k, a in enumerate(fold.args)}
+    def fold_arguments(self, fold: Reduce, body: Scope, exact: bool = False) -> dict[str, Value]:
+        """The fold's arguments on the tile, named as the derivation names them (x0, x1, ...);
+        `exact`: integer arguments stay integers (for the fields that fold them exactly)."""
+        xs = {f"x{k}": self.renamed(self.value(a, body), f"x{k}", body) for k, a in enumerate(fold.args)}
+        return {x: v if exact and v.kind == "int" else self.as_float(v) for x, v in xs.items()}
+
+    def field_kinds(self, s, xs: dict[str, Value]) -> dict[str, str]:
+        """Each field's kind on these arguments (Summary.field_types): int where it folds
+        integers exactly."""
+        return s.field_types(tuple(xs[f"x{k}"].kind for k in range(s.arity)))
 
     # any summary
     def generic_fold(self, fold, prefix, body, RA, looped, init, finish, fields=None, xs=None) -> dict[str, Value]:
         s = fold.summary
         fields = s.field_names if fields is None else fields
-        cdt = self.ctx.cdt
         if xs is None:
-            xs = self.fold_arguments(fold, body)
+            xs = self.fold_arguments(fold, body, exact=True)
+        kinds = self.field_kinds(s, xs)
         index = {f: s.field_names.index(f) for f in fields}
-        ids = {f: emission.literal(s.identity[index[f]].value) for f in fields}
+        ids = {f: self.identity_literal(s, f, kinds[f]) for f in fields}
         summed = {}
         for block in s.blocks:
             if any(f in fields for f, _ in block.fields):
                 summed.update(self.tile_sums(block, fields, xs, RA, body))
         folded = [f for f in fields if f not in summed]
         lifted = {f: self.formula(s.lift[index[f]], xs, body) for f in folded}
+        lifted = {f: self.to_kind(v, kinds[f]) for f, v in lifted.items()}
         U = sort_axes([a for v in (*lifted.values(), *summed.values()) for a in v.axes] + list(RA))
         self.tile(U)
         tiles = {}
@@ -1373,7 +1415,7 @@ class KernelEmitter:
             if mask:
                 code = f"tl.where({mask}, {code}, {ids[f]})"
             if dims(U):
-                code = self.broadcast(code, U)
+                code = self.broadcast(code, U, self.state_dtype(kinds[f]))
             tiles[f] = self.assign(code, U, body, stem=f"lift_{ident(f)}")
         current = list(dims(U))
         names = {f: tiles[f].code for f in folded}
@@ -1392,19 +1434,20 @@ class KernelEmitter:
                 last_axes = [a for a in current]
                 last = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {ax.block_name} - 1)", (ax,), "bool"),
                                    last_axes)
-                for o, sc in zip(outs, scans):
-                    body.lines.append(f"{o} = tl.sum(tl.where({last}, {sc}, 0.0), {pos})")
+                for f, o, sc in zip(folded, outs, scans):
+                    zero = "0" if kinds[f] == "int" else "0.0"
+                    body.lines.append(f"{o} = tl.sum(tl.where({last}, {sc}, {zero}), {pos})")
             names = dict(zip(folded, outs))
             current.remove(ax)
         FA = sort_axes(a for a in U if a not in RA)
-        tile_vals = {f: summed[f] if f in summed else Value(names[f], FA) for f in fields}
+        tile_vals = {f: summed[f] if f in summed else Value(names[f], FA, kinds[f]) for f in fields}
         if not looped:
             return tile_vals
         state = {}
         for f in fields:
             var = self.state_var(prefix, f)
-            init.append(f"{var} = tl.full({self.shape(FA)}, {ids[f]}, {cdt})")
-            state[f] = Value(var, FA)
+            init.append(f"{var} = tl.full({self.shape(FA)}, {ids[f]}, {self.state_dtype(kinds[f])})")
+            state[f] = Value(var, FA, kinds[f])
         env = {f"a.{f}": state[f] for f in fields} | {f"b.{f}": tile_vals[f] for f in fields}
         env.update({f"a.{f}": Value(emission.literal(s.identity[i].value), (), const=s.identity[i].value)
                     for i, f in enumerate(s.field_names) if f not in fields})
@@ -1415,7 +1458,10 @@ class KernelEmitter:
         new = {f: self.formula(s.combine[index[f]], env, body, cse) for f in fields}
         new = self.guard_identity(s, fields, state, tile_vals, new, body)
         for f in fields:
-            body.lines.append(f"{state[f].code} = {self.full_shape(new[f], FA)}")
+            code = self.full_shape(self.as_float(new[f]) if kinds[f] == "float" else new[f], FA)
+            if kinds[f] == "int" and new[f].const is None:
+                code += ".to(tl.int64)"      # int32 index arithmetic joins the int64 state
+            body.lines.append(f"{state[f].code} = {code}")
         return state
 
     def tile_sums(self, block, fields, xs, RA, body: Scope) -> dict[str, Value]:
@@ -1433,7 +1479,7 @@ class KernelEmitter:
         formulas are not exact there (see algebra.properties.exact_identity)."""
         if exact_identity(s, tuple(fields)):
             return new
-        ids = {f: emission.literal(s.identity[s.field_names.index(f)].value) for f in fields}
+        ids = {f: self.identity_literal(s, f, a[f].kind) for f in fields}
         axes = sort_axes([x for f in fields for v in (a[f], b[f], new[f]) for x in v.axes])
         a_empty = self.assign(" & ".join(f"({self.expand(a[f], axes)} == {ids[f]})" for f in fields), axes, body,
                               "bool", stem="a_empty")
@@ -1443,9 +1489,18 @@ class KernelEmitter:
                                f"{self.expand(a[f], axes)}, {self.expand(new[f], axes)}))", axes, body)
                 for f in fields}
 
+    def to_kind(self, v: Value, kind: str) -> Value:
+        """`v` as a field of `kind` holds it: int64 for an integral field, else float."""
+        if kind != "int":
+            return self.as_float(v)
+        if v.const is not None:
+            return v
+        code = v.code if re.fullmatch(r"[A-Za-z_][\w.]*", v.code) else f"({v.code})"
+        return replace(v, code=f"{code}.to(tl.int64)", kind="int", raw=None)
+
     def full_shape(self, v: Value, axes) -> str:
         if v.const is not None:
-            return f"tl.full({self.shape(axes)}, {v.code}, {self.ctx.cdt})"
+            return f"tl.full({self.shape(axes)}, {v.code}, {self.state_dtype(v.kind)})"
         if dims(v.axes) != dims(axes):
             return f"tl.broadcast_to({self.expand(v, axes)}, {self.shape(axes)})"
         return v.code
@@ -1712,8 +1767,9 @@ class PartialEmitter(KernelEmitter):
                 names = tuple(a.name for a in v.axes)
                 buf = self.ctx.buffer_name(f"{spec.name}_state{list(spec.program_folds).index(f)}_"
                                            f"{ident(fname)}")
-                layout[fname] = (buf, names)
-                state_dtype = torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
+                layout[fname] = (buf, names, v.kind)
+                state_dtype = torch.int64 if v.kind == "int" else \
+                    torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
                 self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), state_dtype)
                 self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(state_dtype)))
                 ptr, strides = self.tensor_params(buf, 1 + len(names))
@@ -1726,7 +1782,7 @@ class PartialEmitter(KernelEmitter):
                 root.lines.append(f"tl.store({address}, {self.full_shape(v, target)}"
                                   + (f", mask={mask})" if mask else ")"))
             self.ctx.split_layouts[(spec.name, f)] = layout
-            writes += [b for b, _ in layout.values()]
+            writes += [b for b, _, _ in layout.values()]
         return writes
 
     def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
@@ -1777,20 +1833,20 @@ class MergeEmitter(KernelEmitter):
         k = next(self.fold_ids)
         prefix = f"f{k}"
         root = self.root
-        cdt = self.ctx.cdt
         state = {}
         root.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}], merged from n_split partial "
                           f"states in order")
         for f in s.field_names:
-            axes = sort_axes(env0[n] for n in layout[f][1])
+            _, names, kind = layout[f]
+            axes = sort_axes(env0[n] for n in names)
             var = self.state_var(prefix, f)
             root.lines.append(f"{var} = tl.full({self.shape(axes)}, "
-                              f"{emission.literal(s.identity[s.field_names.index(f)].value)}, {cdt})")
-            state[f] = Value(var, axes)
+                              f"{self.identity_literal(s, f, kind)}, {self.state_dtype(kind)})")
+            state[f] = Value(var, axes, kind)
         body = Scope(root, 1, dict(root.env), "merge")
         loaded = {}
         for f in s.field_names:
-            buf, names = layout[f]
+            buf, names, kind = layout[f]
             axes = [env0[n] for n in names]
             ptr, strides = self.tensor_params(buf, 1 + len(names))
             target = sort_axes(axes)
@@ -1798,11 +1854,11 @@ class MergeEmitter(KernelEmitter):
             if axes:
                 address += " + " + self.offsets(axes, strides[1:], target)
             mask = self.mask_code(target, target)
-            ident_lit = emission.literal(s.identity[s.field_names.index(f)].value)
+            ident_lit = self.identity_literal(s, f, kind)
             # stored by other programs of the launch: read from L2, past this SM's L1
             load = (f"tl.load({address}, mask={mask}, other={ident_lit}, cache_modifier=\".cg\")" if mask
                     else f"tl.load({address}, cache_modifier=\".cg\")")
-            loaded[f] = self.assign(load, target, body, stem=f"part_{ident(f)}_")
+            loaded[f] = self.assign(load, target, body, kind, stem=f"part_{ident(f)}_")
         new: dict[str, Value] = {}
         covered = rescaled_fields(s) if rescaled_lowering(s) else set()
         for rs in (s.rescaled if covered else ()):
@@ -1842,6 +1898,10 @@ class MergeEmitter(KernelEmitter):
         return state
 
     # ------------------------------------------------------------ the kernel
+
+
+# The identities of an integral max and min: the int64 extremes stand in for -inf and inf
+INT64_EXTREMES = {-math.inf: -2 ** 63, math.inf: 2 ** 63 - 1}
 
 
 def host_tile_count(extent: str, block: int) -> str:
