@@ -626,6 +626,9 @@ class KernelEmitter:
                 return self.assign(f"tl.sqrt({base.code})", base.axes, place)
             if args[1].const == -0.5:
                 return self.assign(f"tl.rsqrt({base.code})", base.axes, place)
+            # a float exponent: _pow's floor of an integer literal (x ** 9) does not compile on the GPU
+            exponent = float(args[1].const)
+            args = [args[0], Value(emission.literal(exponent), (), "float", const=exponent)]
         if op in emission.FLOAT_RESULT:
             kind = "float"
             args = [self.as_float(a) for a in args]
