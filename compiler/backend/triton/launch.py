@@ -18,6 +18,8 @@ argument); the interpreter and older versions keep the ordinary path."""
 from __future__ import annotations
 
 import operator
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -67,6 +69,8 @@ class DirectLaunch:
         key = (device, guard_of(args, *self.positions))
         found = self.bound.get(key)
         if found is None:
+            if self.tuned:
+                self.compile_candidates(grid, args, constexprs)
             self.kernel[grid](*args, **constexprs)        # tunes and compiles where needed
             self.bound[key] = self.bind(grid, args, constexprs)
             return
@@ -80,17 +84,36 @@ class DirectLaunch:
         else:       # no profiler's hooks: no launch metadata to build (a dict per launch), none to call
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
+    def compile_candidates(self, grid, args: tuple, constexprs: dict) -> None:
+        """Compile every autotune candidate for these arguments at once, so that the
+        autotuner only times them: Triton's AsyncCompileMode over a thread pool (the
+        MLIR passes and ptxas run outside the GIL).  One after another, eight
+        candidates were most of an attention variant's first call.  Candidates that
+        fail to compile are left to the autotuner, which skips them."""
+        import triton
+        if not hasattr(triton, "AsyncCompileMode") or len(self.kernel.configs) < 2:
+            return
+        workers = min(len(self.kernel.configs), os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+            for config in self.kernel.configs:
+                options = {**constexprs, **config.all_kwargs()}
+                self.jit.warmup(*args, grid=self.grid3(grid, args, options)[0], **options)
+
+    def grid3(self, grid, args: tuple, options: dict) -> tuple[tuple, tuple]:
+        """(the 3-D grid, the constexprs in parameter order) of a launch with `options`."""
+        names = self.jit.arg_names
+        tail = tuple(options[name] for name in names[len(args):])
+        if callable(grid):
+            grid = grid(dict(zip(names, (*args, *tail))))
+        return (*grid, *(1,) * (3 - len(grid))), tail
+
     def bind(self, grid, args: tuple, constexprs: dict) -> tuple:
         """(compiled kernel, 3-D grid, the constexprs in parameter order) for this
         launch, as the launch just made chose them."""
         options = dict(constexprs)
         if self.tuned:
             options.update(self.kernel.best_config.all_kwargs())
-        names = self.jit.arg_names
-        tail = tuple(options[name] for name in names[len(args):])
-        if callable(grid):
-            grid = grid(dict(zip(names, (*args, *tail))))
-        grid3 = (*grid, *(1,) * (3 - len(grid)))
+        grid3, tail = self.grid3(grid, args, options)
         compiled = self.jit.warmup(*args, grid=grid3, **options)
         if hasattr(compiled, "result"):             # an asynchronous compile's future
             compiled = compiled.result()

@@ -12,7 +12,9 @@ streamed contraction index).  Candidates, each clamped to the index's extent
 - other kernels (memory-bound reductions and elementwise kernels): their tiles
   stay as chosen, and only warps and pipeline depth are tuned.
 Triton's autotuner times every candidate once per specialisation and keeps the
-fastest; candidates that do not fit the chip (shared memory) are skipped by it.
+fastest (in Triton's cache too, so another process reuses it: `cache_results`);
+candidates that do not fit the chip (shared memory) are skipped by it.  The
+candidates are compiled all at once before that (launch.DirectLaunch).
 Under the interpreter nothing is tuned: one small configuration runs.
 
 Every candidate is complete: it binds every constexpr the kernel declares (the
@@ -87,4 +89,5 @@ def decorator(code: KernelCode, configs) -> str:
                                  f"{sorted(code.constexprs)}")
     items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st})" for blocks, w, st in configs)
     keys = [p for p, expr in code.params if expr.startswith('n["')]     # the extents, by what they pass
-    return f"@triton.autotune(configs=[{items}], key={keys!r})"
+    # cache_results: the choice is kept in Triton's cache, so another process tunes a shape only once
+    return f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True)"

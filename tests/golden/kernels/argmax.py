@@ -18,7 +18,7 @@ def combine_argmax(a_m, a_p, b_m, b_p):
     return tl.where((b_m > a_m), b_m, a_m), tl.where((b_m > a_m), b_p, a_p)
 
 
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'])
+@triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'], cache_results=True)
 @triton.jit
 def einfold_Y(n_i, n_j, X_ptr, X_s0, X_s1, Y_ptr, Y_s0, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr):
     pid = tl.program_id(0)

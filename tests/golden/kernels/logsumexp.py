@@ -36,7 +36,7 @@ def _natural(t, r):
     return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
 
 
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'])
+@triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'], cache_results=True)
 @triton.jit
 def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr):
     pid = tl.program_id(0)
