@@ -52,7 +52,7 @@ def run(source: str, sizes: dict, start: float | None = None):
         inputs["start"] = start
     got = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))["O"]
     want = ref(**{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
-    return got, want, backend
+    return got, want.cpu(), backend     # the oracle answers on the inputs' device
 
 
 @pytest.mark.parametrize("predicate", list(CASES))
@@ -81,21 +81,28 @@ def test_a_float_offset_is_rounded_outwards_and_nan_selects_nothing(start):
     assert "tl.floor" in backend.source
 
 
-def test_the_interior_of_a_window_drops_the_predicate_the_far_past_is_skipped():
-    backend = compiler.compile(attention("m <= i and i - m < 6"), backend="triton").backend
-    ref = compiler.compile(attention("m <= i and i - m < 6"), backend="reference")
-    inputs = random_inputs(ref.checked, {"i": 64, "m": 64, "c": 4, "j": 4}, dtype=torch.float32, device=DEVICE)
-    code = backend.source_for(Binder(ref.checked, extents_of=backend.program)(inputs), sm_count=None)
+@pytest.mark.parametrize("width", [6, 40])
+def test_the_interior_of_a_window_drops_the_predicate_the_far_past_is_skipped(width):
+    source = attention(f"m <= i and i - m < {width}")
+    program, ref = compiler.compile(source, backend="triton"), compiler.compile(source, backend="reference")
+    inputs = random_inputs(ref.checked, {"i": 150, "m": 150, "c": 4, "j": 4}, dtype=torch.float32, device=DEVICE)
+    code = program.backend.source_for(Binder(ref.checked, extents_of=program.backend.program)(inputs),
+                                      sm_count=None)
     # the far past: the loop starts at the first tile a key of the window can be in
-    assert "lo_m = tl.maximum(0, (tl.maximum(tl.min(offs_i, 0) - 5, 0)) // BLOCK_m * BLOCK_m)" in code
+    assert f"lo_m = tl.maximum(0, (tl.maximum(tl.min(offs_i, 0) - {width - 1}, 0)) // BLOCK_m * BLOCK_m)" in code
     assert "hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)" in code
-    # the interior tiles evaluate the window's conjunct but not the causal one; the boundary tiles both
-    interior = code[code.index("for start_m in range(lo_m, mid_m"):code.index("# the boundary tiles")]
-    boundary = code[code.index("# the boundary tiles"):]
+    # three loops: the window's far edge and the diagonal evaluate both conjuncts; the tiles
+    # between them (where the window is wider than a tile) neither
+    far = code[code.index("for start_m in range(lo_m, inner_m"):code.index("for start_m in range(inner_m, mid_m")]
+    interior = code[code.index("for start_m in range(inner_m, mid_m"):code.index("# the boundary tiles, where")]
+    near = code[code.index("for start_m in range(mid_m, hi_m"):]
     causal = "(offs_m[None, :] <= offs_i[:, None])"
     window = "(offs_i[:, None] - offs_m[None, :])"
-    assert window in interior and causal not in interior
-    assert window in boundary and causal in boundary
+    assert window not in interior and causal not in interior
+    assert all(window in edge and causal in edge for edge in (far, near))
+    got = program(**inputs)
+    want = ref(**{k: v.double().cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- predicates on data

@@ -840,6 +840,7 @@ class KernelEmitter:
             interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T)
             T.lines.extend(init)
             headers, depth = [], 0
+            boundary_after = True          # tiles left past the interior, where the predicate is evaluated
             chunk = self.chunked and T is self.root
             for p, ax in enumerate(loops):
                 n = self.extent_param(ax.name)
@@ -853,17 +854,29 @@ class KernelEmitter:
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
                 lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
                 if interior is not None and p == 0:
-                    # tiles where the predicate holds everywhere first, without it
-                    mid, inner_body = interior
-                    T.lines.append(f"mid_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {mid}))")
-                    T.lines.append(f"for start_{ax.var} in range({lo}, mid_{ax.var}, {ax.block_name}):")
+                    # the tiles where the predicate holds everywhere run without it: the
+                    # boundary tiles before them (a window's far edge), then the interior
+                    first, last, inner_body = interior
+                    if first is not None:
+                        T.lines.append(f"inner_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {first}))")
+                        T.lines.append("# the boundary tiles before the interior, where the predicate is evaluated")
+                        T.lines.append(f"for start_{ax.var} in range({lo}, inner_{ax.var}, {ax.block_name}):")
+                        T.lines.extend(indent(body.lines, 1))
+                        lo = f"inner_{ax.var}"
+                    end = hi if last is None else f"mid_{ax.var}"
+                    if last is not None:
+                        T.lines.append(f"mid_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {last}))")
+                    T.lines.append(f"for start_{ax.var} in range({lo}, {end}, {ax.block_name}):")
                     T.lines.extend(indent(inner_body.lines, 1))
-                    T.lines.append("# the boundary tiles, where the predicate is evaluated")
-                    lo = f"mid_{ax.var}"
+                    boundary_after = last is not None
+                    if boundary_after:
+                        T.lines.append("# the boundary tiles, where the predicate is evaluated")
+                    lo = end
                 headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
                 depth += 1
-            T.lines.extend(headers)
-            T.lines.extend(indent(body.lines, depth))
+            if boundary_after:
+                T.lines.extend(headers)
+                T.lines.extend(indent(body.lines, depth))
             T.lines.extend(finish)
         else:
             T.lines[mark + 1:mark + 1] = init      # the state exists before the straight-line body
@@ -878,26 +891,32 @@ class KernelEmitter:
         return getattr(self, lowering)(fold, prefix, body, RA, looped, init, finish)
 
     def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T):
-        """For a single loop bounded above by a predicate (m <= i: causal), the
-        tiles below the boundary satisfy it everywhere: emit their update without
-        the predicate.  Returns (first boundary tile start, interior body) or None."""
+        """For a single loop bounded by index predicates (m <= i: causal; i - m < W: a
+        window's far edge), the tiles between the boundaries satisfy them everywhere:
+        emit their update without them.  Returns (the first interior tile's start or
+        None, the first upper boundary tile's start or None, the interior body), or
+        None."""
         if len(loops) != 1 or not self.tuned or loops[0].scalar:
             return None
         ax = loops[0]
-        upper = [b for b in relations.get(ax.name, []) if b.upper and (b.other is None or b.other in env0)]
-        if not upper:
+        bounds = [b for b in relations.get(ax.name, []) if b.other is None or b.other in env0]
+        if not bounds:
             return None
-        bound = upper[0]
-        # a tile [start, start + B) holds the relation everywhere iff start + B <= the
-        # first index past the smallest right-hand side over the program's tile
-        first_failing = self.side_limit(bound, env0, T, holds_everywhere=True)
+        # a tile [start, start + B) holds an upper relation everywhere iff start + B <= the
+        # first index past the smallest right-hand side over the program's tile, and a
+        # lower one iff start >= the first index where it holds for the largest
+        ends = [self.tile_start(self.side_limit(b, env0, T, holds_everywhere=True), ax, b) for b in bounds if b.upper]
+        starts = [self.tile_end(self.side_limit(b, env0, T, holds_everywhere=True), ax)
+                  for b in bounds if not b.upper]
         inner = Scope(T, T.level + 1, env, "body")
         inner.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
         inner.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
-        assumed = assume_relation(fold, bound)
+        assumed = fold
+        for b in bounds:
+            assumed = assume_relation(assumed, b)
         self.skipping_dead_tiles(assumed, loops, inner, lambda: self.fold_tiles(assumed, prefix, inner, RA, True,
                                                                                 [], []))
-        return self.tile_start(first_failing, ax, bound), inner
+        return nested("tl.maximum", starts), nested("tl.minimum", ends), inner
 
     def skipping_dead_tiles(self, fold: Reduce, loops, body: Scope, update):
         """`update()` writes one tile's update of the fold into `body`; where a predicate
@@ -981,6 +1000,11 @@ class KernelEmitter:
         if not (b.other is not None and b.sign > 0 and constant(b.offset) == 0):
             limit = f"tl.maximum({limit}, 0)"
         return f"({limit}) // {ax.block_name} * {ax.block_name}"
+
+    @staticmethod
+    def tile_end(limit: str, ax: Axis) -> str:
+        """The start of the first tile of `ax` at or past index `limit` (at least 0)."""
+        return f"(tl.maximum({limit}, 0) + {ax.block_name} - 1) // {ax.block_name} * {ax.block_name}"
 
     @staticmethod
     def step(ax: Axis) -> str:
@@ -1905,6 +1929,16 @@ class MergeEmitter(KernelEmitter):
 
 # The identities of an integral max and min: the int64 extremes stand in for -inf and inf
 INT64_EXTREMES = {-math.inf: -2 ** 63, math.inf: 2 ** 63 - 1}
+
+
+def nested(fn: str, args: list[str]) -> str | None:
+    """`fn` (tl.maximum, tl.minimum) of all `args` as nested calls; None for none."""
+    if not args:
+        return None
+    out = args[0]
+    for a in args[1:]:
+        out = f"{fn}({out}, {a})"
+    return out
 
 
 def host_tile_count(extent: str, block: int) -> str:
