@@ -1,0 +1,91 @@
+"""Probe (issue 13): einfold's generated attention kernel as emitted (pointer loads)
+against the same kernel with its Q, K and V tiles loaded through device-side tensor
+descriptors (tl.make_tensor_descriptor: TMA on Hopper), and SDPA's cuDNN backend, side
+by side in one process on the GPU.  The descriptor variant is the generated kernel
+with only its three loads edited, so the ratio is what the emitter would gain.
+
+    python3 scripts/tma_probe.py            # prints a table; rows to $OUT/tma_probe.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import triton
+import triton.testing
+
+import compiler
+
+ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+LOADS = {   # pointer load (as emitted) -> descriptor load of the same tile
+    r"x_Q1 = tl\.load\(Q_ptr .*\)\n":
+        "x_Q1 = tl.make_tensor_descriptor(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1, "
+        "shape=[n_i, n_k], strides=[Q_s2, 1], block_shape=[BLOCK_i, BLOCK_k]).load([pid_i * BLOCK_i, 0])\n",
+    r"x_K0 = tl\.load\(K_ptr .*\)\n":
+        "x_K0 = k_desc.load([start_m, 0]).T\n",
+    r"x_V3 = tl\.load\(V_ptr .*\)\n":
+        "x_V3 = v_desc.load([start_m, pid_j * BLOCK_j])\n",
+    r"    r = tl\.full\(\[BLOCK_i\]":
+        "    k_desc = tl.make_tensor_descriptor(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1, "
+        "shape=[n_m, n_k], strides=[K_s2, 1], block_shape=[BLOCK_m, BLOCK_k])\n"
+        "    v_desc = tl.make_tensor_descriptor(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1, "
+        "shape=[n_m, n_j], strides=[V_s2, 1], block_shape=[BLOCK_m, BLOCK_j])\n"
+        "    r = tl.full([BLOCK_i]",
+}
+
+
+def variant(program, x, edit: bool):
+    """A launcher of the program's module for inputs x, its loads edited or not."""
+    program(**x)
+    source = program.source
+    if edit:
+        for pattern, replacement in LOADS.items():
+            source, n = re.subn(pattern, replacement, source)
+            assert n == 1, pattern
+    path = f"/tmp/tma_probe_{'tma' if edit else 'ptr'}_{x['Q'].shape[2]}.py"
+    with open(path, "w") as f:
+        f.write(source)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    b, h, s, d = x["Q"].shape
+    out = torch.empty_like(x["Q"])
+    t = {**x, "O": out}
+    n = {"b": b, "h": h, "i": s, "m": s, "k": d, "j": d}
+    return lambda: (module.launch(t, n, x["Q"].device), out)[1]
+
+
+def main() -> None:
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    rows = []
+    for b, h, s in ((4, 16, 4096), (1, 16, 16384), (16, 16, 1024)):
+        d = 128
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = {k: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for k in "QKV"}
+        x["scale"] = d ** -0.5
+        program = compiler.compile(ATTENTION)
+        ref = torch.nn.functional.scaled_dot_product_attention(x["Q"].double(), x["K"].double(), x["V"].double())
+        contenders = {"pointer": variant(program, x, False), "descriptor": variant(program, x, True)}
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(x["Q"], x["K"], x["V"])
+        contenders["cudnn"] = cudnn
+        flops = 4 * b * h * s * s * d
+        for name, fn in contenders.items():
+            out = fn()
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            rows.append({"shape": f"B{b} H{h} S{s} d{d}", "contender": name, "ms": ms,
+                         "tflops": flops / ms / 1e9, "rel_err": err})
+            print(f"B{b} H{h} S{s} d{d} {name:10s} {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s err {err:.1e}",
+                  flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "tma_probe.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
