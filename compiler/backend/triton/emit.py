@@ -445,8 +445,7 @@ class KernelEmitter:
         from the int64 extremes (its infinite identity has no integer)."""
         value = s.identity[s.field_names.index(field_name)].value
         if kind == "int":
-            value = INT64_EXTREMES.get(value, value)
-            value = int(value)
+            value = int(INT64_EXTREMES.get(value, value))
         return emission.literal(value)
 
     def state_var(self, prefix: str, field_name: str, role: str | None = None) -> str:
@@ -1150,7 +1149,7 @@ class KernelEmitter:
             return replace(v, axes=sort_axes(a for a in v.axes if a not in RA))
         U = sort_axes([a for f in factors for a in f.axes] + list(RA))
         self.tile(U)
-        product = " * ".join(self.expand(f, U) for f in factors) if factors else "1"
+        product = " * ".join(self.expand(f, U) for f in factors) if factors else "1" if exact else "1.0"
         kind = "int" if exact else "float"
         if exact:
             product = self.broadcast(f"({product}).to(tl.int64)", U, "tl.int64") if dims(U) \
