@@ -477,7 +477,23 @@ def test_forced_split_plans_one_launch_whose_last_program_merges():
     assert "einfold_O_merge[" not in source and "        einfold_O_merge(n_split, " in source
     assert 'tl.atomic_add(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 1, sem="acq_rel")' \
         in source
-    assert 't["einfold_O_arrivals"] = torch.zeros(' in source
+    # the counters are made at 0 once (scratch) and every launch leaves them at 0
+    assert '"einfold_O_arrivals": torch.zeros(' in source
+    assert "    tl.store(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 0)" in source
+
+
+def test_a_kept_scratch_serves_repeated_split_launches():
+    """The runner keeps a split kernel's partial states and arrival counters across
+    calls: each launch must leave the counters at 0, or the next call's last program
+    would never merge (or merge early)."""
+    ref, backend = triton_backend(ATTENTION, split=3)
+    for seed in range(3):
+        inputs = {"Q": randn(2, 3, 1, 16, seed=seed), "K": randn(2, 3, 150, 16, seed=seed + 10),
+                  "V": randn(2, 3, 150, 8, seed=seed + 20), "scale": 0.25}
+        runner = backend.runner(Binder(ref.checked, extents_of=backend.program)(inputs))
+        for _ in range(2):
+            got = runner(inputs)["O"]
+            torch.testing.assert_close(got.cpu(), ref(**inputs).cpu(), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("src, shape", [("Y[i,j] = softmax[j](X[i,j])", (5, 300)),

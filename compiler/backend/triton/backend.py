@@ -164,7 +164,7 @@ class TritonBackend:
             module = load(built.source, options, interpret)
             if not interpret and direct_launch_supported():
                 bind_directly(module, [k.name for k in built.plan.kernels])
-            entry = (built, _quiet(module.launch) if interpret else module.launch)
+            entry = (built, _quiet(module.launch) if interpret else module.launch, getattr(module, "scratch", None))
             self._built[sig] = entry
         if interpret:
             _note_interpreter()
@@ -196,14 +196,28 @@ class TritonBackend:
             raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
                                f"not on {binding.device.type}")
         extents = self._extents(binding)
-        _, launch = self._entry(binding, extents)
+        _, launch, scratch = self._entry(binding, extents)
         device = binding.device
         outputs = self._output_specs(binding)
+        # a split kernel's partial states and arrival counters, made once per stream (launches
+        # on one stream are ordered, and each leaves its counters at 0): no allocations and
+        # no zero-fill per call
+        kept: dict[int, dict] = {}
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            stream_of = lambda: torch._C._cuda_getCurrentRawStream(index)   # noqa: E731 -- the raw handle, cheap
+        else:
+            stream_of = int         # the interpreter: one stream
 
         def run(values):
             t = dict(values)
             for name, shape, dtype in outputs:
                 t[name] = torch.empty(shape, dtype=dtype, device=device)
+            if scratch is not None:
+                stream = stream_of()
+                if stream not in kept:
+                    kept[stream] = scratch(extents, device)
+                t.update(kept[stream])
             launch(t, extents, device)
             return {name: t[name] for name, _, _ in outputs}
         return run
@@ -223,7 +237,7 @@ class TritonBackend:
         from ...bind import bind
         binding = bind(self.program, inputs)
         extents = self._extents(binding)
-        _, launch = self._entry(binding, extents)
+        _, launch, _ = self._entry(binding, extents)
         t = dict(binding.values)
         for name, shape, dtype in self._output_specs(binding):
             t[name] = torch.empty(shape, dtype=dtype, device=binding.device)

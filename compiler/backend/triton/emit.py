@@ -1690,7 +1690,7 @@ class KernelEmitter:
 
     def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit
-        functions the kernel calls, the buffers the launcher zeroes)."""
+        functions the kernel calls, the buffers the launcher zeroes when it makes them)."""
         return (), frozenset()
 
 
@@ -1834,7 +1834,10 @@ class PartialEmitter(KernelEmitter):
         root.lines += ["# one launch: the last of this tile's n_split programs to store its state merges them all",
                        f"{arrived} = tl.atomic_add({ptr} + tl.program_id(0) * {stride}, 1, sem=\"acq_rel\")",
                        f"if {arrived} == n_split - 1:",
-                       f"    {merge.name}({', '.join(args)})"]
+                       f"    {merge.name}({', '.join(args)})",
+                       "    # every program of the tile has counted itself in: back to 0 for the next launch "
+                       "(the launcher keeps the counters)",
+                       f"    tl.store({ptr} + tl.program_id(0) * {stride}, 0)"]
         return (merge,), frozenset({counter})
 
 

@@ -161,18 +161,34 @@ class ModuleBuilder:
         lines += [f"# note: {n}" for n in self.notes]
         return lines
 
+    def scratch(self) -> list[str]:
+        """`scratch(n, device)`: the split kernels' partial states and arrival counters,
+        which a caller may keep across launches on one stream (the counters return to 0
+        at the end of each launch); only in a module with split kernels."""
+        lines = ["def scratch(n, device):",
+                 '    """The buffers of the split kernels (partial states, arrival counters at 0) by name:',
+                 '    kept by the caller across launches on one stream, or made by launch."""',
+                 "    return {"]
+        for code, n_split in self.kernels:
+            for name, shape, dtype in code.buffers:
+                allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
+                size = ", ".join(s.replace("n_split", str(n_split)) for s in shape)
+                lines.append(f'        "{name}": {allocate}(({size},), dtype={dtype}, device=device),')
+        lines.append("    }")
+        return lines
+
     def launcher(self) -> list[str]:
+        kept = [name for code, _ in self.kernels for name, _, _ in code.buffers]
         lines = ["def launch(t, n, device):",
                  '    """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;',
-                 '    buffers are added); n: extent of every index by name."""']
+                 f'    buffers{" and scratch" if kept else ""} are added); n: extent of every index by name."""']
+        if kept:
+            lines.append(f'    if "{kept[0]}" not in t:')
+            lines.append("        t.update(scratch(n, device))")
         for code, n_split in self.kernels:
             lines.append(f"    # {code.name}: {code.why}")
             if code.split_axis or n_split > 1:
                 lines.append(f"    n_split = {n_split}")
-            for name, shape, dtype in code.buffers:
-                allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
-                lines.append(f'    t["{name}"] = {allocate}(({", ".join(shape)},), dtype={dtype}, '
-                             f'device=device)')
             args = packed_strides([expr for _, expr in code.params])
             if code.name in self.tuned:
                 # the autotuner binds every tile (each candidate is complete): the grid follows its choice
@@ -208,5 +224,7 @@ class ModuleBuilder:
         for code, _ in self.kernels:
             parts += [f.source.rstrip() for f in code.functions]
             parts.append((f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip())
+        if any(code.buffers for code, _ in self.kernels):
+            parts.append("\n".join(self.scratch()))
         parts.append("\n".join(self.launcher()))
         return "\n\n\n".join(parts) + "\n"

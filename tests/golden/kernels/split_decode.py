@@ -126,17 +126,28 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
     arrived = tl.atomic_add(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 1, sem="acq_rel")
     if arrived == n_split - 1:
         einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j=128)
+        # every program of the tile has counted itself in: back to 0 for the next launch (the launcher keeps the counters)
+        tl.store(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 0)
+
+
+def scratch(n, device):
+    """The buffers of the split kernels (partial states, arrival counters at 0) by name:
+    kept by the caller across launches on one stream, or made by launch."""
+    return {
+        "einfold_O_state0_l": torch.empty((64, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device),
+        "einfold_O_state0_u": torch.empty((64, n["b"], n["h"], n["i"], n["j"],), dtype=torch.float32, device=device),
+        "einfold_O_state0_r": torch.empty((64, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device),
+        "einfold_O_arrivals": torch.zeros(((n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"],), dtype=torch.int32, device=device),
+    }
 
 
 def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
-    buffers are added); n: extent of every index by name."""
+    buffers and scratch are added); n: extent of every index by name."""
+    if "einfold_O_state0_l" not in t:
+        t.update(scratch(n, device))
     # einfold_O_partial: one program per (b, h, i, j) tile; folds fold1_r_l_u[m] streamed over their indices [grid (b, h, i, j/128)]
     n_split = 64
-    t["einfold_O_state0_l"] = torch.empty((n_split, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device)
-    t["einfold_O_state0_u"] = torch.empty((n_split, n["b"], n["h"], n["i"], n["j"],), dtype=torch.float32, device=device)
-    t["einfold_O_state0_r"] = torch.empty((n_split, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device)
-    t["einfold_O_arrivals"] = torch.zeros(((n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"],), dtype=torch.int32, device=device)
     grid = (n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"]
     if grid > 0:                       # an empty output launches nothing
         einfold_O_partial[(grid, n_split)](
