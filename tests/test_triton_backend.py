@@ -851,3 +851,24 @@ def test_integer_arithmetic_and_constant_folding_follow_the_documented_types(bac
     for src in ("Y[i] = where(X[i] > 0, i, 0) * 2 ** -1", "Y[i] = where(X[i] > 0, i, 0) * (1 / 2)"):
         half = compiler.compile(src, backend=backend)(X=x)
         assert half.dtype.is_floating_point and torch.equal(half.cpu().double(), i / 2), src
+
+
+@gpu
+def test_gpu_split_scratch_is_kept_per_stream():
+    """Calls of one split program on two streams at once each keep their own scratch;
+    with one scratch the counters of concurrent launches would mix and merge early."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 1, 128, device="cuda", generator=g)
+    k, v = (torch.randn(1, 8, 65536, 128, device="cuda", generator=g) for _ in range(2))
+    program = compiler.compile(ATTENTION)
+    assert "_partial" in program.plan(Q=q, K=k, V=v, scale=0.088).kernels[0].name
+    want = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * 0.088, -1) @ v.double()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for _ in range(4):
+        for s in streams:
+            with torch.cuda.stream(s):
+                outs.append(program(Q=q, K=k, V=v, scale=0.088))
+    torch.cuda.synchronize()
+    for out in outs:
+        assert ((out.double() - want).norm() / want.norm()).item() < 1e-5
