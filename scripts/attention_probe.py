@@ -1,10 +1,15 @@
-"""Probe (issue 13): einfold's generated attention kernel as emitted (pointer loads)
-against the same kernel with its Q, K and V tiles loaded through device-side tensor
-descriptors (tl.make_tensor_descriptor: TMA on Hopper), and SDPA's cuDNN backend, side
-by side in one process on the GPU.  The descriptor variant is the generated kernel
-with only its three loads edited, so the ratio is what the emitter would gain.
+"""Probe (issue 13): einfold's generated attention kernel as emitted against hand
+edits of it, and SDPA's cuDNN backend, side by side in one process on the GPU.  Each
+variant is the generated kernel with a few lines replaced, so a ratio is what the
+emitter would gain by emitting that:
+- descriptor: the Q, K and V tiles loaded through device-side tensor descriptors
+  (tl.make_tensor_descriptor: TMA on Hopper);
+- folded: the (positive) scale folded into the max and the weights' fma, one
+  multiply per score fewer: max(c qk) = c max(qk), exp2(fma(qk, c a, -r2));
+- lean: folded, and the accuracy contract's per-row guards dropped (a = log2(e)
+  always, r2 = r a unrounded as an fma operand): what the contract costs.
 
-    python3 scripts/tma_probe.py            # prints a table; rows to $OUT/tma_probe.json
+    python3 scripts/attention_probe.py      # prints a table; rows to $OUT/attention_probe.json
 """
 from __future__ import annotations
 
@@ -19,6 +24,17 @@ import triton.testing
 import compiler
 
 ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+FOLDED = {
+    r"        x0 = \(scale_val \* qk\)\n": "",
+    r"tl\.max\(x0, 1\)": "scale_val * tl.max(qk, 1)",
+    r"tl\.fma\(x0, a\[:, None\]": "tl.fma(qk, (scale_val * a)[:, None]",
+}
+LEAN = {
+    **FOLDED,
+    r"a = _base2\(r_use\)": "a = r_use * 0.0 + 1.4426950408889634",
+    r"r2 = _scaled\(r_use\)": "r2 = r_use * 1.4426950408889634",
+    r"alpha = tl\.exp2\(_scaled\(r\) - r2\)": "alpha = tl.exp2(r * 1.4426950408889634 - r2)",
+}
 LOADS = {   # pointer load (as emitted) -> descriptor load of the same tile
     r"x_Q1 = tl\.load\(Q_ptr .*\)\n":
         "x_Q1 = tl.make_tensor_descriptor(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1, "
@@ -36,15 +52,15 @@ LOADS = {   # pointer load (as emitted) -> descriptor load of the same tile
 }
 
 
-def variant(program, x, edit: bool):
-    """A launcher of the program's module for inputs x, its loads edited or not."""
+def variant(program, x, name: str, edits: dict):
+    """A launcher of the program's module for inputs x, with `edits` (pattern ->
+    replacement, each matching once) applied to its source."""
     program(**x)
     source = program.source
-    if edit:
-        for pattern, replacement in LOADS.items():
-            source, n = re.subn(pattern, replacement, source)
-            assert n == 1, pattern
-    path = f"/tmp/tma_probe_{'tma' if edit else 'ptr'}_{x['Q'].shape[2]}.py"
+    for pattern, replacement in edits.items():
+        source, n = re.subn(pattern, replacement, source)
+        assert n == 1, pattern
+    path = f"/tmp/attention_probe_{name}_{x['Q'].shape[2]}.py"
     with open(path, "w") as f:
         f.write(source)
     import importlib.util
@@ -68,7 +84,8 @@ def main() -> None:
         x["scale"] = d ** -0.5
         program = compiler.compile(ATTENTION)
         ref = torch.nn.functional.scaled_dot_product_attention(x["Q"].double(), x["K"].double(), x["V"].double())
-        contenders = {"pointer": variant(program, x, False), "descriptor": variant(program, x, True)}
+        contenders = {name: variant(program, x, name, edits) for name, edits in
+                      (("emitted", {}), ("descriptor", LOADS), ("folded", FOLDED), ("lean", LEAN))}
         from torch.nn.attention import SDPBackend, sdpa_kernel
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -83,7 +100,7 @@ def main() -> None:
                          "tflops": flops / ms / 1e9, "rel_err": err})
             print(f"B{b} H{h} S{s} d{d} {name:10s} {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s err {err:.1e}",
                   flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "tma_probe.json"), "w") as f:
+    with open(os.path.join(os.environ.get("OUT", "."), "attention_probe.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 
