@@ -116,7 +116,8 @@ class _Evaluator:
             return self.folds[e]
         s = e.summary
         args = [self(a) for a in e.args]
-        dims = _union(args)
+        # a reduced index the body does not read still counts its positions (sum[k](1) = len(k))
+        dims = tuple(dict.fromkeys((*_union(args), *e.indices)))
         kept = tuple(d for d in dims if d not in e.indices)
         shape = [self.extents[d] for d in dims]
         env = {f"x{k}": a.aligned(dims).to(torch.float64).expand(shape) for k, a in enumerate(args)}

@@ -2,6 +2,7 @@
 (random chunks, random merge orders) against the float64 oracle."""
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 import compiler
 from compiler import reference
 from compiler.bind import Binder, bind
-from compiler.ir import Reduce, walk
+from compiler.ir import Reduce, format_program, free_indices, walk
 from compiler.random_inputs import random_inputs
 
 ATTENTION_FORMS = {
@@ -234,3 +235,36 @@ def test_a_program_keeps_the_trace_of_its_stages_and_explain_reads_it():
     text = program.explain()
     for (_, before), (name, after) in zip(program.trace, program.trace[1:-1]):
         assert (f"after {name}:" in text) == (after != before), name
+
+
+def test_a_constant_term_of_a_sum_counts_the_positions():
+    """sum_k (exp(x) + 0.5) splits into sum_k exp(x) + 0.5 len(k): a sum whose body does
+    not read its index is a count, never a sum[k](1) (found by the fuzzer: the oracle
+    could not fold it, a foreign ValueError at every size)."""
+    src = "R2[i] = sum[k](exp(X[i,k]) + 0.5); B2[i,k] = exp(X[i,k]) - R2[i]"
+    program = compiler.compile(src, backend="reference")
+    assert not any(isinstance(n, Reduce) and n.summary.name == "sum" and
+                   not any(i in free_indices(a) for a in n.args for i in n.indices)
+                   for st in program.factorised.statements for n in walk(st.expr))
+    assert "0.5 * len(k)" in format_program(program.factorised)
+    triton = compiler.compile(src)
+    for shape in ((3, 5), (2, 0), (0, 4), (1, 1)):
+        x = torch.randn(*shape, dtype=torch.float64)
+        want = x.exp() - (x.exp() + 0.5).sum(1, keepdim=True)
+        torch.testing.assert_close(program(X=x), want)
+        chunked_matches_oracle(program, {"X": x})
+        torch.testing.assert_close(triton(X=x.float()).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_oracle_folds_a_sum_whose_body_does_not_read_its_index():
+    # passes may write one; it counts the positions of its index
+    from compiler.algebra import BUILTINS
+    from compiler.ir import Call, Const
+    program = compiler.compile("Y[i] = sum[k](X[i,k])", backend="reference")
+    (st,) = program.factorised.statements
+    count = Call("mul", (Const(0.5), Reduce(BUILTINS["sum"], ("k",), (Const(1.0),))))
+    extra = replace(program.factorised, statements=(replace(st, expr=Call("add", (st.expr, count))),))
+    x = torch.randn(2, 5, dtype=torch.float64)
+    for chunking in (None, random.Random(0)):
+        got = reference.run(extra, {"X": x}, {"i": 2, "k": 5}, chunking=chunking)["Y"]
+        torch.testing.assert_close(got, x.sum(1) + 2.5)

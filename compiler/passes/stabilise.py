@@ -31,7 +31,7 @@ import sympy
 
 from ..algebra import BUILTINS
 from ..algebra.properties import extremum
-from ..ir import Call, Const, Expr, Program, Reduce, children, free_indices, transform, walk
+from ..ir import Call, Const, Expr, Extent, Program, Reduce, children, free_indices, transform, walk
 from .symbolic import SymbolTable, from_sympy, to_sympy
 
 
@@ -65,6 +65,8 @@ def _varies(e: Expr, indices) -> bool:
 
 
 def pull_out_invariants(e: Expr) -> Expr:
+    """sum_I c f = c sum_I f for c free of I; the indices of I that f does not read
+    count: sum_{k,j} f(j) = len(k) sum_j f(j), and sum_k c = c len(k)."""
     if not is_sum(e):
         return e
     num, den = factors(e.args[0])
@@ -72,8 +74,11 @@ def pull_out_invariants(e: Expr) -> Expr:
     outside = [f for f in num if not _varies(f, e.indices)], [f for f in den if not _varies(f, e.indices)]
     if not outside[0] and not outside[1]:
         return e
-    inner = replace(e, args=(product(*inside),))
-    return product([*outside[0], inner], outside[1])
+    body = product(*inside)
+    read = tuple(i for i in e.indices if i in free_indices(body))
+    counts = [Extent(i) for i in e.indices if i not in read]
+    inner = [replace(e, indices=read, args=(body,))] if read else []
+    return product([*outside[0], *counts, *inner], outside[1])
 
 
 def terms(e: Expr, sign: int = 1) -> list[tuple[int, Expr]]:
