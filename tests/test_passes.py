@@ -253,7 +253,8 @@ def test_a_constant_term_of_a_sum_counts_the_positions():
         want = x.exp() - (x.exp() + 0.5).sum(1, keepdim=True)
         torch.testing.assert_close(program(X=x), want)
         chunked_matches_oracle(program, {"X": x})
-        torch.testing.assert_close(triton(X=x.float()).double(), want, rtol=1e-5, atol=1e-5)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.testing.assert_close(triton(X=x.float().to(device)).double().cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_oracle_folds_a_sum_whose_body_does_not_read_its_index():
