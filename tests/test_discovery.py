@@ -656,6 +656,11 @@ FIXED_THIS_ROUND = {
     **{f"entropy {k}": source for k, source in enumerate(EQUIVALENT["entropy"])},
     **{f"kl of softmax rows {k}": source for k, source in enumerate(EQUIVALENT["kl_of_softmax_rows"])},
     "a sum weighted by its own exponential": "Y[i] = sum[m](exp(X[i,m]) * X[i,m])",
+    # the thirteenth session's: a constant term of a sum counts (len(k), not sum[k](1)), an
+    # integral sum beside a float one in one fold, a ninth central moment
+    "a constant term of a sum": "R2[i] = sum[k](exp(X[i,k]) + 0.5); B2[i,k] = exp(X[i,k]) - R2[i]",
+    "an integral sum beside a float one": "S[i] = sum[j](X[i,j]); C[i] = sum[j](where(X[i,j] > 0, j * 3, 0))",
+    "a ninth central moment": "mu[i] = mean[j](X[i,j]); Z[i] = sum[j]((X[i,j] - mu[i])**9)",
 }
 
 

@@ -11,10 +11,9 @@ executor, the law checker (sympy) and code generation.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-
-from collections.abc import Mapping
 
 from ..ir import Call, Const, Expr, Var, walk
 from ..ops import FLOAT, INT, OPS

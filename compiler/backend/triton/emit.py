@@ -1079,15 +1079,11 @@ class KernelEmitter:
     def sum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         (field_name,) = fold.summary.field_names
         factors = [self.value(f, body) for f in flatten_mul(fold.args[0])]
-        if all(f.kind == "int" for f in factors):
-            # an integer sum folds exactly: int64 products and state, never a float tl.dot
-            contrib = self.contract(factors, RA, body, keep=self.lanes(RA) if looped else (), exact=True)
-            if not looped:
-                return {field_name: contrib}
-            return {field_name: self.running(prefix, field_name, contrib, RA, "tl.zeros({shape}, tl.int64)",
-                                             "{var} += {tile}", "tl.sum", body, init, finish)}
-        factors = [self.as_float(f) for f in factors]
-        dot = self.dot_plan(factors, dims(RA))
+        # an integer sum folds exactly: int64 products and state, never a float tl.dot
+        exact = all(f.kind == "int" for f in factors)
+        if not exact:
+            factors = [self.as_float(f) for f in factors]
+        dot = None if exact else self.dot_plan(factors, dims(RA))
         if looped and (FA := self.accumulator_axes(dot, RA)) is not None:
             # a matrix product accumulates in tl.dot's accumulator
             acc = self.state_var(prefix, field_name, role="acc")
@@ -1097,11 +1093,12 @@ class KernelEmitter:
             else:
                 self.emit_dot(*dot, body, into=acc)
             return {field_name: Value(acc, FA)}
-        contrib = self.contract(factors, RA, body, keep=self.lanes(RA) if looped else ())
+        contrib = self.contract(factors, RA, body, keep=self.lanes(RA) if looped else (), exact=exact)
         if not looped:
             return {field_name: contrib}
         # a tl.dot's tile is summed over its lanes already
-        return {field_name: self.running(prefix, field_name, contrib, RA, f"tl.zeros({{shape}}, {self.ctx.cdt})",
+        return {field_name: self.running(prefix, field_name, contrib, RA,
+                                         f"tl.zeros({{shape}}, {self.state_dtype(contrib.kind)})",
                                          "{var} += {tile}", "tl.sum", body, init, finish)}
 
     def contraction_dtype(self, fold: Reduce):
@@ -1484,10 +1481,8 @@ class KernelEmitter:
         new = {f: self.formula(s.combine[index[f]], env, body, cse) for f in fields}
         new = self.guard_identity(s, fields, state, tile_vals, new, body)
         for f in fields:
-            code = self.full_shape(self.as_float(new[f]) if kinds[f] == "float" else new[f], FA)
-            if kinds[f] == "int" and new[f].const is None:
-                code += ".to(tl.int64)"      # int32 index arithmetic joins the int64 state
-            body.lines.append(f"{state[f].code} = {code}")
+            # to_kind: int32 index arithmetic joins the int64 state
+            body.lines.append(f"{state[f].code} = {self.full_shape(self.to_kind(new[f], kinds[f]), FA)}")
         return state
 
     def tile_sums(self, block, fields, xs, RA, body: Scope) -> dict[str, Value]:

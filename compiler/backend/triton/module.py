@@ -172,7 +172,7 @@ class ModuleBuilder:
         for code, n_split in self.kernels:
             for name, shape, dtype in code.buffers:
                 allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
-                size = ", ".join(s.replace("n_split", str(n_split)) for s in shape)
+                size = ", ".join(str(n_split) if s == "n_split" else s for s in shape)
                 lines.append(f'        "{name}": {allocate}(({size},), dtype={dtype}, device=device),')
         lines.append("    }")
         return lines
