@@ -43,11 +43,9 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
     pid = pid // tl.cdiv(n_j, BLOCK_j)
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
     pid_i = pid % tl.cdiv(n_i, BLOCK_i)
     pid = pid // tl.cdiv(n_i, BLOCK_i)
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
-    mask_i = offs_i < n_i
     pid_h = pid % n_h
     pid = pid // n_h
     idx_h = pid_h
@@ -55,19 +53,18 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     idx_b = pid_b
     # fold 0: fold1_r_l_u[m] over tiles of m
     offs_k = tl.arange(0, BLOCK_k)
-    mask_k = offs_k < n_k
     x_Q1 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + offs_i[:, None].to(tl.int64) * Q_s2 + offs_k[None, :].to(tl.int64) * Q_s3)
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_i], tl.float32)
     acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    K_tile = K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + tl.arange(0, BLOCK_m)[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3
+    V_tile = V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + tl.arange(0, BLOCK_m)[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3
     for start_m in range(0, n_m, BLOCK_m):
-        offs_m = start_m + tl.arange(0, BLOCK_m)
-        mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
-        x_K0 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3)
+        x_K0 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         qk = tl.dot(x_Q1, x_K0)
         x0 = (scale_val * qk)
-        x_V3 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3)
+        x_V3 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
         # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
         r_new = tl.maximum(r, tl.max(x0, 1))

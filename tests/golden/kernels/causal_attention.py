@@ -43,11 +43,9 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
     pid = pid // tl.cdiv(n_j, BLOCK_j)
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
     pid_i = tl.cdiv(n_i, BLOCK_i) - 1 - pid % tl.cdiv(n_i, BLOCK_i)
     pid = pid // tl.cdiv(n_i, BLOCK_i)
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
-    mask_i = offs_i < n_i
     pid_h = pid % n_h
     pid = pid // n_h
     idx_h = pid_h
@@ -55,22 +53,21 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     idx_b = pid_b
     # fold 0: fold1_r_l_u[m] over tiles of m
     offs_k = tl.arange(0, BLOCK_k)
-    mask_k = offs_k < n_k
     x_Q2 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + offs_i[:, None].to(tl.int64) * Q_s2 + offs_k[None, :].to(tl.int64) * Q_s3)
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_i], tl.float32)
     acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    K_tile = K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + tl.arange(0, BLOCK_m)[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3
+    V_tile = V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + tl.arange(0, BLOCK_m)[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3
     # elements with m <= i failing contribute the identity: stop after the last tile where it can hold
     hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)
     mid_m = tl.maximum(0, tl.minimum(hi_m, (tl.min(offs_i, 0) + 1) // BLOCK_m * BLOCK_m))
     for start_m in range(0, mid_m, BLOCK_m):
-        offs_m = start_m + tl.arange(0, BLOCK_m)
-        mask_m = offs_m < n_m
         # fold 2: sum[k] (whole)
-        x_K8 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3)
+        x_K8 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         qk_2 = tl.dot(x_Q2, x_K8)
         x0_2 = (scale_val * qk_2)
-        x_V10 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3)
+        x_V10 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
         # base 2: p_2 = exp2(x0_2 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_2 itself
         r_new_2 = tl.maximum(r, tl.max(x0_2, 1))
@@ -88,12 +85,11 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     # the boundary tiles, where the predicate is evaluated
     for start_m in range(mid_m, hi_m, BLOCK_m):
         offs_m = start_m + tl.arange(0, BLOCK_m)
-        mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
-        x_K1 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[None, :].to(tl.int64) * K_s2 + offs_k[:, None].to(tl.int64) * K_s3)
+        x_K1 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         qk = tl.dot(x_Q2, x_K1)
         x0 = tl.where((offs_m[None, :] <= offs_i[:, None]), (scale_val * qk), -float("inf"))
-        x_V5 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[:, None].to(tl.int64) * V_s2 + offs_j[None, :].to(tl.int64) * V_s3)
+        x_V5 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
         # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
         r_new = tl.maximum(r, tl.max(x0, 1))

@@ -19,16 +19,14 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
     pid = tl.program_id(0)
     pid_i = pid
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
-    mask_i = offs_i < n_i
     # fold 0: fold1_s1_n_s1_mean_s1_err_s1_m2[j] over tiles of j
     s1_n = tl.full([BLOCK_i], 0.0, tl.float32)
     s1_mean = tl.full([BLOCK_i], 0.0, tl.float32)
     s1_err = tl.full([BLOCK_i], 0.0, tl.float32)
     s1_m2 = tl.full([BLOCK_i], 0.0, tl.float32)
+    X_tile_2 = X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + tl.arange(0, BLOCK_j2)[None, :].to(tl.int64) * X_s1
     for start_j2 in range(0, n_j, BLOCK_j2):
-        offs_j2 = start_j2 + tl.arange(0, BLOCK_j2)
-        mask_j2 = offs_j2 < n_j
-        x_X3 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j2[None, :].to(tl.int64) * X_s1)
+        x_X3 = tl.load(X_tile_2 + tl.cast(start_j2, tl.int64) * X_s1)
         # the tile's state from sums over it: s1_n, s1_mean, s1_err, s1_m2
         sum_count = tl.sum((1.0 + tl.zeros([BLOCK_j2], tl.float32)), 0)
         sum_total = tl.sum(x_X3, 1)
@@ -54,17 +52,19 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
         s1_err = t31
         s1_m2 = t39
     t45 = tl.rsqrt((1e-05 + (s1_m2 / (n_j * 1.0))))
+    B_tile = B_ptr + tl.arange(0, BLOCK_j).to(tl.int64) * B_s0
+    W_tile = W_ptr + tl.arange(0, BLOCK_j).to(tl.int64) * W_s0
+    X_tile = X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + tl.arange(0, BLOCK_j)[None, :].to(tl.int64) * X_s1
+    Y_tile = Y_ptr + offs_i[:, None].to(tl.int64) * Y_s0 + tl.arange(0, BLOCK_j)[None, :].to(tl.int64) * Y_s1
     # epilogue: loop over tiles of j
     for start_j in range(0, n_j, BLOCK_j):
-        offs_j = start_j + tl.arange(0, BLOCK_j)
-        mask_j = offs_j < n_j
-        x_B0 = tl.load(B_ptr + offs_j.to(tl.int64) * B_s0)
-        x_W1 = tl.load(W_ptr + offs_j.to(tl.int64) * W_s0)
-        x_X2 = tl.load(X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + offs_j[None, :].to(tl.int64) * X_s1)
+        x_B0 = tl.load(B_tile + tl.cast(start_j, tl.int64) * B_s0)
+        x_W1 = tl.load(W_tile + tl.cast(start_j, tl.int64) * W_s0)
+        x_X2 = tl.load(X_tile + tl.cast(start_j, tl.int64) * X_s1)
         t42 = (x_W1[None, :] * ((x_X2 - s1_mean[:, None]) - s1_err[:, None]))
         Y = (x_B0[None, :] + (t42 * t45[:, None]))
         # Y[i, j]
-        tl.store(Y_ptr + offs_i[:, None].to(tl.int64) * Y_s0 + offs_j[None, :].to(tl.int64) * Y_s1, tl.cast(Y, Y_ptr.dtype.element_ty))
+        tl.store(Y_tile + tl.cast(start_j, tl.int64) * Y_s1, tl.cast(Y, Y_ptr.dtype.element_ty))
 
 
 def launch(t, n, device):

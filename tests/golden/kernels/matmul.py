@@ -23,16 +23,14 @@ def einfold_C(n_i, n_j, n_k, A_ptr, A_s0, A_s1, B_ptr, B_s0, B_s1, C_ptr, C_s0, 
     pid_i = first_row + (pid % in_group) % group_rows
     pid_j = (pid % in_group) // group_rows
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
-    mask_i = offs_i < n_i
     # fold 0: sum[k] over tiles of k
     acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
+    A_tile = A_ptr + offs_i[:, None].to(tl.int64) * A_s0 + tl.arange(0, BLOCK_k)[None, :].to(tl.int64) * A_s1
+    B_tile = B_ptr + tl.arange(0, BLOCK_k)[:, None].to(tl.int64) * B_s0 + offs_j[None, :].to(tl.int64) * B_s1
     for start_k in range(0, n_k, BLOCK_k):
-        offs_k = start_k + tl.arange(0, BLOCK_k)
-        mask_k = offs_k < n_k
-        x_A0 = tl.load(A_ptr + offs_i[:, None].to(tl.int64) * A_s0 + offs_k[None, :].to(tl.int64) * A_s1)
-        x_B1 = tl.load(B_ptr + offs_k[:, None].to(tl.int64) * B_s0 + offs_j[None, :].to(tl.int64) * B_s1)
+        x_A0 = tl.load(A_tile + tl.cast(start_k, tl.int64) * A_s1)
+        x_B1 = tl.load(B_tile + tl.cast(start_k, tl.int64) * B_s0)
         acc = tl.dot(x_A0, x_B1, acc)
     # C[i, j]
     tl.store(C_ptr + offs_i[:, None].to(tl.int64) * C_s0 + offs_j[None, :].to(tl.int64) * C_s1, tl.cast(acc, C_ptr.dtype.element_ty))

@@ -42,7 +42,6 @@ def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
     pid = pid // tl.cdiv(n_j, BLOCK_j)
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
     pid_i = pid % n_i
     pid = pid // n_i
     idx_i = pid_i
@@ -79,7 +78,6 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
     pid = pid // tl.cdiv(n_j, BLOCK_j)
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
     pid_i = pid % n_i
     pid = pid // n_i
     idx_i = pid_i
@@ -90,22 +88,21 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
     idx_b = pid_b
     # fold 0: fold1_r_l_u[m] over tiles of m
     offs_k = tl.arange(0, BLOCK_k)
-    mask_k = offs_k < n_k
     x_Q1 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + idx_i.to(tl.int64) * Q_s2 + offs_k.to(tl.int64) * Q_s3)
     r = tl.full([], -float("inf"), tl.float32)
     l = tl.zeros([], tl.float32)
     u = tl.zeros([BLOCK_j], tl.float32)
+    K_tile = K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + tl.arange(0, BLOCK_m)[:, None].to(tl.int64) * K_s2 + offs_k[None, :].to(tl.int64) * K_s3
+    V_tile = V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + tl.arange(0, BLOCK_m)[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3
     chunk_m = tl.cdiv(tl.cdiv(n_m, BLOCK_m), n_split) * BLOCK_m
     lo_m = split_id * chunk_m
     hi_m = tl.minimum(lo_m + chunk_m, n_m)
     for start_m in range(lo_m, hi_m, BLOCK_m):
-        offs_m = start_m + tl.arange(0, BLOCK_m)
-        mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
-        x_K0 = tl.load(K_ptr + idx_b.to(tl.int64) * K_s0 + idx_h.to(tl.int64) * K_s1 + offs_m[:, None].to(tl.int64) * K_s2 + offs_k[None, :].to(tl.int64) * K_s3)
+        x_K0 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         t2 = tl.sum(x_K0.to(tl.float32) * (x_Q1.to(tl.float32))[None, :], 1)
         x0 = (scale_val * t2)
-        x_V4 = tl.load(V_ptr + idx_b.to(tl.int64) * V_s0 + idx_h.to(tl.int64) * V_s1 + offs_m[None, :].to(tl.int64) * V_s2 + offs_j[:, None].to(tl.int64) * V_s3)
+        x_V4 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u are repaired when it moves
         # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
         r_new = tl.maximum(r, tl.max(x0, 0))

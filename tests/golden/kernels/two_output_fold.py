@@ -45,26 +45,26 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
     pid_j = pid % tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
     pid = pid // tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
     offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
-    mask_j = offs_j < n_j
     pid_i = pid
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
     mask_i = offs_i < n_i
     # fold 0: fold1_r_l_u[m] over tiles of m
     offs_k = tl.arange(0, BLOCK_k)
-    mask_k = offs_k < n_k
     x_Q1 = tl.load(Q_ptr + offs_i[:, None].to(tl.int64) * Q_s0 + offs_k[None, :].to(tl.int64) * Q_s1, mask=mask_i[:, None], other=0.0)
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_i], tl.float32)
     acc = tl.zeros([BLOCK_i, BLOCK_j], tl.float32)
     err = tl.zeros_like(acc)
+    K_tile = K_ptr + tl.arange(0, BLOCK_m)[None, :].to(tl.int64) * K_s0 + offs_k[:, None].to(tl.int64) * K_s1
+    V_tile = V_ptr + tl.arange(0, BLOCK_m)[:, None].to(tl.int64) * V_s0 + offs_j[None, :].to(tl.int64) * V_s1
     for start_m in range(0, n_m, BLOCK_m):
         offs_m = start_m + tl.arange(0, BLOCK_m)
         mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
-        x_K0 = tl.load(K_ptr + offs_m[None, :].to(tl.int64) * K_s0 + offs_k[:, None].to(tl.int64) * K_s1, mask=mask_m[None, :], other=0.0)
+        x_K0 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s0, mask=mask_m[None, :], other=0.0)
         qk = tl.dot(x_Q1, x_K0, input_precision="ieee")
         x0 = (scale_val * qk)
-        x_V3 = tl.load(V_ptr + offs_m[:, None].to(tl.int64) * V_s0 + offs_j[None, :].to(tl.int64) * V_s1, mask=mask_m[:, None], other=0.0)
+        x_V3 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s0, mask=mask_m[:, None], other=0.0)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
         # base 2: w = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
         r_new = tl.maximum(r, tl.max(tl.where(mask_m[None, :], x0, -float("inf")), 1))
