@@ -5,6 +5,7 @@ above skips the predicate on the interior tiles where it holds everywhere.  The
 kernels run under Triton's interpreter against the float64 oracle at ragged sizes
 with small tiles, so that several tiles fall on each side of every boundary."""
 import math
+import re
 
 import pytest
 import torch
@@ -155,7 +156,56 @@ def test_skipped_tiles_leave_the_documents_exact(sizes):
     got = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))["O"]
     want = ref(**{k: v.double().cpu() for k, v in inputs.items()})
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
-    assert "if tl.max(" in backend.source
+    assert RANGE_TEST["=="].search(backend.source)
+
+
+# the test of `a op b` on a tile, from the sides' least (lo) and greatest (hi) values
+RANGE_TEST = {op: re.compile(r"if \(" + dead.replace("lo", r"\w+").replace("hi", r"\w+") + r"\) == 0:")
+              for op, dead in (("<", "lo >= hi"), ("<=", "lo > hi"), (">", "hi <= lo"), (">=", "hi < lo"),
+                               ("==", r"\(hi < lo\) \| \(lo > hi\)"))}
+
+
+def _run_against_the_oracle(source: str, inputs: dict) -> str:
+    ref = compiler.compile(source, backend="reference")
+    backend = TritonBackend(schedule(ref.factorised, ref.outputs))
+    inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
+    got = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))["O"]
+    want = ref(**{k: v.double().cpu() for k, v in inputs.items()})
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5, equal_nan=True)
+    return backend.source
+
+
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">=", "=="])
+def test_a_comparison_on_data_skips_tiles_by_the_ranges_of_its_sides(op):
+    """Keys stamped T[m] against the queries' S[i], both sorted, so that tiles of
+    either hold narrow ranges and many pairs of tiles are skipped (whole numbers: ties
+    at every comparison; NaN in both, which fails every comparison)."""
+    g = torch.Generator().manual_seed(7)
+    t, s = (torch.randint(0, 40, (n,), generator=g).sort().values.float() for n in (300, 200))
+    t[[5, 160]], s[3] = float("nan"), float("nan")
+    inputs = {"Q": torch.randn(200, 8, generator=g), "K": torch.randn(300, 8, generator=g),
+              "V": torch.randn(300, 4, generator=g), "T": t, "S": s}
+    source = _run_against_the_oracle(attention(f"T[m] {op} S[i]"), inputs)
+    assert RANGE_TEST[op].search(source) and "tl.min(" in source
+
+
+def test_a_test_that_is_no_comparison_is_taken_element_by_element():
+    g = torch.Generator().manual_seed(8)
+    inputs = {"Q": torch.randn(37, 8, generator=g), "K": torch.randn(90, 8, generator=g),
+              "V": torch.randn(90, 4, generator=g), "T": torch.randint(0, 3, (90,), generator=g).float(),
+              "S": torch.randint(0, 3, (37,), generator=g).float()}
+    source = _run_against_the_oracle(attention("T[m] != S[i]"), inputs)
+    assert "if tl.max(" in source and "tl.min(" not in source
+
+
+def test_nan_documents_keep_their_tiles():
+    # a NaN id matches nothing (its row attends nothing: NaN, as the oracle's); the tiles
+    # around it are still tested and kept where another id matches
+    g = torch.Generator().manual_seed(9)
+    docs = _documents(70, g).float()
+    docs[[0, 33, 34]] = float("nan")
+    _run_against_the_oracle(DOCUMENT, {"Q": torch.randn(70, 8, generator=g), "K": torch.randn(70, 8, generator=g),
+                                       "V": torch.randn(70, 4, generator=g), "D": docs})
 
 
 @pytest.mark.parametrize("kept", [0.0, 0.05, 1.0])

@@ -742,10 +742,11 @@ def test_a_float32_parameter_keeps_bfloat16_tensor_core_operands():
     assert "p.to(tl.bfloat16)" in module
     assert "float results in torch.float32" in module
     a = torch.rand(2)
-    got = compiler.compile(ALIBI, backend="triton")(Q=q, K=k, V=v, A=a, scale=0.2)
+    on = {n: x.to(DEVICE) for n, x in dict(Q=q, K=k, V=v, A=a).items()}
+    got = compiler.compile(ALIBI, backend="triton")(**on, scale=0.2)
     want = compiler.compile(ALIBI, backend="reference")(Q=q, K=k, V=v, A=a, scale=0.2)
     assert got.dtype == want.dtype == torch.float32
-    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(got.cpu(), want, **TOL[torch.bfloat16])
 
 
 def test_a_float32_parameter_leaves_a_bfloat16_contraction_held_whole():

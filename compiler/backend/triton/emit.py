@@ -83,6 +83,18 @@ NUMBERED = re.compile(r"t\d+")     # an anonymous temporary
 AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk")
 
 
+# A comparison a <op> b holds nowhere in a tile when the ranges of its sides over the
+# tile ([lo_a, hi_a], [lo_b, hi_b]) forbid it.  Written so that NaN, which fails every
+# comparison, keeps the tile: its elements are still masked one by one.
+DEAD_WHEN = {
+    "lt": "{lo_a} >= {hi_b}",
+    "le": "{lo_a} > {hi_b}",
+    "gt": "{hi_a} <= {lo_b}",
+    "ge": "{hi_a} < {lo_b}",
+    "eq": "({hi_a} < {lo_b}) | ({lo_a} > {hi_b})",
+}
+
+
 # ---------------------------------------------------------------- axes, values, scopes
 @dataclass(eq=False)
 class Axis:
@@ -967,16 +979,59 @@ class KernelEmitter:
         tests = [c for ax in loops if not ax.scalar for c in tile_tests(fold).get(ax.name, [])]
         if not tests:
             return update()
-        live = self.value(tests[0] if len(tests) == 1 else Call("and", tuple(tests[:2])), body)
-        for c in tests[2:]:
-            live = self.call("and", [live, self.value(c, body)], None, body)
+        conditions, elementwise = [], []
+        for c in tests:
+            ranged = self.range_test(c, body)
+            if ranged is None:
+                elementwise.append(c)
+            else:
+                conditions.append(ranged)
+        if elementwise:
+            live = self.value(elementwise[0] if len(elementwise) == 1 else Call("and", tuple(elementwise[:2])), body)
+            for c in elementwise[2:]:
+                live = self.call("and", [live, self.value(c, body)], None, body)
+            conditions.append(f"tl.max({live.code}.to(tl.int32)) != 0")
+        condition = conditions[0] if len(conditions) == 1 else " & ".join(f"({c})" for c in conditions)
         start = len(body.lines)
         state = update()
         body.lines[start:] = [f"# skip the tile where {' and '.join(format_expr(c) for c in tests)} fails "
                               f"everywhere: its elements contribute nothing",
-                              f"if tl.max({live.code}.to(tl.int32)) != 0:",
+                              *([f"# ({len(tests) - len(elementwise)} of them by the ranges of its sides over the tile)"]
+                                if len(tests) > 1 and len(elementwise) < len(tests) else
+                                ["# (by the ranges of its sides over the tile)"] if not elementwise else []),
+                              f"if {condition}:",
                               *indent(body.lines[start:], 1)]
         return state
+
+    def range_test(self, c, body: Scope) -> str | None:
+        """Whether comparison `c` may hold somewhere in the tile, from the least and
+        greatest value of each side over the tile (DEAD_WHEN): two reductions of the
+        sides instead of the comparison over the whole tile and its reduction.  None
+        for a test that is no comparison of numbers."""
+        if not (isinstance(c, Call) and c.op in DEAD_WHEN):
+            return None
+        sides = [self.value(x, body) for x in c.args]
+        if any(v.kind == "bool" for v in sides):
+            return None
+        ends = {}
+        for name, v in zip("ab", sides):
+            for end, fn in (("lo", "tl.min"), ("hi", "tl.max")):
+                ends[f"{end}_{name}"] = self.extreme(v, fn, body)
+        return f"({DEAD_WHEN[c.op].format(**ends)}) == 0"
+
+    def extreme(self, v: Value, fn: str, scope: Scope) -> str:
+        """`fn` (tl.min or tl.max) of `v` over its whole tile, made once where `v` exists
+        (a row tile's before the loop)."""
+        if not dims(v.axes):
+            return v.code
+        key = (fn, v.code)
+        found = self.lookup(key, scope)
+        if found is None:
+            place = self.target(v.axes, scope, v.level)
+            found = self.local(f"{fn[3:]}_{ident(v.tensor) if v.tensor else 'side'}")
+            place.lines.append(f"{found} = {fn}({v.code})")
+            place.memo[key] = found
+        return found
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
         """Tighten a loop's range to the tiles where an index predicate can hold."""
