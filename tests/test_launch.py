@@ -131,6 +131,7 @@ def test_direct_launches_match_torch_aligned_or_not(split):
 
 
 def _modules_of(program):
+    """The generated modules `program` has loaded (one per input signature), not every
+    einfold module of the process: other tests' share it under pytest-xdist."""
     import sys
-    return [m for name, m in sys.modules.items() if name.startswith("einfold_") and not name.endswith("_interpreted")
-            and any(isinstance(v, DirectLaunch) for v in vars(m).values())]
+    return [sys.modules[launch.__module__] for _, launch, _ in program.backend._built.values()]

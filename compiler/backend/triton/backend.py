@@ -57,8 +57,11 @@ def _quiet(launch):
     tiles are numpy arrays, and identity padding computes 0/0, exp(-inf - -inf) and
     the like by design (masked away afterwards): numpy would print a RuntimeWarning
     for each.  Only interpreted launches are wrapped; compiled kernels are untouched."""
+    import functools
+
     import numpy
 
+    @functools.wraps(launch)        # still names its module: a program's modules are found from it
     def run(t, n, device):
         with numpy.errstate(all="ignore"):
             return launch(t, n, device)
