@@ -99,3 +99,55 @@ def test_a_temporary_is_not_moved_past_an_update_of_what_it_reads_nor_into_a_loo
         assert inline_single_uses(lines) == lines
     # a name assigned by a tuple assignment in between blocks the move too
     assert inline_single_uses(["t1 = m + 1", "m, p = a, b", "y = t1"]) == ["t1 = m + 1", "m, p = a, b", "y = t1"]
+
+
+# ---------------------------------------------------------------- dead definitions, shared address tiles
+def test_a_definition_nothing_reads_is_dropped():
+    from compiler.backend.triton.emit import drop_unread
+    lines = ["offs_i = pid * B + tl.arange(0, B)", "mask_i = offs_i < n_i", "acc = tl.zeros([B], tl.float32)",
+             "for start_k in range(0, n_k, B):",
+             "    offs_k = start_k + tl.arange(0, B)",
+             "    mask_k = offs_k < n_k",
+             "    x = tl.load(X_tile + tl.cast(start_k, tl.int64) * s)",
+             "    acc = acc + x",
+             "tl.store(Y_ptr + offs_i, acc)"]
+    assert drop_unread(lines) == [lines[0], *lines[2:4], *lines[6:]]
+
+
+def test_a_definition_read_later_in_its_loop_carried_or_with_an_effect_stays():
+    from compiler.backend.triton.emit import drop_unread
+    kept = [
+        # loop-carried: defined before the loop, updated in it, read by the next iteration
+        ["r = tl.zeros([B], tl.float32)", "for s in range(0, n, B):", "    r_new = r + 1", "    r = r_new",
+         "tl.store(Y_ptr, r)"],
+        # defined inside an if, read after it in the same loop body
+        ["for s in range(0, n, B):", "    if c:", "        t = x + 1", "    y = t", "    tl.store(Y_ptr, y)"],
+        # an atomic's result unread: the atomic still happens
+        ["count = tl.atomic_add(C_ptr, 1)", "tl.store(Y_ptr, 0)"],
+    ]
+    for lines in kept:
+        assert drop_unread(lines) == lines
+    # the interior loop's offsets are dead though the boundary loop after it defines and reads its own
+    two_loops = ["acc = tl.zeros([B], tl.float32)",
+                 "for s in range(0, m, B):", "    offs_m = s + tl.arange(0, B)", "    acc = acc + 1",
+                 "for s in range(m, n, B):", "    offs_m = s + tl.arange(0, B)", "    acc = acc + offs_m",
+                 "tl.store(Y_ptr, acc)"]
+    assert drop_unread(two_loops) == [*two_loops[:2], *two_loops[3:]]
+    # an update nothing reads afterwards (not carried out of its block) is dead too
+    body = ["acc = tl.zeros([B], tl.float32)", "for s in range(0, n, B):", "    t = x + 1", "    t = t * 2",
+            "    acc = acc + x", "tl.store(Y_ptr, acc)"]
+    assert drop_unread(body) == [*body[:2], *body[4:]]
+
+
+def test_the_copies_of_a_loop_share_one_tile_of_addresses():
+    from compiler.backend.triton.emit import one_per_tile
+    lines = ["K_tile = K_ptr + tl.arange(0, B)[None, :] * s",
+             "K_tile_2 = K_ptr + tl.arange(0, B)[None, :] * s",
+             "V_tile = V_ptr + tl.arange(0, B)[:, None] * s",
+             "for start_m in range(0, mid, B):", "    k = tl.load(K_tile_2 + start_m * s)",
+             "for start_m in range(mid, hi, B):", "    k = tl.load(K_tile + start_m * s)"]
+    merged = one_per_tile(lines, {"K_tile", "K_tile_2", "V_tile"})
+    assert merged == [lines[0], lines[2], lines[3], "    k = tl.load(K_tile + start_m * s)", *lines[5:]]
+    # a twin in a deeper block is another scope's variable: kept
+    nested = ["K_tile = K_ptr + o", "for s in range(0, n, B):", "    K_tile_2 = K_ptr + o", "    k = K_tile_2"]
+    assert one_per_tile(nested, {"K_tile", "K_tile_2"}) == nested
