@@ -25,6 +25,7 @@ import triton
 import triton.testing
 
 import compiler
+from compiler.backend.triton.cache import load
 
 ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
 FOLDED = {
@@ -63,13 +64,7 @@ def variant(program, x, name: str, edits: dict):
     for pattern, replacement in edits.items():
         source, n = re.subn(pattern, replacement, source)
         assert n == 1, pattern
-    path = f"/tmp/attention_probe_{name}_{x['Q'].shape[2]}.py"
-    with open(path, "w") as f:
-        f.write(source)
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load(source, f"attention_probe {name} {x['Q'].shape[2]}", interpret=False)
     b, h, s, d = x["Q"].shape
     out = torch.empty_like(x["Q"])
     t = {**x, "O": out}

@@ -8,7 +8,6 @@ in one process on the GPU, with the same autotune candidates.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import triton
 import triton.testing
 
 import compiler
+from compiler.backend.triton.cache import load
 from compiler.bench import flex_variants, document_ids
 
 TILE = re.compile(r"^( *)(\w+_tile(?:_\d+)?) = (.*)\n", re.M)
@@ -40,15 +40,6 @@ def per_step(source: str) -> str:
                   f"tl.arange(0, BLOCK_{m[2]})\n", source, flags=re.M)
 
 
-def load(source: str, name: str):
-    path = f"/tmp/hoist_probe_{name}.py"
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def main() -> None:
     b, h, s, d = 4, 16, 4096, 128
@@ -64,7 +55,7 @@ def main() -> None:
         n = {"b": b, "h": h, "i": s, "m": s, "i_2": s, "k": d, "j": d}
         timings = {}
         for form, edit in (("hoisted", lambda t: t), ("per step", per_step)):
-            module = load(edit(program.source), f"{variant.replace(' ', '_')}_{form.replace(' ', '_')}")
+            module = load(edit(program.source), f"hoist_probe {variant} {form}", interpret=False)
             out = torch.empty(b, h, s, d, device="cuda", dtype=program(**inputs).dtype)
             t = {**inputs, "O": out}
             fn = lambda module=module, t=t, out=out: (module.launch(t, n, "cuda"), out)[1]

@@ -13,7 +13,6 @@ prefetch 0.561 ms, both 0.516 ms; FlexAttention 0.284 ms).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +23,7 @@ import triton
 import triton.testing
 
 import compiler
+from compiler.backend.triton.cache import load
 from compiler.bench import DOCUMENT, SCALED, _flex, attention_of, document_ids, document_mask, kept_fraction
 
 BLOCK = re.compile(r"(?P<pad> +)if (?P<cond>.+):\n(?P<body>(?:(?P=pad)    .*\n)+)")
@@ -43,15 +43,6 @@ def prefetched(source: str) -> str:
     return source
 
 
-def load(source: str, name: str):
-    path = f"/tmp/mask_probe_{name}.py"
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def main() -> None:
     b, h, s, d = 4, 16, 4096, 128
@@ -63,7 +54,7 @@ def main() -> None:
     program(**x)
     contenders = {}
     for name, edit in (("emitted", lambda t: t), ("prefetch", prefetched)):
-        module = load(edit(program.source), name)
+        module = load(edit(program.source), f"mask_probe {name}", interpret=False)
         out = torch.empty_like(x["Q"])
         t = {**x, "O": out}
         n = {"b": b, "h": h, "i": s, "i_2": s, "k": d, "j": d}

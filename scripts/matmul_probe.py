@@ -20,7 +20,6 @@ as the emitted row's tile against the others'.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,6 +29,7 @@ import triton
 import triton.testing
 
 import compiler
+from compiler.backend.triton.cache import load
 from compiler.schedule.tiles import MATMUL
 
 SOURCE = "C[i,j] = A[i,k] * B[k,j]"
@@ -78,15 +78,6 @@ def configs() -> str:
                            f"num_stages={s})" for r, c, d, w, s in MATMUL + WIDE) + "]"
 
 
-def load(source: str, name: str):
-    path = f"/tmp/matmul_probe_{name}.py"
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def variant(program, x, name: str, edits: dict):
     """A launcher of the program's module for inputs x, with `edits` (pattern ->
@@ -97,7 +88,7 @@ def variant(program, x, name: str, edits: dict):
     for pattern, replacement in edits.items():
         source, n = re.subn(pattern, replacement, source)
         assert n == 1, pattern
-    module = load(source, f"{name}_{x['A'].shape[0]}")
+    module = load(source, f"matmul_probe {name} {x['A'].shape[0]}", interpret=False)
     n = x["A"].shape[0]
     out = torch.empty(n, n, device="cuda", dtype=x["A"].dtype)
     t = {**x, "C": out}
@@ -106,7 +97,7 @@ def variant(program, x, name: str, edits: dict):
 
 def persistent(x):
     module = load("import triton\nimport triton.language as tl\nCONFIGS = " + configs() + "\n" + PERSISTENT_KERNEL,
-                  f"persistent_{x['A'].shape[0]}")
+                  f"matmul_probe persistent {x['A'].shape[0]}", interpret=False)
     n = x["A"].shape[0]
     out = torch.empty(n, n, device="cuda", dtype=x["A"].dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

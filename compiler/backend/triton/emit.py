@@ -336,7 +336,7 @@ class KernelEmitter:
         ctx.module_names.add(self.name)
         self.whole: dict[str, Axis] = {}
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
-        self.tile_of: dict[str, str] = {}            # a load's variable -> its address's first term
+        self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
@@ -433,11 +433,11 @@ class KernelEmitter:
         lines, k = found
         swap = {"[:, None]": "[None, :]", "[None, :]": "[:, None]"}
         lines[k] = re.sub(r"\[:, None\]|\[None, :\]", lambda m: swap[m.group(0)], lines[k])
-        tile = self.tile_of[v.raw]          # its first tile's addresses, made before the loop
-        for lines in [*self._visible_lines(scope), *self.pending.values()]:
-            for j, line in enumerate(lines):
+        tile = self.tile_of.get(v.raw)      # its first tile's addresses, made before the loop
+        for block in [*self._visible_lines(scope), *self.pending.values()] if tile else []:
+            for j, line in enumerate(block):
                 if line.startswith(f"{tile} = "):
-                    lines[j] = re.sub(r"\[:, None\]|\[None, :\]", lambda m: swap[m.group(0)], line)
+                    block[j] = re.sub(r"\[:, None\]|\[None, :\]", lambda m: swap[m.group(0)], line)
         self._transpose_reads(scope, v.raw)
         return v.raw
 
@@ -709,19 +709,21 @@ class KernelEmitter:
             terms.append(f"{code}.to(tl.int64) * {st}")
         return " + ".join(terms)
 
-    def address(self, tensor: str, ptr: str, axes: list[Axis], strides: list[str], target, scope: Scope) -> str:
-        """The addresses of the tile of `tensor` over `axes`, read or written in `scope`.
-        Inside loops over some of the axes, the addresses of the loops' first tile are
-        made once before them (`<tensor>_tile`) and each step adds its start times the
-        stride, a scalar: no tile of address arithmetic per step (matmul 633 -> 688
-        TFLOP/s on the H100, scripts/matmul_probe.py)."""
+    def address(self, tensor: str, ptr: str, axes: list[Axis], strides: list[str], target,
+                scope: Scope) -> tuple[str, str | None]:
+        """(the addresses of the tile of `tensor` over `axes`, read or written in
+        `scope`; the variable of its first tile or None).  Inside loops over some of
+        the axes, the addresses of the loops' first tile are made once before them
+        (`<tensor>_tile`) and each step adds its start times the stride, a scalar: no
+        tile of address arithmetic per step (matmul 633 -> 688 TFLOP/s on the H100,
+        scripts/matmul_probe.py)."""
         if not axes:
-            return ptr
+            return ptr, None
         stepped = {a for a in axes if a.kind in ("loop", "epilogue") and not a.scalar}
         level = max((a.level for a in axes if a not in stepped), default=0)
         stepped = {a for a in stepped if a.level > level}
         if not stepped:
-            return f"{ptr} + {self.offsets(axes, strides, target)}"
+            return f"{ptr} + {self.offsets(axes, strides, target)}", None
         tile = self.local(f"{ident(tensor)}_tile")
         # written just before the outermost of the loops (flush_tiles), not where the scope's
         # lines end now: an epilogue's tiles would be live through the folds before it
@@ -730,7 +732,7 @@ class KernelEmitter:
             f"{tile} = {ptr} + {self.offsets(axes, strides, target, stepped)}")
         # tl.cast, not .to(): a loop's start is a Python int under the interpreter
         steps = [f"tl.cast(start_{a.var}, tl.int64) * {st}" for a, st in zip(axes, strides) if a in stepped]
-        return " + ".join([tile, *steps])
+        return " + ".join([tile, *steps]), tile
 
     def load(self, e: Access, scope: Scope) -> Value:
         info = self.ctx.tensors[e.tensor]
@@ -749,10 +751,11 @@ class KernelEmitter:
         ptr, strides = self.tensor_params(e.tensor, info.rank)
         target = sort_axes(axes)
         place = self.target(target, scope)
-        address = self.address(e.tensor, ptr, axes, strides, target, place)
+        address, tile = self.address(e.tensor, ptr, axes, strides, target, place)
         mask = self.mask_code(target, target)
         raw = self.temp(f"x_{ident(e.tensor)}")
-        self.tile_of[raw] = address.partition(" + ")[0]
+        if tile is not None:
+            self.tile_of[raw] = tile
         self.tile(target)
         if mask:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0)")
@@ -768,7 +771,7 @@ class KernelEmitter:
         axes = [scope.env[n] for n in indices]
         ptr, strides = self.tensor_params(name, info.rank)
         target = sort_axes(axes)
-        address = self.address(name, ptr, axes, strides, target, scope)
+        address, _ = self.address(name, ptr, axes, strides, target, scope)
         if v.const is not None:
             value = f"tl.full({self.shape(target)}, {v.code}, {self.ctx.cdt})"
         elif set(dims(v.axes)) - set(dims(target)):
@@ -994,11 +997,10 @@ class KernelEmitter:
         condition = conditions[0] if len(conditions) == 1 else " & ".join(f"({c})" for c in conditions)
         start = len(body.lines)
         state = update()
+        how = [] if len(elementwise) == len(tests) else ["# (comparisons by the ranges of their sides over the tile)"]
         body.lines[start:] = [f"# skip the tile where {' and '.join(format_expr(c) for c in tests)} fails "
                               f"everywhere: its elements contribute nothing",
-                              *([f"# ({len(tests) - len(elementwise)} of them by the ranges of its sides over the tile)"]
-                                if len(tests) > 1 and len(elementwise) < len(tests) else
-                                ["# (by the ranges of its sides over the tile)"] if not elementwise else []),
+                              *how,
                               f"if {condition}:",
                               *indent(body.lines[start:], 1)]
         return state
@@ -1890,8 +1892,8 @@ def drop_unread(lines: list[str]) -> list[str]:
                 continue
             name, pad = definition.group(1), depth(line)
             word = re.compile(rf"\b{name}\b")
-            if any(depth(other) < pad and _DEFINITION.fullmatch(other)
-                   and _DEFINITION.fullmatch(other).group(1) == name for other in lines[:k]):
+            if any(depth(other) < pad and (outer := _DEFINITION.fullmatch(other)) and outer.group(1) == name
+                   for other in lines[:k]):
                 continue                      # carried from outside its block
             # the loop body it is in: from the nearest loop header above it, shallower than it
             headers = [depth(other) for other in lines[:k] if other.lstrip().startswith("for ")
