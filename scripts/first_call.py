@@ -6,6 +6,7 @@ compiled kernels and the autotuner's choice).  Prints a table; rows as JSON to
 $OUT/first_call.json.
 
     python3 scripts/first_call.py
+    python3 scripts/first_call.py phases   # each variant's first call split into its phases
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+VARIANTS = ["attention", "softcap", "softcap causal", "alibi", "alibi causal", "window 1024", "document causal"]
 
 
 def one(variant: str, mode: str) -> None:
@@ -32,27 +36,69 @@ def one(variant: str, mode: str) -> None:
     source = bench.ATTENTION if variant == "attention" else bench.flex_variants(s, x["D"])[variant][0]
     if mode == "serial":
         DirectLaunch.compile_candidates = lambda *a: None
+    phases = timing_phases() if mode == "phases" else {}
     torch.cuda.synchronize()
     start = time.perf_counter()
     program = compiler.compile(source, backend="triton")
     program(**{k: v for k, v in x.items() if k in {i.name for i in program.checked.inputs}})
     torch.cuda.synchronize()
+    if phases:
+        print(json.dumps(phases))
     print((time.perf_counter() - start) * 1e3)
 
 
-def timed(variant: str, mode: str, cache: str) -> float:
+def timing_phases() -> dict:
+    """Wrap the steps of a first call so that each adds its milliseconds to the dict
+    returned: the candidates' parallel compile, the autotuner's timing of each, the
+    final bind (einfold's passes and emission are the rest)."""
+    from triton.runtime.autotuner import Autotuner
+    from compiler.backend.triton.launch import DirectLaunch
+    phases: dict[str, float] = {}
+
+    def timed(owner, name, phase):
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                phases[phase] = phases.get(phase, 0.0) + (time.perf_counter() - start) * 1e3
+        setattr(owner, name, wrapper)
+    timed(DirectLaunch, "compile_candidates", "compile candidates")
+    timed(Autotuner, "_bench", "autotune timing")
+    timed(DirectLaunch, "bind", "bind")
+    return phases
+
+
+def timed(variant: str, mode: str, cache: str) -> float | tuple[float, dict]:
     env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
            "EINFOLD_CACHE_DIR": os.path.join(cache, "einfold")}
     done = subprocess.run([sys.executable, __file__, variant, mode], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
-    return float(done.stdout.split()[-1])
+    lines = done.stdout.split("\n")
+    ms = float(lines[-2] if not lines[-1] else lines[-1])
+    if mode == "phases":
+        return ms, json.loads([line for line in lines if line.startswith("{")][-1])
+    return ms
+
+
+def phases() -> None:
+    """Each variant's first call with empty caches, split into its phases."""
+    rows = []
+    for variant in VARIANTS:
+        with tempfile.TemporaryDirectory() as cache:
+            ms, parts = timed(variant, "phases", cache)
+        rows.append({"variant": variant, "ms": ms, **parts})
+        print(f"{variant:20s} {ms:8.0f} ms " + " ".join(f"{k} {v:6.0f}" for k, v in parts.items()), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "first_call_phases.json"), "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def main() -> None:
-    variants = ["attention", "softcap", "softcap causal", "alibi", "alibi causal", "window 1024", "document causal"]
     rows = []
-    for variant in variants:
+    for variant in VARIANTS:
         row = {"variant": variant}
         for mode in ("serial", "parallel"):
             with tempfile.TemporaryDirectory() as cache:
@@ -70,4 +116,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    one(*sys.argv[1:]) if len(sys.argv) > 1 else main()
+    if sys.argv[1:] == ["phases"]:
+        phases()
+    else:
+        one(*sys.argv[1:]) if len(sys.argv) > 1 else main()

@@ -29,6 +29,10 @@ QKV = {"Q": ((2, 4, 1024, 64), BF16), "K": ((2, 4, 1024, 64), BF16), "V": ((2, 4
 GOLDEN = {
     "attention": (ATTENTION, None, QKV),
     "causal_attention": (CAUSAL, None, QKV),
+    # packed documents: a predicate on data, tested per key tile within the live span a scan finds
+    "document_attention": ("O[b,h,i,j] = softmax[m](where(D[b,i] == D[b,m] and m <= i, "
+                           "Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]", None,
+                           {**QKV, "D": ((2, 1024), BF16)}),
     # one query row over a long cache: split across programs, then merged
     "split_decode": (ATTENTION, None, {"Q": ((1, 8, 1, 128), BF16), "K": ((1, 8, 65536, 128), BF16),
                                        "V": ((1, 8, 65536, 128), BF16), "scale": 0.088}),

@@ -220,3 +220,57 @@ def test_skipped_tiles_of_a_padding_mask_match_the_oracle(kept):
     got = backend.run(Binder(ref.checked, extents_of=backend.program)(inputs))["O"]
     want = ref(**{k: v.double().cpu() for k, v in inputs.items()})
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+# ---------------------------------------------------------------- live spans
+SPAN = "O[i] = sum[m](where(D[m] {op} E[i], X[m], 0.0))"
+
+
+def _span_inputs(d: torch.Tensor, e: torch.Tensor, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"D": d.float(), "E": e.float(), "X": torch.randn(d.numel(), generator=g)}
+
+
+@pytest.mark.parametrize("case", ["sorted", "holes", "none live", "nan", "one key"])
+def test_a_live_span_scan_bounds_the_loop_and_stays_exact(case):
+    """Keys over several scan steps (thousands of keys): sorted stamps (each row's live
+    keys one run), stamps with holes inside the span (period 7: tiles in it still
+    tested), no key matching, NaN keys and rows, a single key."""
+    g = torch.Generator().manual_seed(11)
+    n = 1 if case == "one key" else 4999
+    d = torch.randint(0, 30, (n,), generator=g).sort().values.double()
+    if case == "holes":
+        d = torch.arange(n) % 7
+    e = torch.randint(0, 30, (13,), generator=g).double()
+    if case == "none live":
+        e = e + 100
+    if case == "nan":
+        d[[0, 2000, 4998]] = float("nan")
+        e[4] = float("nan")
+    source = _run_against_the_oracle(SPAN.format(op="=="), _span_inputs(d, e, 12))
+    assert "# the live span of m" in source and "for start_scan_m in range(" in source
+
+
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">="])
+def test_a_live_span_of_each_comparison_matches_the_oracle(op):
+    g = torch.Generator().manual_seed(13)
+    d = torch.randint(0, 50, (3001,), generator=g).sort().values.double()
+    e = torch.randint(-5, 55, (9,), generator=g).double()
+    assert "# the live span of m" in _run_against_the_oracle(SPAN.format(op=op), _span_inputs(d, e, 14))
+
+
+def test_a_live_span_with_an_index_side_fills_past_the_range_with_integers():
+    # D[m] <= m: both sides vary over m; the index side is an integer tile
+    g = torch.Generator().manual_seed(15)
+    d = torch.arange(2500).double() + torch.randint(-40, 3, (2500,), generator=g) + 1500
+    inputs = {"D": d.float(), "X": torch.randn(2500, generator=g), "E": torch.zeros(3)}
+    source = _run_against_the_oracle("O[i] = sum[m](where(D[m] <= m, X[m], 0.0)) + E[i]", inputs)
+    assert "2147483647" in source
+
+
+def test_a_side_over_the_loop_and_a_tile_of_rows_is_not_scanned():
+    # M[i, m] varies over the program's rows too: its test stays per tile, no scan
+    g = torch.Generator().manual_seed(16)
+    inputs = {"M": (torch.rand(21, 300, generator=g) < 0.1).float(), "X": torch.randn(300, generator=g)}
+    source = _run_against_the_oracle("O[i] = sum[m](where(M[i,m] > 0, X[m], 0.0))", inputs)
+    assert "live span" not in source and "if " in source
