@@ -236,7 +236,7 @@ class ModuleContext:
         self.split_layouts: dict = {}
         # names of the module's globals (kernels, combine functions, helpers), every kernel-local
         # name given out so far, and the names of the program (tensors, statements, buffers)
-        self.module_names: set[str] = {"launch", "torch", "triton", "tl"} | {f"_{h}" for h in emission.HELPERS}
+        self.module_names: set[str] = {"launch", "torch", "triton", "tl", "_time_candidate"} | {f"_{h}" for h in emission.HELPERS}
         self.local_names: set[str] = set()
         self.reserved: set[str] = set()
 

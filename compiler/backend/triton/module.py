@@ -27,7 +27,7 @@ from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from ...schedule.tiles import auto_split
 from .emit import KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo
 from .ops import HELPERS
-from .tuning import binding, candidates, decorator
+from .tuning import TIMING, binding, candidates, decorator
 
 
 @dataclass
@@ -221,6 +221,8 @@ class ModuleBuilder:
         parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
         parts += [HELPERS[h].rstrip() for h in sorted(self.ctx.helpers)]
         parts += [src.rstrip() for _, src in self.ctx.combines.values()]
+        if self.tuned:
+            parts.append(TIMING)
         for code, _ in self.kernels:
             parts += [f.source.rstrip() for f in code.functions]
             parts.append((f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip())

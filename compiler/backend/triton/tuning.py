@@ -81,6 +81,16 @@ def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str,
     return unique
 
 
+# How the autotuner times a candidate: a first call times every candidate once, and
+# Triton's default (25 ms of warm-up, 100 ms timed) made that 1.3-1.5 s of an attention
+# variant's first call on the H100 (scripts/first_call.py phases); the median of 25 ms
+# of runs still separates candidates a few percent apart.
+TIMING = """def _time_candidate(kernel_call, quantiles):
+    # the autotuner's timing of one candidate: the median of 25 ms of runs after 5 ms of warm-up
+    import triton.testing
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)"""
+
+
 def decorator(code: KernelCode, configs) -> str:
     """The @triton.autotune line for `code` (its extent parameters as the key)."""
     for blocks, _, _ in configs:
@@ -90,4 +100,4 @@ def decorator(code: KernelCode, configs) -> str:
     items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st})" for blocks, w, st in configs)
     keys = [p for p, expr in code.params if expr.startswith('n["')]     # the extents, by what they pass
     # cache_results: the choice is kept in Triton's cache, so another process tunes a shape only once
-    return f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True)"
+    return f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True, do_bench=_time_candidate)"
