@@ -6,7 +6,11 @@ after the last tile where every such relation can hold, and the tiles where a
 relation holds everywhere run without its mask (`assume_relation`).  A
 conjunct that reads tensors (a document mask's `D[i] == D[m]`) bounds nothing
 before the run, but a tile where it fails everywhere contributes nothing
-either: the loop tests it per tile and skips the tile (`tile_tests`)."""
+either: the loop tests it per tile and skips the tile (`tile_tests`).  Where such
+a conjunct is a comparison whose sides vary over the loop index alone (`D[b,m]`
+beside the row's `D[b,i]`), the Triton backend also scans the sides before the
+loop and runs it over the live span only: from the first to the last tile where
+the comparison may hold (KernelEmitter.live_span)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1063,12 +1063,10 @@ class KernelEmitter:
                        f"{scan.mask} = {scan.offs} < {hi}"]
         per_tile = f"[{tiles}, {ax.block_name}]"
         dead = []
-        for c in tests:
+        for c in tests:         # comparisons of numbers: the checker takes no truth values there
             ends = {}
             for name, x in zip("ab", c.args):
                 v = self.value(x, body)
-                if v.kind == "bool":
-                    break
                 for end, fn in (("lo", "tl.min"), ("hi", "tl.max")):
                     if scan not in v.axes:
                         ends[f"{end}_{name}"] = self.extreme(v, fn, body)
@@ -1080,10 +1078,7 @@ class KernelEmitter:
                     body.lines.append(f"{each} = {fn}(tl.reshape(tl.where({scan.mask}, {v.code}, {fill}), "
                                       f"{per_tile}), 1)")
                     ends[f"{end}_{name}"] = each
-            else:
-                dead.append(DEAD_WHEN[c.op].format(**ends))
-        if not dead:
-            return lo, hi
+            dead.append(DEAD_WHEN[c.op].format(**ends))
         first, last = self.local(f"first_{ax.var}"), self.local(f"last_{ax.var}")
         starts = self.local(f"starts_{ax.var}")
         live = self.local(f"live_{ax.var}")
