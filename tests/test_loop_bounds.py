@@ -234,14 +234,17 @@ def _span_inputs(d: torch.Tensor, e: torch.Tensor, seed: int) -> dict:
 @pytest.mark.parametrize("case", ["sorted", "holes", "none live", "nan", "one key"])
 def test_a_live_span_scan_bounds_the_loop_and_stays_exact(case):
     """Keys over several scan steps (thousands of keys): sorted stamps (each row's live
-    keys one run), stamps with holes inside the span (period 7: tiles in it still
-    tested), no key matching, NaN keys and rows, a single key."""
+    keys one run: the span's tiles run untested), runs of two ids taking turns (the
+    span of either holds the other's runs: its tiles are tested), no key matching,
+    NaN keys and rows, a single key."""
     g = torch.Generator().manual_seed(11)
     n = 1 if case == "one key" else 4999
     d = torch.randint(0, 30, (n,), generator=g).sort().values.double()
     if case == "holes":
-        d = torch.arange(n) % 7
+        d = (torch.arange(n) // 300 % 2).double()
     e = torch.randint(0, 30, (13,), generator=g).double()
+    if case == "holes":
+        e = torch.tensor([0.0, 1.0, 1.0, 0.0, 2.0])
     if case == "none live":
         e = e + 100
     if case == "nan":
@@ -249,6 +252,9 @@ def test_a_live_span_scan_bounds_the_loop_and_stays_exact(case):
         e[4] = float("nan")
     source = _run_against_the_oracle(SPAN.format(op="=="), _span_inputs(d, e, 12))
     assert "# the live span of m" in source and "for start_scan_m in range(" in source
+    # the loop over the span twice: untested where every tile of it is live, else tested
+    assert re.search(r"if dense_m:\n.*\n +for start_m in range\(first_m, last_m,.*\n +else:\n +for start_m in "
+                     r"range\(first_m, last_m,", source, re.S)
 
 
 @pytest.mark.parametrize("op", ["<", "<=", ">", ">="])

@@ -921,12 +921,13 @@ class KernelEmitter:
                     T.lines.append(f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})")
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
                 lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
+                dense = None
                 if len(loops) == 1:
-                    lo, hi = self.live_span(fold, ax, env0, lo, hi, T)
+                    lo, hi, dense = self.live_span(fold, ax, env0, lo, hi, T)
                 if interior is not None and p == 0:
                     # the tiles where the predicate holds everywhere run without it: the
                     # boundary tiles before them (a window's far edge), then the interior
-                    first, last, inner_body = interior
+                    first, last, inner_body, assumed = interior
                     if first is not None:
                         T.lines.append(f"inner_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {first}))")
                         T.lines.append("# the boundary tiles before the interior, where the predicate is evaluated")
@@ -936,15 +937,20 @@ class KernelEmitter:
                     end = hi if last is None else f"mid_{ax.var}"
                     if last is not None:
                         T.lines.append(f"mid_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {last}))")
-                    T.lines.append(f"for start_{ax.var} in range({lo}, {end}, {ax.block_name}):")
-                    T.lines.extend(indent(inner_body.lines, 1))
+                    self.span_loop(T, f"for start_{ax.var} in range({lo}, {end}, {ax.block_name}):", inner_body,
+                                   lambda: self.tile_body(assumed, loops, env, prefix, RA, T, tested=False),
+                                   dense, loops)
+                    dense = None            # the boundary tiles left: few, each tested
                     boundary_after = last is not None
                     if boundary_after:
                         T.lines.append("# the boundary tiles, where the predicate is evaluated")
                     lo = end
                 headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
                 depth += 1
-            if boundary_after:
+            if boundary_after and dense is not None:        # one loop over the live span
+                self.span_loop(T, headers[0], body,
+                               lambda: self.tile_body(fold, loops, env, prefix, RA, T, tested=False), dense, loops)
+            elif boundary_after:
                 T.lines.extend(headers)
                 T.lines.extend(indent(body.lines, depth))
             T.lines.extend(finish)
@@ -978,15 +984,42 @@ class KernelEmitter:
         ends = [self.tile_start(self.side_limit(b, env0, T, holds_everywhere=True), ax, b) for b in bounds if b.upper]
         starts = [self.tile_end(self.side_limit(b, env0, T, holds_everywhere=True), ax)
                   for b in bounds if not b.upper]
-        inner = Scope(T, T.level + 1, env, "body")
-        inner.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
-        inner.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
         assumed = fold
         for b in bounds:
             assumed = assume_relation(assumed, b)
-        self.skipping_dead_tiles(assumed, loops, inner, lambda: self.fold_tiles(assumed, prefix, inner, RA, True,
-                                                                                [], []))
-        return nested("tl.maximum", starts), nested("tl.minimum", ends), inner
+        inner = self.tile_body(assumed, loops, env, prefix, RA, T, tested=True)
+        return nested("tl.maximum", starts), nested("tl.minimum", ends), inner, assumed
+
+    def tile_body(self, fold: Reduce, loops, env, prefix: str, RA, T: Scope, tested: bool) -> Scope:
+        """A further copy of one tile's update of `fold` (the loop's first copy holds
+        its initial and final lines), `tested`: under its tile test (skipping_dead_tiles)."""
+        ax = loops[0]
+        body = Scope(T, T.level + 1, env, "body")
+        body.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+        body.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
+        update = lambda: self.fold_tiles(fold, prefix, body, RA, True, [], [])   # noqa: E731
+        if tested:
+            self.skipping_dead_tiles(fold, loops, body, update)
+        else:
+            update()
+        return body
+
+    def span_loop(self, T: Scope, header: str, tested: Scope, untested, dense: str | None, loops) -> None:
+        """Write the loop `header` over `tested` (a body under its tile test).  Where a
+        live span was scanned (`dense`: every tile of the span passes the test), the
+        same loop without the test runs instead: a loop without a branch in its body
+        is software-pipelined, its loads issued ahead of the tiles that use them
+        (document mask, H100: 0.348 -> 0.246 ms); a span with holes keeps the test."""
+        if dense is None:
+            T.lines.append(header)
+            T.lines.extend(indent(tested.lines, 1))
+            return
+        plain = untested()
+        self.flush_tiles(T, loops)
+        T.lines += [f"if {dense}:",
+                    "    # every tile of the live span passes the tile test: none is tested",
+                    f"    {header}", *indent(plain.lines, 2),
+                    "else:", f"    {header}", *indent(tested.lines, 2)]
 
     def skipping_dead_tiles(self, fold: Reduce, loops, body: Scope, update):
         """`update()` writes one tile's update of the fold into `body`; where a predicate
@@ -1035,17 +1068,19 @@ class KernelEmitter:
         return f"({DEAD_WHEN[c.op].format(**ends)}) == 0"
 
     def live_span(self, fold: Reduce, ax: Axis, env0: dict[str, Axis], lo: str, hi: str,
-                  T: Scope) -> tuple[str, str]:
+                  T: Scope) -> tuple[str, str, str | None]:
         """Narrow loop `ax`'s range [lo, hi) to its live span: from the first to the
         last tile where every comparison on data masking the fold (tile_tests) may
         hold, by the ranges of its sides over each tile (DEAD_WHEN), found by a scan
         of those sides many tiles a step before the loop.  Tiles outside the span
         would each be loaded, tested and skipped one after another (a document mask
         visits every key tile below the diagonal); tiles inside it are still tested
-        one by one, so a span with holes stays exact.  A comparison qualifies when
-        each side varies over `ax` alone or not at all within the program."""
+        one by one where the span has holes, so that it stays exact.  Returns (first,
+        last, whether every tile between them is live; None without a scan).  A
+        comparison qualifies when each side varies over `ax` alone or not at all
+        within the program."""
         if ax.scalar:
-            return lo, hi
+            return lo, hi, None
         scalars = {n for n, a in env0.items() if a.scalar}
 
         def scannable(x: Expr) -> bool:
@@ -1054,7 +1089,7 @@ class KernelEmitter:
         tests = [c for c in tile_tests(fold).get(ax.name, [])
                  if isinstance(c, Call) and c.op in DEAD_WHEN and all(map(scannable, c.args))]
         if not tests:
-            return lo, hi
+            return lo, hi, None
         tiles = max(1, SCAN_ELEMENTS // ax.block)
         scan = Axis(next(self.axis_ids), ax.name, self.axis_var(f"scan_{ax.name}"), T.level + 1, "scan",
                     ax.block * tiles, block_expr=f"{tiles} * {ax.block_name}")
@@ -1082,21 +1117,25 @@ class KernelEmitter:
         first, last = self.local(f"first_{ax.var}"), self.local(f"last_{ax.var}")
         starts = self.local(f"starts_{ax.var}")
         live = self.local(f"live_{ax.var}")
+        count, dense = self.local(f"count_{ax.var}"), self.local(f"dense_{ax.var}")
         body.lines += [f"{starts} = start_{scan.var} + tl.arange(0, {tiles}) * {ax.block_name}",
                        f"{live} = ({' | '.join(f'({d})' for d in dead) if len(dead) > 1 else dead[0]}) == 0",
                        f"{first} = tl.minimum({first}, tl.min(tl.where({live}, {starts}, {hi})))",
-                       f"{last} = tl.maximum({last}, tl.max(tl.where({live}, {starts} + {ax.block_name}, {lo})))"]
+                       f"{last} = tl.maximum({last}, tl.max(tl.where({live}, {starts} + {ax.block_name}, {lo})))",
+                       f"{count} += tl.sum({live}.to(tl.int32))"]
         T.lines.append(f"# the live span of {ax.name}: from the first to the last tile where "
                        f"{' and '.join(format_expr(c) for c in tests)} may hold, by the ranges of the sides "
-                       f"over each tile, {tiles} tiles a step (tiles inside it are still tested)")
-        T.lines += [f"{first} = {hi}", f"{last} = {lo}"]
+                       f"over each tile, {tiles} tiles a step (inside it, tiles are tested one by one only where it has holes)")
+        T.lines += [f"{first} = {hi}", f"{last} = {lo}", f"{count} = 0"]
         self.flush_tiles(T, [scan])
         T.lines.append(f"for start_{scan.var} in range({lo}, {hi}, {scan.block_name}):")
         T.lines.extend(indent(body.lines, 1))
         # no live tile, or an empty range: first == last, an empty loop (a step's tiles past
         # `hi` hold only filled ends, dead unless a side is NaN, and end at `hi`)
         T.lines.append(f"{last} = tl.maximum({first}, tl.minimum({last}, {hi}))")
-        return first, last
+        # every tile between first and last is live: the loop needs no test per tile (span_loop)
+        T.lines.append(f"{dense} = {count} == tl.cdiv({last} - {first}, {ax.block_name})")
+        return first, last, dense
 
     def extreme(self, v: Value, fn: str, scope: Scope) -> str:
         """`fn` (tl.min or tl.max) of `v` over its whole tile, made once where `v` exists
