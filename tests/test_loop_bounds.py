@@ -252,9 +252,9 @@ def test_a_live_span_scan_bounds_the_loop_and_stays_exact(case):
         e[4] = float("nan")
     source = _run_against_the_oracle(SPAN.format(op="=="), _span_inputs(d, e, 12))
     assert "# the live span of m" in source and "for start_scan_m in range(" in source
-    # the loop over the span twice: untested where every tile of it is live, else tested
-    assert re.search(r"if dense_m:\n.*\n +for start_m in range\(first_m, last_m,.*\n +else:\n +for start_m in "
-                     r"range\(first_m, last_m,", source, re.S)
+    # the span's tiles untested where every one is live, else each tested in the loop after
+    assert re.search(r"mid_m = tl.where\(dense_m, last_m, first_m\)\n +for start_m in range\(first_m, mid_m,.*"
+                     r"for start_m in range\(mid_m, last_m,", source, re.S)
 
 
 @pytest.mark.parametrize("op", ["<", "<=", ">", ">="])
@@ -281,3 +281,16 @@ def test_a_side_over_the_loop_and_a_tile_of_rows_is_not_scanned():
     source = _run_against_the_oracle("O[i] = sum[m](where(M[i,m] > 0, X[m], 0.0))", inputs)
     assert "live span" not in source and "if " in source
 
+
+
+@pytest.mark.parametrize("ids", ["sorted", "holes"])
+def test_a_live_span_inside_a_window_matches_the_oracle(ids):
+    """A document mask inside a sliding window: far boundary, interior (untested where
+    the span has no holes) and near boundary around the span's ends."""
+    g = torch.Generator().manual_seed(18)
+    n = 300
+    d = _documents(n, g) if ids == "sorted" else (torch.arange(n) // 20 % 2).double()
+    inputs = {"Q": torch.randn(n, 8, generator=g), "K": torch.randn(n, 8, generator=g),
+              "V": torch.randn(n, 4, generator=g), "D": d.float()}
+    source = _run_against_the_oracle(attention("D[i] == D[m] and m <= i and i - m < 90"), inputs)
+    assert "# the live span of" in source and "tl.where(dense_" in source

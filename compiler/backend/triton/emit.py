@@ -904,7 +904,8 @@ class KernelEmitter:
             fold, prefix, body, RA, bool(loops), init, finish))
         if loops:
             relations = index_bounds(fold)
-            interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T)
+            span = self.span_tests(fold, loops[0], env0) if len(loops) == 1 else []
+            interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T, tested=not span)
             T.lines.extend(init)
             self.flush_tiles(T, loops)
             headers, depth = [], 0
@@ -922,12 +923,22 @@ class KernelEmitter:
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
                 lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
                 dense = None
-                if len(loops) == 1:
-                    lo, hi, dense = self.live_span(fold, ax, env0, lo, hi, T)
+                if span:
+                    lo, hi, dense = self.live_span(span, ax, env0, lo, hi, T)
+                if dense is not None and interior is None:
+                    # a span without holes runs untested, one with holes in the loop after, tested
+                    plain = self.tile_body(fold, loops, env, prefix, RA, T, tested=False)
+                    self.flush_tiles(T, loops)
+                    T.lines += ["# a span without holes runs untested; one with holes in the loop after, each "
+                                "tile tested",
+                                f"mid_{ax.var} = tl.where({dense}, {hi}, {lo})",
+                                f"for start_{ax.var} in range({lo}, mid_{ax.var}, {ax.block_name}):",
+                                *indent(plain.lines, 1)]
+                    lo = f"mid_{ax.var}"
                 if interior is not None and p == 0:
                     # the tiles where the predicate holds everywhere run without it: the
                     # boundary tiles before them (a window's far edge), then the interior
-                    first, last, inner_body, assumed = interior
+                    first, last, inner_body = interior
                     if first is not None:
                         T.lines.append(f"inner_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {first}))")
                         T.lines.append("# the boundary tiles before the interior, where the predicate is evaluated")
@@ -937,20 +948,20 @@ class KernelEmitter:
                     end = hi if last is None else f"mid_{ax.var}"
                     if last is not None:
                         T.lines.append(f"mid_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {last}))")
-                    self.span_loop(T, f"for start_{ax.var} in range({lo}, {end}, {ax.block_name}):", inner_body,
-                                   lambda: self.tile_body(assumed, loops, env, prefix, RA, T, tested=False),
-                                   dense, loops)
-                    dense = None            # the boundary tiles left: few, each tested
-                    boundary_after = last is not None
+                    if dense is not None:
+                        T.lines += ["# the interior runs untested where the span has no holes; otherwise "
+                                    "every tile is tested, in the boundary loop",
+                                    f"mid_{ax.var} = tl.where({dense}, {end}, {lo})"]
+                        end = f"mid_{ax.var}"
+                    T.lines.append(f"for start_{ax.var} in range({lo}, {end}, {ax.block_name}):")
+                    T.lines.extend(indent(inner_body.lines, 1))
+                    boundary_after = end != hi
                     if boundary_after:
                         T.lines.append("# the boundary tiles, where the predicate is evaluated")
                     lo = end
                 headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
                 depth += 1
-            if boundary_after and dense is not None:        # one loop over the live span
-                self.span_loop(T, headers[0], body,
-                               lambda: self.tile_body(fold, loops, env, prefix, RA, T, tested=False), dense, loops)
-            elif boundary_after:
+            if boundary_after:
                 T.lines.extend(headers)
                 T.lines.extend(indent(body.lines, depth))
             T.lines.extend(finish)
@@ -966,12 +977,14 @@ class KernelEmitter:
         lowering = next(method for _, applies, method in FOLD_LOWERINGS if applies(fold.summary))
         return getattr(self, lowering)(fold, prefix, body, RA, looped, init, finish)
 
-    def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T):
+    def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T, tested: bool = True):
         """For a single loop bounded by index predicates (m <= i: causal; i - m < W: a
         window's far edge), the tiles between the boundaries satisfy them everywhere:
-        emit their update without them.  Returns (the first interior tile's start or
-        None, the first upper boundary tile's start or None, the interior body), or
-        None."""
+        emit their update without them (and without the tile test of a predicate on
+        data unless `tested`: where a live span bounds the loop, the interior runs
+        only when every tile of the span is live).  Returns (the first interior
+        tile's start or None, the first upper boundary tile's start or None, the
+        interior body), or None."""
         if len(loops) != 1 or not self.tuned or loops[0].scalar:
             return None
         ax = loops[0]
@@ -987,8 +1000,8 @@ class KernelEmitter:
         assumed = fold
         for b in bounds:
             assumed = assume_relation(assumed, b)
-        inner = self.tile_body(assumed, loops, env, prefix, RA, T, tested=True)
-        return nested("tl.maximum", starts), nested("tl.minimum", ends), inner, assumed
+        inner = self.tile_body(assumed, loops, env, prefix, RA, T, tested)
+        return nested("tl.maximum", starts), nested("tl.minimum", ends), inner
 
     def tile_body(self, fold: Reduce, loops, env, prefix: str, RA, T: Scope, tested: bool) -> Scope:
         """A further copy of one tile's update of `fold` (the loop's first copy holds
@@ -1003,23 +1016,6 @@ class KernelEmitter:
         else:
             update()
         return body
-
-    def span_loop(self, T: Scope, header: str, tested: Scope, untested, dense: str | None, loops) -> None:
-        """Write the loop `header` over `tested` (a body under its tile test).  Where a
-        live span was scanned (`dense`: every tile of the span passes the test), the
-        same loop without the test runs instead: a loop without a branch in its body
-        is software-pipelined, its loads issued ahead of the tiles that use them
-        (document mask, H100: 0.348 -> 0.246 ms); a span with holes keeps the test."""
-        if dense is None:
-            T.lines.append(header)
-            T.lines.extend(indent(tested.lines, 1))
-            return
-        plain = untested()
-        self.flush_tiles(T, loops)
-        T.lines += [f"if {dense}:",
-                    "    # every tile of the live span passes the tile test: none is tested",
-                    f"    {header}", *indent(plain.lines, 2),
-                    "else:", f"    {header}", *indent(tested.lines, 2)]
 
     def skipping_dead_tiles(self, fold: Reduce, loops, body: Scope, update):
         """`update()` writes one tile's update of the fold into `body`; where a predicate
@@ -1067,29 +1063,33 @@ class KernelEmitter:
                 ends[f"{end}_{name}"] = self.extreme(v, fn, body)
         return f"({DEAD_WHEN[c.op].format(**ends)}) == 0"
 
-    def live_span(self, fold: Reduce, ax: Axis, env0: dict[str, Axis], lo: str, hi: str,
-                  T: Scope) -> tuple[str, str, str | None]:
+    def span_tests(self, fold: Reduce, ax: Axis, env0: dict[str, Axis]) -> list[Expr]:
+        """The comparisons on data masking `fold` (tile_tests) that bound loop `ax` by a
+        live span (live_span): each side varies over `ax` alone or not at all within
+        the program (a 2-D side, `M[i,m]`, would be re-read whole by the scan)."""
+        if ax.scalar:
+            return []
+        scalars = {n for n, a in env0.items() if a.scalar}
+
+        def scannable(x: Expr) -> bool:
+            others = free(x) - {ax.name}
+            return others <= (scalars if ax.name in free(x) else set(env0))
+        return [c for c in tile_tests(fold).get(ax.name, [])
+                if isinstance(c, Call) and c.op in DEAD_WHEN and all(map(scannable, c.args))]
+
+    def live_span(self, tests: list[Expr], ax: Axis, env0: dict[str, Axis], lo: str, hi: str,
+                  T: Scope) -> tuple[str, str, str]:
         """Narrow loop `ax`'s range [lo, hi) to its live span: from the first to the
         last tile where every comparison on data masking the fold (tile_tests) may
         hold, by the ranges of its sides over each tile (DEAD_WHEN), found by a scan
         of those sides many tiles a step before the loop.  Tiles outside the span
         would each be loaded, tested and skipped one after another (a document mask
         visits every key tile below the diagonal); tiles inside it are still tested
-        one by one where the span has holes, so that it stays exact.  Returns (first,
-        last, whether every tile between them is live; None without a scan).  A
-        comparison qualifies when each side varies over `ax` alone or not at all
-        within the program."""
-        if ax.scalar:
-            return lo, hi, None
-        scalars = {n for n, a in env0.items() if a.scalar}
-
-        def scannable(x: Expr) -> bool:
-            others = free(x) - {ax.name}
-            return others <= (scalars if ax.name in free(x) else set(env0))
-        tests = [c for c in tile_tests(fold).get(ax.name, [])
-                 if isinstance(c, Call) and c.op in DEAD_WHEN and all(map(scannable, c.args))]
-        if not tests:
-            return lo, hi, None
+        one by one where the span has holes, so that it stays exact.  `tests`: the
+        span_tests of the loop.  Returns (first, last, whether every tile between
+        them is live: then they need no test, and a loop without a branch in its
+        body is software-pipelined, its loads issued ahead of the tiles that use
+        them; document mask on the H100: 0.348 -> 0.248 ms)."""
         tiles = max(1, SCAN_ELEMENTS // ax.block)
         scan = Axis(next(self.axis_ids), ax.name, self.axis_var(f"scan_{ax.name}"), T.level + 1, "scan",
                     ax.block * tiles, block_expr=f"{tiles} * {ax.block_name}")

@@ -90,58 +90,30 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
     last_i_2 = tl.maximum(first_i_2, tl.minimum(last_i_2, hi_i_2))
     dense_i_2 = count_i_2 == tl.cdiv(last_i_2 - first_i_2, BLOCK_i_2)
     mid_i_2 = tl.maximum(first_i_2, tl.minimum(last_i_2, (tl.min(offs_i, 0) + 1) // BLOCK_i_2 * BLOCK_i_2))
-    if dense_i_2:
-        # every tile of the live span passes the tile test: none is tested
-        for start_i_2 in range(first_i_2, mid_i_2, BLOCK_i_2):
-            x_D21 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
-            t22 = ((x_D0.to(tl.float32))[:, None] == (x_D21.to(tl.float32))[None, :])
-            # fold 3: sum[k] (whole)
-            x_K23 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
-            qk_3 = tl.dot(x_Q6, x_K23)
-            x0_3 = tl.where(t22, (scale_val * qk_3), -float("inf"))
-            x_V26 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
-            # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-            # base 2: p_3 = exp2(x0_3 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_3 itself
-            r_new_3 = tl.maximum(r, tl.max(x0_3, 1))
-            # a leader still at the identity has no mass yet: use the finite stand-in 0
-            r_use_3 = tl.where(r_new_3 == -float("inf"), 0.0, r_new_3)
-            # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-            a_3 = _base2(r_use_3)
-            r2_3 = _scaled(r_use_3)
-            alpha_3 = tl.exp2(_scaled(r) - r2_3)
-            p_3 = tl.exp2(tl.fma(x0_3, a_3[:, None], -r2_3[:, None]))
-            l = l * alpha_3 + tl.sum(p_3, 1)
-            acc = acc * alpha_3[:, None]
-            acc = tl.dot(p_3.to(tl.bfloat16), x_V26, acc)
-            r = r_new_3
-    else:
-        for start_i_2 in range(first_i_2, mid_i_2, BLOCK_i_2):
-            x_D12 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
-            min_D_3 = tl.min(x_D12.to(tl.float32))
-            max_D_3 = tl.max(x_D12.to(tl.float32))
-            # skip the tile where D[b, i] == D[b, i_2] fails everywhere: its elements contribute nothing
-            # (comparisons by the ranges of their sides over the tile)
-            if ((max_D < min_D_3) | (min_D > max_D_3)) == 0:
-                t13 = ((x_D0.to(tl.float32))[:, None] == (x_D12.to(tl.float32))[None, :])
-                # fold 2: sum[k] (whole)
-                x_K14 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
-                qk_2 = tl.dot(x_Q6, x_K14)
-                x0_2 = tl.where(t13, (scale_val * qk_2), -float("inf"))
-                x_V17 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
-                # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-                # base 2: p_2 = exp2(x0_2 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_2 itself
-                r_new_2 = tl.maximum(r, tl.max(x0_2, 1))
-                # a leader still at the identity has no mass yet: use the finite stand-in 0
-                r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
-                # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-                a_2 = _base2(r_use_2)
-                r2_2 = _scaled(r_use_2)
-                alpha_2 = tl.exp2(_scaled(r) - r2_2)
-                p_2 = tl.exp2(tl.fma(x0_2, a_2[:, None], -r2_2[:, None]))
-                l = l * alpha_2 + tl.sum(p_2, 1)
-                acc = acc * alpha_2[:, None]
-                acc = tl.dot(p_2.to(tl.bfloat16), x_V17, acc)
-                r = r_new_2
+    # the interior runs untested where the span has no holes; otherwise every tile is tested, in the boundary loop
+    mid_i_2 = tl.where(dense_i_2, mid_i_2, first_i_2)
+    for start_i_2 in range(first_i_2, mid_i_2, BLOCK_i_2):
+        x_D12 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
+        t13 = ((x_D0.to(tl.float32))[:, None] == (x_D12.to(tl.float32))[None, :])
+        # fold 2: sum[k] (whole)
+        x_K14 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
+        qk_2 = tl.dot(x_Q6, x_K14)
+        x0_2 = tl.where(t13, (scale_val * qk_2), -float("inf"))
+        x_V17 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
+        # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
+        # base 2: p_2 = exp2(x0_2 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_2 itself
+        r_new_2 = tl.maximum(r, tl.max(x0_2, 1))
+        # a leader still at the identity has no mass yet: use the finite stand-in 0
+        r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
+        # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
+        a_2 = _base2(r_use_2)
+        r2_2 = _scaled(r_use_2)
+        alpha_2 = tl.exp2(_scaled(r) - r2_2)
+        p_2 = tl.exp2(tl.fma(x0_2, a_2[:, None], -r2_2[:, None]))
+        l = l * alpha_2 + tl.sum(p_2, 1)
+        acc = acc * alpha_2[:, None]
+        acc = tl.dot(p_2.to(tl.bfloat16), x_V17, acc)
+        r = r_new_2
     # the boundary tiles, where the predicate is evaluated
     for start_i_2 in range(mid_i_2, last_i_2, BLOCK_i_2):
         offs_i_2 = start_i_2 + tl.arange(0, BLOCK_i_2)
