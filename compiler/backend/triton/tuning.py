@@ -83,12 +83,14 @@ def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str,
 
 # How the autotuner times a candidate: a first call times every candidate once, and
 # Triton's default (25 ms of warm-up, 100 ms timed) made that 1.3-1.5 s of an attention
-# variant's first call on the H100 (scripts/first_call.py phases); the median of 25 ms
-# of runs still separates candidates a few percent apart.
+# variant's first call on the H100 (scripts/first_call.py phases).  25 ms timed still
+# picks what the long timing picks (13 of 15 cases of scripts/tuning_survey.py, the
+# other two 1.6% and 1.0% behind); the warm-up stays at 25 ms: with 5 ms (two to five
+# runs of a 1-2 ms kernel) the choice was worse in 4 of 15 cases, up to 11% behind.
 TIMING = """def _time_candidate(kernel_call, quantiles):
-    # the autotuner's timing of one candidate: the median of 25 ms of runs after 5 ms of warm-up
+    # the autotuner's timing of one candidate: the median of 25 ms of runs after 25 ms of warm-up
     import triton.testing
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)"""
+    return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)"""
 
 
 def decorator(code: KernelCode, configs) -> str:

@@ -19,9 +19,9 @@ def combine_argmax(a_m, a_p, b_m, b_p):
 
 
 def _time_candidate(kernel_call, quantiles):
-    # the autotuner's timing of one candidate: the median of 25 ms of runs after 5 ms of warm-up
+    # the autotuner's timing of one candidate: the median of 25 ms of runs after 25 ms of warm-up
     import triton.testing
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+    return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 8192}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'], cache_results=True, do_bench=_time_candidate)

@@ -37,9 +37,9 @@ def _natural(t, r):
 
 
 def _time_candidate(kernel_call, quantiles):
-    # the autotuner's timing of one candidate: the median of 25 ms of runs after 5 ms of warm-up
+    # the autotuner's timing of one candidate: the median of 25 ms of runs after 25 ms of warm-up
     import triton.testing
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+    return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4)], key=['n_j', 'n_i', 'n_h', 'n_b', 'n_m', 'n_k'], cache_results=True, do_bench=_time_candidate)

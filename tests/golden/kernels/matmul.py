@@ -13,9 +13,9 @@ import triton.language as tl
 
 
 def _time_candidate(kernel_call, quantiles):
-    # the autotuner's timing of one candidate: the median of 25 ms of runs after 5 ms of warm-up
+    # the autotuner's timing of one candidate: the median of 25 ms of runs after 25 ms of warm-up
     import triton.testing
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+    return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
 @triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 256, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 256, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 32}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=4)], key=['n_i', 'n_j', 'n_k'], cache_results=True, do_bench=_time_candidate)
