@@ -92,15 +92,15 @@ def test_the_interior_of_a_window_drops_the_predicate_the_far_past_is_skipped(wi
     # the far past: the loop starts at the first tile a key of the window can be in
     assert f"lo_m = tl.maximum(0, (tl.maximum(tl.min(offs_i, 0) - {width - 1}, 0)) // BLOCK_m * BLOCK_m)" in code
     assert "hi_m = tl.minimum(n_m, tl.max(offs_i, 0) + 1)" in code
-    # three loops: the window's far edge and the diagonal evaluate both conjuncts; the tiles
-    # between them (where the window is wider than a tile) neither
-    far = code[code.index("for start_m in range(lo_m, inner_m"):code.index("for start_m in range(inner_m, mid_m")]
+    # two loops: the tiles between the window's far edge and the diagonal (where the window is
+    # wider than a tile) evaluate neither conjunct; the tiles of both edges, in one loop, both
     interior = code[code.index("for start_m in range(inner_m, mid_m"):code.index("# the boundary tiles, where")]
-    near = code[code.index("for start_m in range(mid_m, hi_m"):]
+    edges = code[code.index("for step_m in range(0, far_m + tl.maximum(tl.cdiv(hi_m - mid_m, BLOCK_m), 0)):"):]
+    assert "far_m = tl.cdiv(inner_m - lo_m, BLOCK_m)" in code
     causal = "(offs_m[None, :] <= offs_i[:, None])"
     window = "(offs_i[:, None] - offs_m[None, :])"
     assert window not in interior and causal not in interior
-    assert all(window in edge and causal in edge for edge in (far, near))
+    assert window in edges and causal in edges
     got = program(**inputs)
     want = ref(**{k: v.double().cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
     torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
@@ -294,3 +294,17 @@ def test_a_live_span_inside_a_window_matches_the_oracle(ids):
               "V": torch.randn(n, 4, generator=g), "D": d.float()}
     source = _run_against_the_oracle(attention("D[i] == D[m] and m <= i and i - m < 90"), inputs)
     assert "# the live span of" in source and "tl.where(dense_" in source
+
+
+@pytest.mark.parametrize("predicate", ["m <= i and i - m < 300", "i - m < 300", "D[i] == D[m] and m <= i and i - m < 300"])
+def test_a_window_wider_than_the_tiles_visits_each_edge_tile_once(predicate):
+    """Windows several tiles wide: interior tiles between the two edges, whose tiles run in
+    one loop (the far edge's, then the diagonal's): each tile folded exactly once."""
+    g = torch.Generator().manual_seed(19)
+    n = 700
+    inputs = {"Q": torch.randn(n, 8, generator=g), "K": torch.randn(n, 8, generator=g),
+              "V": torch.randn(n, 4, generator=g), "D": _documents(n, g).float()}
+    if "D[" not in predicate:
+        del inputs["D"]
+    source = _run_against_the_oracle(attention(predicate), inputs)
+    assert "for step_m in range(0, far_m" in source or "for step_i_2 in range(0, far_i_2" in source

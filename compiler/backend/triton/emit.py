@@ -80,7 +80,7 @@ FIXED_NAMES = frozenset({"pid", "split_id", "split", "n_split", "in_group", "fir
                          "len", "print", "True", "False", "None", *keyword.kwlist})
 NUMBERED = re.compile(r"t\d+")     # an anonymous temporary
 # the generated names of one axis: <prefix>_<var>
-AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk")
+AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk", "inner", "far", "step")
 
 
 # A comparison a <op> b holds nowhere in a tile when the ranges of its sides over the
@@ -935,15 +935,14 @@ class KernelEmitter:
                                 f"for start_{ax.var} in range({lo}, mid_{ax.var}, {ax.block_name}):",
                                 *indent(plain.lines, 1)]
                     lo = f"mid_{ax.var}"
+                far = None           # the boundary tiles before the interior (a window's far edge)
                 if interior is not None and p == 0:
-                    # the tiles where the predicate holds everywhere run without it: the
-                    # boundary tiles before them (a window's far edge), then the interior
+                    # the tiles where the predicate holds everywhere run without it (the
+                    # interior), then the boundary tiles on either side of it, evaluating it
                     first, last, inner_body = interior
                     if first is not None:
                         T.lines.append(f"inner_{ax.var} = tl.maximum({lo}, tl.minimum({hi}, {first}))")
-                        T.lines.append("# the boundary tiles before the interior, where the predicate is evaluated")
-                        T.lines.append(f"for start_{ax.var} in range({lo}, inner_{ax.var}, {ax.block_name}):")
-                        T.lines.extend(indent(body.lines, 1))
+                        far = (lo, f"inner_{ax.var}")
                         lo = f"inner_{ax.var}"
                     end = hi if last is None else f"mid_{ax.var}"
                     if last is not None:
@@ -956,10 +955,22 @@ class KernelEmitter:
                     T.lines.append(f"for start_{ax.var} in range({lo}, {end}, {ax.block_name}):")
                     T.lines.extend(indent(inner_body.lines, 1))
                     boundary_after = end != hi
-                    if boundary_after:
+                    if boundary_after or far:
                         T.lines.append("# the boundary tiles, where the predicate is evaluated")
                     lo = end
-                headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
+                if far is not None:
+                    # the tiles before the interior and those after it in one loop: one copy of
+                    # the boundary body to compile, not two
+                    near = (lo, hi) if boundary_after else (hi, hi)
+                    count = f"far_{ax.var}"
+                    T.lines.append(f"{count} = tl.cdiv({far[1]} - {far[0]}, {ax.block_name})")
+                    headers.append(f"for step_{ax.var} in range(0, {count} + tl.maximum(tl.cdiv({near[1]} - {near[0]}, "
+                                   f"{ax.block_name}), 0)):")
+                    body.lines.insert(0, f"start_{ax.var} = tl.where(step_{ax.var} < {count}, {far[0]} + step_{ax.var} "
+                                         f"* {ax.block_name}, {near[0]} + (step_{ax.var} - {count}) * {ax.block_name})")
+                    boundary_after = True
+                else:
+                    headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
                 depth += 1
             if boundary_after:
                 T.lines.extend(headers)
