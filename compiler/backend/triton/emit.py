@@ -80,7 +80,8 @@ FIXED_NAMES = frozenset({"pid", "split_id", "split", "n_split", "in_group", "fir
                          "len", "print", "True", "False", "None", *keyword.kwlist})
 NUMBERED = re.compile(r"t\d+")     # an anonymous temporary
 # the generated names of one axis: <prefix>_<var>
-AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk", "inner", "far", "step")
+AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mid", "chunk", "inner", "far",
+                 "step")
 
 
 # A comparison a <op> b holds nowhere in a tile when the ranges of its sides over the
@@ -236,7 +237,8 @@ class ModuleContext:
         self.split_layouts: dict = {}
         # names of the module's globals (kernels, combine functions, helpers), every kernel-local
         # name given out so far, and the names of the program (tensors, statements, buffers)
-        self.module_names: set[str] = {"launch", "torch", "triton", "tl", "_time_candidate"} | {f"_{h}" for h in emission.HELPERS}
+        self.module_names: set[str] = ({"launch", "torch", "triton", "tl", "_time_candidate"}
+                                       | {f"_{h}" for h in emission.HELPERS})
         self.local_names: set[str] = set()
         self.reserved: set[str] = set()
 
@@ -929,8 +931,8 @@ class KernelEmitter:
                     # a span without holes runs untested, one with holes in the loop after, tested
                     plain = self.tile_body(fold, loops, env, prefix, RA, T, tested=False)
                     self.flush_tiles(T, loops)
-                    T.lines += ["# a span without holes runs untested; one with holes in the loop after, each "
-                                "tile tested",
+                    T.lines += ["# a span without holes runs untested; one with holes in the loop after, "
+                                "each tile tested",
                                 f"mid_{ax.var} = tl.where({dense}, {hi}, {lo})",
                                 f"for start_{ax.var} in range({lo}, mid_{ax.var}, {ax.block_name}):",
                                 *indent(plain.lines, 1)]
@@ -964,10 +966,11 @@ class KernelEmitter:
                     near = (lo, hi) if boundary_after else (hi, hi)
                     count = f"far_{ax.var}"
                     T.lines.append(f"{count} = tl.cdiv({far[1]} - {far[0]}, {ax.block_name})")
-                    headers.append(f"for step_{ax.var} in range(0, {count} + tl.maximum(tl.cdiv({near[1]} - {near[0]}, "
-                                   f"{ax.block_name}), 0)):")
-                    body.lines.insert(0, f"start_{ax.var} = tl.where(step_{ax.var} < {count}, {far[0]} + step_{ax.var} "
-                                         f"* {ax.block_name}, {near[0]} + (step_{ax.var} - {count}) * {ax.block_name})")
+                    step, block = f"step_{ax.var}", ax.block_name
+                    headers.append(f"for {step} in range(0, {count} + tl.maximum(tl.cdiv({near[1]} - {near[0]}, "
+                                   f"{block}), 0)):")
+                    body.lines.insert(0, f"start_{ax.var} = tl.where({step} < {count}, {far[0]} + {step} * {block}, "
+                                         f"{near[0]} + ({step} - {count}) * {block})")
                     boundary_after = True
                 else:
                     headers += indent([f"for start_{ax.var} in range({lo}, {hi}, {self.step(ax)}):"], depth)
@@ -1132,11 +1135,13 @@ class KernelEmitter:
         body.lines += [f"{starts} = start_{scan.var} + tl.arange(0, {tiles}) * {ax.block_name}",
                        f"{live} = ({' | '.join(f'({d})' for d in dead) if len(dead) > 1 else dead[0]}) == 0",
                        f"{first} = tl.minimum({first}, tl.min(tl.where({live}, {starts}, {hi})))",
-                       f"{last} = tl.maximum({last}, tl.max(tl.where({live}, {starts} + {ax.block_name}, {lo})))",
+                       f"{last} = tl.maximum({last}, tl.max(tl.where({live}, {starts} + {ax.block_name}, "
+                       f"{lo})))",
                        f"{count} += tl.sum({live}.to(tl.int32))"]
         T.lines.append(f"# the live span of {ax.name}: from the first to the last tile where "
                        f"{' and '.join(format_expr(c) for c in tests)} may hold, by the ranges of the sides "
-                       f"over each tile, {tiles} tiles a step (inside it, tiles are tested one by one only where it has holes)")
+                       f"over each tile, {tiles} tiles a step (inside it, tiles are tested one by one only "
+                       f"where it has holes)")
         T.lines += [f"{first} = {hi}", f"{last} = {lo}", f"{count} = 0"]
         self.flush_tiles(T, [scan])
         T.lines.append(f"for start_{scan.var} in range({lo}, {hi}, {scan.block_name}):")
@@ -1144,7 +1149,7 @@ class KernelEmitter:
         # no live tile, or an empty range: first == last, an empty loop (a step's tiles past
         # `hi` hold only filled ends, dead unless a side is NaN, and end at `hi`)
         T.lines.append(f"{last} = tl.maximum({first}, tl.minimum({last}, {hi}))")
-        # every tile between first and last is live: the loop needs no test per tile (span_loop)
+        # every tile between first and last is live: their loop needs no test per tile (emit_fold)
         T.lines.append(f"{dense} = {count} == tl.cdiv({last} - {first}, {ax.block_name})")
         return first, last, dense
 
