@@ -1071,11 +1071,15 @@ class KernelEmitter:
         sides = [self.value(x, body) for x in c.args]
         if any(v.kind == "bool" for v in sides):
             return None
-        ends = {}
-        for name, v in zip("ab", sides):
-            for end, fn in (("lo", "tl.min"), ("hi", "tl.max")):
-                ends[f"{end}_{name}"] = self.extreme(v, fn, body)
-        return f"({DEAD_WHEN[c.op].format(**ends)}) == 0"
+        return f"({self.dead_when(c.op, sides, lambda v, fn: self.extreme(v, fn, body))}) == 0"
+
+    @staticmethod
+    def dead_when(op: str, sides: list[Value], extreme) -> str:
+        """DEAD_WHEN's row for comparison `op` of `sides`, each side's least and greatest
+        value taken by `extreme(side, "tl.min" | "tl.max")`."""
+        ends = {f"{end}_{name}": extreme(v, fn) for name, v in zip("ab", sides)
+                for end, fn in (("lo", "tl.min"), ("hi", "tl.max"))}
+        return DEAD_WHEN[op].format(**ends)
 
     def span_tests(self, fold: Reduce, ax: Axis, env0: dict[str, Axis]) -> list[Expr]:
         """The comparisons on data masking `fold` (tile_tests) that bound loop `ax` by a
@@ -1110,24 +1114,19 @@ class KernelEmitter:
         body = Scope(T, scan.level, {**env0, ax.name: scan}, "body")
         body.lines += [f"{scan.offs} = start_{scan.var} + tl.arange(0, {scan.block_name})",
                        f"{scan.mask} = {scan.offs} < {hi}"]
-        per_tile = f"[{tiles}, {ax.block_name}]"
-        dead = []
-        for c in tests:         # comparisons of numbers: the checker takes no truth values there
-            ends = {}
-            for name, x in zip("ab", c.args):
-                v = self.value(x, body)
-                for end, fn in (("lo", "tl.min"), ("hi", "tl.max")):
-                    if scan not in v.axes:
-                        ends[f"{end}_{name}"] = self.extreme(v, fn, body)
-                        continue
-                    # elements past the range take the end's identity: they widen no range
-                    fill = ('float("inf")' if v.kind == "float" else "2147483647") if fn == "tl.min" else \
-                           ('-float("inf")' if v.kind == "float" else "-2147483647")
-                    each = self.local(f"{'least' if end == 'lo' else 'most'}_{ident(v.tensor or 'side')}")
-                    body.lines.append(f"{each} = {fn}(tl.reshape(tl.where({scan.mask}, {v.code}, {fill}), "
-                                      f"{per_tile}), 1)")
-                    ends[f"{end}_{name}"] = each
-            dead.append(DEAD_WHEN[c.op].format(**ends))
+        def per_tile(v: Value, fn: str) -> str:
+            """`fn` of `v` over each tile of a scan step, or over the program's tile."""
+            if scan not in v.axes:
+                return self.extreme(v, fn, body)
+            # elements past the range take the end's identity: they widen no range
+            fill = ('float("inf")' if v.kind == "float" else "2147483647") if fn == "tl.min" else \
+                   ('-float("inf")' if v.kind == "float" else "-2147483647")
+            each = self.local(f"{'least' if fn == 'tl.min' else 'most'}_{ident(v.tensor or 'side')}")
+            body.lines.append(f"{each} = {fn}(tl.reshape(tl.where({scan.mask}, {v.code}, {fill}), "
+                              f"[{tiles}, {ax.block_name}]), 1)")
+            return each
+        # comparisons of numbers: the checker takes no truth values there
+        dead = [self.dead_when(c.op, [self.value(x, body) for x in c.args], per_tile) for c in tests]
         first, last = self.local(f"first_{ax.var}"), self.local(f"last_{ax.var}")
         starts = self.local(f"starts_{ax.var}")
         live = self.local(f"live_{ax.var}")
