@@ -166,7 +166,8 @@ class Program:
         """(the runner key of `inputs`: each tensor's shape, dtype and device, each
         number's type; whether a tensor requires grad), in one pass over them: a
         cached call's host time is mostly such bookkeeping.  Numbers are converted
-        to the float64 scalars they run as, in `inputs`."""
+        to the float64 scalars they run as, in `inputs`; a number's key is whether it
+        is a positive factor (positive_number: kernels are specialised on that)."""
         import torch
         key, requires_grad = [], False
         for name, v in inputs.items():
@@ -176,7 +177,7 @@ class Program:
             else:
                 if type(v) is not float:            # numbers run as float64 scalars
                     v = inputs[name] = _number(self.checked, name, v)
-                key.append((name, type(v)))
+                key.append((name, _LEAST_POSITIVE <= v <= _MOST_POSITIVE) if type(v) is float else (name, type(v)))
         return tuple(key), requires_grad
 
     def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -364,6 +365,16 @@ def _front_end(syntax, outputs, summaries) -> tuple[tuple[str, IRProgram], ...]:
     trace = [("check", check(syntax, outputs=outputs, summaries=summaries))]
     run_pipeline(trace[0][1], observe=lambda name, ir: trace.append((name, ir)))
     return tuple(trace)
+
+
+# The numbers a kernel may take as positive factors (Signature's sign class): the normal
+# positive float32 values, which stay finite and > 0 in a kernel's float32 arithmetic.
+_LEAST_POSITIVE, _MOST_POSITIVE = 2.0 ** -126, 3.4028234663852886e38
+
+
+def positive_number(value) -> bool:
+    """Whether a number input runs as a positive factor (KernelEmitter.positive_factor)."""
+    return type(value) is float and _LEAST_POSITIVE <= value <= _MOST_POSITIVE
 
 
 def _number(program: IRProgram, name: str, value):

@@ -10,7 +10,11 @@ every step at S = 4k / 16k / 1k.)
 - folded: the (positive) scale folded into the max and the weights' fma, one
   multiply per score fewer: max(c qk) = c max(qk), exp2(fma(qk, c a, -r2));
 - lean: folded, and the accuracy contract's per-row guards dropped (a = log2(e)
-  always, r2 = r a unrounded as an fma operand): what the contract costs.
+  always, r2 = r a unrounded as an fma operand): what the contract costs;
+- rotated: the loop rotated by one contraction: the next tile's scores
+  `tl.dot(Q, K[next])` are issued before this tile's softmax (their wgmma can run
+  while the softmax does: FlashAttention-3's intra-warpgroup overlap), the scores
+  carried to the next step; rotated_folded: both.
 
     python3 scripts/attention_probe.py      # prints a table; rows to $OUT/attention_probe.json
 """
@@ -38,6 +42,16 @@ LEAN = {
     r"a = _base2\(r_use\)": "a = r_use * 0.0 + 1.4426950408889634",
     r"r2 = _scaled\(r_use\)": "r2 = r_use * 1.4426950408889634",
     r"alpha = tl\.exp2\(_scaled\(r\) - r2\)": "alpha = tl.exp2(r * 1.4426950408889634 - r2)",
+}
+ROTATED = {
+    r"    for start_m in range\(0, n_m, BLOCK_m\):\n        # fold 1: sum\[k\] \(whole\)\n"
+    r"        x_K0 = tl\.load\(K_tile \+ tl\.cast\(start_m, tl\.int64\) \* K_s2\)\n"
+    r"        qk = tl\.dot\(x_Q1, x_K0\)\n":
+        "    qk = tl.dot(x_Q1, tl.load(K_tile))\n"
+        "    for start_m in range(0, n_m, BLOCK_m):\n"
+        "        next_m = tl.minimum(start_m + BLOCK_m, n_m - BLOCK_m)\n"
+        "        qk_next = tl.dot(x_Q1, tl.load(K_tile + tl.cast(next_m, tl.int64) * K_s2))\n",
+    r"        r = r_new\n": "        r = r_new\n        qk = qk_next\n",
 }
 LOADS = {   # pointer load (as emitted) -> descriptor load of the same tile
     r"x_Q1 = tl\.load\(Q_ptr .*\)\n":
@@ -83,7 +97,8 @@ def main() -> None:
         program = compiler.compile(ATTENTION)
         ref = torch.nn.functional.scaled_dot_product_attention(x["Q"].double(), x["K"].double(), x["V"].double())
         contenders = {name: variant(program, x, name, edits) for name, edits in
-                      (("emitted", {}), ("descriptor", LOADS), ("folded", FOLDED), ("lean", LEAN))}
+                      (("emitted", {}), ("folded", FOLDED), ("rotated", ROTATED),
+                                        ("rotated_folded", {**ROTATED, **FOLDED}))}
         from torch.nn.attention import SDPBackend, sdpa_kernel
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

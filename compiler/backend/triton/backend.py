@@ -18,7 +18,7 @@ from ...bind import Binding
 from ...errors import BackendError
 from ...schedule import Plan, Schedule
 from .cache import load
-from .emit import Signature
+from .emit import POSITIVE, Signature
 from .launch import bind_directly, direct_launch_supported
 from ...schedule.tiles import auto_split
 from .module import Built, ModuleBuilder
@@ -125,13 +125,14 @@ class TritonBackend:
         return binding.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
     def signature(self, binding: Binding, extents: dict[str, int]) -> Signature:
+        from ...program import positive_number
         inputs = []
         for decl in self.program.inputs:
             value = binding.values[decl.name]
             if isinstance(value, torch.Tensor):
                 inputs.append((decl.name, "tensor", value.dim(), value.dtype))
             else:
-                inputs.append((decl.name, "number", 0, None))
+                inputs.append((decl.name, "number", 0, POSITIVE if positive_number(value) else None))
         interpret = self.interpreted(binding)
         return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
                          None if interpret else _sm_count(binding.device), interpret,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...errors import BackendError
+from ...program import positive_number
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_expr, walk
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
@@ -152,6 +153,8 @@ class Value:
     zero: frozenset = frozenset()      # axes outside whose extent the value is exactly 0
     level: int = 0                     # the scope level it is defined at (at least its axes' levels)
     bounds: tuple[int, int] | None = None  # an int value's range (decides when it needs 64 bits)
+    origin: tuple | None = None        # (op, operand Values) of the operation that made it
+    positive: bool = False             # a number input the signature holds positive (literals: their const)
 
 
 class Scope:
@@ -176,11 +179,16 @@ def indent(lines: list[str], depth: int = 1) -> list[str]:
 
 
 # ---------------------------------------------------------------- module-level facts
+POSITIVE = "positive"
+
+
 @dataclass(frozen=True)
 class Signature:
     """What a generated module is specialised to (besides the program)."""
     extents: tuple[tuple[str, int], ...]
-    inputs: tuple[tuple[str, str, int, object], ...]    # name, "tensor" | "number", rank, dtype
+    # name, "tensor" | "number", rank, dtype; a number's dtype slot holds its sign class: POSITIVE
+    # (program.positive_number: a factor that commutes with max, KernelEmitter.positive_factor) or None
+    inputs: tuple[tuple[str, str, int, object], ...]
     dtype: torch.dtype                                  # float results
     sm_count: int | None                                # None: no auto split (no GPU)
     interpret: bool = False                             # kernels run under Triton's interpreter
@@ -231,7 +239,9 @@ class ModuleContext:
         self.dot_dtype = None if signature.dtype == torch.float64 else signature.dtype
         self.input_names = {name for name, *_ in signature.inputs}
         self.tensors: dict[str, TensorInfo] = {
-            name: TensorInfo(kind, rank, dtype) for name, kind, rank, dtype in signature.inputs}
+            name: TensorInfo(kind, rank, dtype if kind == "tensor" else None)
+            for name, kind, rank, dtype in signature.inputs}
+        self.positive = {name for name, kind, _, sign in signature.inputs if kind == "number" and sign == POSITIVE}
         self.helpers: set[str] = set()
         self.combines: dict[tuple, tuple[str, str]] = {}      # (summary, fields) -> (name, source)
         self.split_layouts: dict = {}
@@ -685,11 +695,12 @@ class KernelEmitter:
                      (a.bounds is None or max(map(abs, a.bounds)) < 2 ** 31) else c
                      for c, a in zip(codes, args)]
         code = emission.emit(op, codes, self.ctx.helpers)
+        origin = (op, tuple(args))
         if cse is not None:
             if code not in cse:
-                cse[code] = self.assign(code, axes, place, kind, bounds=bounds)
+                cse[code] = self.assign(code, axes, place, kind, bounds=bounds, origin=origin)
             return cse[code]
-        return self.assign(code, axes, place, kind, bounds=bounds)
+        return self.assign(code, axes, place, kind, bounds=bounds, origin=origin)
 
     def formula(self, e: Expr, env: dict[str, Value], scope: Scope, cse: dict | None = None) -> Value:
         """A summary formula (lift, combine, finalize, weight, repair) over Values, pinned to `scope`."""
@@ -752,14 +763,14 @@ class KernelEmitter:
         if info.kind == "number" and self.ctx.cdt != "tl.float64":
             p = self.local(f"{ident(e.tensor)}_val", ("val", e.tensor))
             self.params.setdefault(p, f'float(t["{e.tensor}"])')
-            return Value(p, (), "float")
+            return Value(p, (), "float", positive=e.tensor in self.ctx.positive)
         if info.kind == "number":
             # float arguments are float32 inside a kernel; a float64 program reads its numbers from memory
             p = self.local(f"{ident(e.tensor)}_ptr", ("ptr", e.tensor))
             self.params.setdefault(p, f'torch.full((), float(t["{e.tensor}"]), dtype=torch.float64, device=device)')
             raw = self.temp(f"x_{ident(e.tensor)}")
             self.root.lines.append(f"{raw} = tl.load({p})")
-            return Value(raw, (), "float")
+            return Value(raw, (), "float", positive=e.tensor in self.ctx.positive)
         axes = [scope.env[n] for n in e.indices]
         ptr, strides = self.tensor_params(e.tensor, info.rank)
         target = sort_axes(axes)
@@ -1529,7 +1540,12 @@ class KernelEmitter:
             variables = {}
             base2 = rs.base2
             la = self.formula(rs.leader_arg, xs, body)
-            tile = self.reduce_padded(la, RA, fn, lit, body)
+            # in base 2, a positive factor c of the leader's argument x = c y leaves the tile:
+            # max(c y) = c max(y) exactly (rounding is monotone), and the weights take c a
+            factor, y = self.positive_factor(la) if base2 else (None, la)
+            tile = self.reduce_padded(y, RA, fn, lit, body)
+            if factor is not None:
+                tile = self.assign(f"{factor.code} * {tile.code}", tile.axes, body)
             r = self.state_var(prefix, rs.leader)
             FR = tile.axes
             init.append(f"{r} = tl.full({self.shape(FR)}, {lit}, {cdt})")
@@ -1556,14 +1572,22 @@ class KernelEmitter:
                 a = self.assign(f"_base2({r_use.code})", FR, body, stem="a")
                 r2 = self.assign(f"_scaled({r_use.code})", FR, body, stem="r2")
                 alpha = self.assign(f"tl.exp2(_scaled({r}) - {r2.code})", FR, body, stem="alpha")
-                WU = sort_axes(list(la.axes) + list(FR))
+                WU = sort_axes(list(y.axes) + list(FR))
                 # the weights are the p of the update unless padding must be masked out of them
                 stem = "w" if self.mask_code(RA, sort_axes(list(WU) + list(RA))) else "p"
-                w = self.assign(f"tl.exp2(tl.fma({self.expand(la, WU)}, {self.expand(a, WU)}, "
+                scale = a if factor is None else Value(f"{factor.code} * {a.code}", FR)
+                w = self.assign(f"tl.exp2(tl.fma({self.expand(y, WU)}, {self.expand(scale, WU)}, "
                                 f"-{self.expand(r2, WU)}))", WU, body, stem=stem)
                 x = la.code if la.code.isidentifier() else "x"
-                body.lines.insert(header + 1, f"# base 2: {w.code} = exp2({x} * a - r2), a = log2(e), r2 = {r} * a; "
-                                              f"{r} is the max of {x} itself")
+                if factor is None:
+                    body.lines.insert(header + 1, f"# base 2: {w.code} = exp2({x} * a - r2), a = log2(e), "
+                                                  f"r2 = {r} * a; {r} is the max of {x} itself")
+                else:
+                    c = factor.code
+                    body.lines[header + 1:header + 1] = [
+                        f"# base 2, {x} = {c} * {y.code}: {w.code} = exp2({y.code} * ({c} * a) - r2), a = log2(e), "
+                        f"r2 = {r} * a;",
+                        f"# {r}, the max of {x}, is {c} times the max of {y.code} ({c} > 0)"]
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
@@ -1619,6 +1643,20 @@ class KernelEmitter:
         if rest:
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, finish, fields=rest, xs=xs))
         return state
+
+    @staticmethod
+    def positive_factor(v: Value) -> tuple[Value | None, Value]:
+        """(c, y) where the tile `v` is the product c * y of a positive scalar c (a
+        number input the signature holds positive, or a positive literal) and a float
+        tile y; (None, v) otherwise."""
+        if v.origin is None or v.origin[0] != "mul" or not dims(v.axes):
+            return None, v
+        for c, y in (v.origin[1], v.origin[1][::-1]):
+            literal = (isinstance(c.const, (int, float)) and not isinstance(c.const, bool)
+                       and positive_number(float(c.const)))
+            if not dims(c.axes) and y.kind == "float" and (c.positive or literal):
+                return c, y
+        return None, v
 
     def stand_in(self, r: Value, lit: str, body: Scope, stem: str) -> Value:
         """The leader `r` as a reference point: the finite 0 while it is the identity `lit`."""
@@ -2034,7 +2072,7 @@ def drop_unread(lines: list[str]) -> list[str]:
                 body = headers[-1] + 1
                 end = next((j for j in range(k + 1, len(lines)) if lines[j].strip() and depth(lines[j]) < body),
                            len(lines))
-            if not any(word.search(other) for other in lines[k + 1:end]):
+            if not any(word.search(other) for other in lines[k + 1:end] if not other.lstrip().startswith("#")):
                 del lines[k]
                 changed = True
                 break

@@ -72,18 +72,18 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
         # fold 2: sum[k] (whole)
         x_K8 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         qk_2 = tl.dot(x_Q2, x_K8)
-        x0_2 = (scale_val * qk_2)
         x_V10 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2: p_2 = exp2(x0_2 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_2 itself
-        r_new_2 = tl.maximum(r, tl.max(x0_2, 1))
+        # base 2, x0_2 = scale_val * qk_2: p_2 = exp2(qk_2 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
+        # r, the max of x0_2, is scale_val times the max of qk_2 (scale_val > 0)
+        r_new_2 = tl.maximum(r, (scale_val * tl.max(qk_2, 1)))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a_2 = _base2(r_use_2)
         r2_2 = _scaled(r_use_2)
         alpha_2 = tl.exp2(_scaled(r) - r2_2)
-        p_2 = tl.exp2(tl.fma(x0_2, a_2[:, None], -r2_2[:, None]))
+        p_2 = tl.exp2(tl.fma(qk_2, (scale_val * a_2)[:, None], -r2_2[:, None]))
         l = l * alpha_2 + tl.sum(p_2, 1)
         acc = acc * alpha_2[:, None]
         acc = tl.dot(p_2.to(tl.bfloat16), x_V10, acc)

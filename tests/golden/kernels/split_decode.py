@@ -101,18 +101,18 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
         # fold 1: sum[k] (whole)
         x_K0 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         t2 = tl.sum(x_K0.to(tl.float32) * (x_Q1.to(tl.float32))[None, :], 1)
-        x0 = (scale_val * t2)
         x_V4 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u are repaired when it moves
-        # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
-        r_new = tl.maximum(r, tl.max(x0, 0))
+        # base 2, x0 = scale_val * t2: p = exp2(t2 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
+        # r, the max of x0, is scale_val times the max of t2 (scale_val > 0)
+        r_new = tl.maximum(r, (scale_val * tl.max(t2, 0)))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = _scaled(r_use)
         alpha = tl.exp2(_scaled(r) - r2)
-        p = tl.exp2(tl.fma(x0, a, -r2))
+        p = tl.exp2(tl.fma(t2, scale_val * a, -r2))
         l = l * alpha + tl.sum(p, 0)
         u = u * alpha + tl.sum(p[None, :] * x_V4.to(tl.float32), 1)
         r = r_new

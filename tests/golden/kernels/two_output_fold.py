@@ -69,18 +69,19 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
         # fold 1: sum[k] (whole)
         x_K0 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s0, mask=mask_m[None, :], other=0.0)
         qk = tl.dot(x_Q1, x_K0, input_precision="ieee")
-        x0 = (scale_val * qk)
         x_V3 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s0, mask=mask_m[:, None], other=0.0)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2: w = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
-        r_new = tl.maximum(r, tl.max(tl.where(mask_m[None, :], x0, -float("inf")), 1))
+        # base 2, x0 = scale_val * qk: w = exp2(qk * (scale_val * a) - r2), a = log2(e), r2 = r * a;
+        # r, the max of x0, is scale_val times the max of qk (scale_val > 0)
+        t5 = scale_val * tl.max(tl.where(mask_m[None, :], qk, -float("inf")), 1)
+        r_new = tl.maximum(r, t5)
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = _scaled(r_use)
         alpha = tl.exp2(_scaled(r) - r2)
-        w = tl.exp2(tl.fma(x0, a[:, None], -r2[:, None]))
+        w = tl.exp2(tl.fma(qk, (scale_val * a)[:, None], -r2[:, None]))
         p = tl.where(mask_m[None, :], w, 0.0)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
