@@ -261,21 +261,27 @@ def test_outputs_of_other_dtypes_and_index_values():
 
 
 @pytest.mark.parametrize("scale", [0.5, -0.5, 0.0, 1e-300, float("inf")])
-def test_a_positive_factor_leaves_the_tile_and_no_other_does(scale):
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_positive_factor_leaves_the_tile_and_no_other_does(scale, masked):
     """A positive number (or literal) factor of a softmax's logits is taken out of
-    the tile's max and into the weights' fma (KernelEmitter.positive_factor): the
-    kernel is specialised on the number being a normal positive float32.  One
-    program called with each kind of scale in turn follows the oracle (a kernel
-    made for a positive scale would take a negative one's min for its max)."""
-    program = compiler.compile(ATTENTION, backend="triton")
-    oracle = compiler.compile(ATTENTION, backend="reference")
-    x = {"Q": randn(2, 3, 37, 16), "K": randn(2, 3, 41, 16, seed=1), "V": randn(2, 3, 41, 12, seed=2)}
+    the tile's max and into the weights' fma (KernelEmitter.positive_factor), also
+    through a mask's select against -inf: the kernel is specialised on the number
+    being a normal positive float32.  One program called with each kind of scale in
+    turn follows the oracle (a kernel made for a positive scale would take a
+    negative one's min for its max)."""
+    src = CAUSAL if masked else ATTENTION
+    program = compiler.compile(src, backend="triton")
+    oracle = compiler.compile(src, backend="reference")
+    if masked:
+        x = {"Q": randn(37, 16), "K": randn(41, 16, seed=1), "V": randn(41, 12, seed=2)}
+    else:
+        x = {"Q": randn(2, 3, 37, 16), "K": randn(2, 3, 41, 16, seed=1), "V": randn(2, 3, 41, 12, seed=2)}
     for s in (0.5, scale):
         got, want = program(**x, scale=s), oracle(**x, scale=s)
         torch.testing.assert_close(got.cpu(), want.cpu(), equal_nan=True, **TOL[torch.float32])
         folded = "scale_val * tl.max(" in program.source
         assert folded == (0 < s < float("inf") and s > 1e-38)
-        assert folded != ("x0 = (scale_val * qk)" in program.source)
+        assert folded != ("(scale_val * qk)" in program.source)
 
 
 def test_a_positive_literal_factor_leaves_the_tile():

@@ -1542,7 +1542,7 @@ class KernelEmitter:
             la = self.formula(rs.leader_arg, xs, body)
             # in base 2, a positive factor c of the leader's argument x = c y leaves the tile:
             # max(c y) = c max(y) exactly (rounding is monotone), and the weights take c a
-            factor, y = self.positive_factor(la) if base2 else (None, la)
+            factor, y = self.positive_factor(la, body) if base2 else (None, la)
             tile = self.reduce_padded(y, RA, fn, lit, body)
             if factor is not None:
                 tile = self.assign(f"{factor.code} * {tile.code}", tile.axes, body)
@@ -1644,11 +1644,18 @@ class KernelEmitter:
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, finish, fields=rest, xs=xs))
         return state
 
-    @staticmethod
-    def positive_factor(v: Value) -> tuple[Value | None, Value]:
+    def positive_factor(self, v: Value, scope: Scope) -> tuple[Value | None, Value]:
         """(c, y) where the tile `v` is the product c * y of a positive scalar c (a
         number input the signature holds positive, or a positive literal) and a float
-        tile y; (None, v) otherwise."""
+        tile y, or such a product selected against -inf (a mask: c * -inf = -inf, so
+        where(p, c y, -inf) = c where(p, y, -inf), y's select emitted into `scope`);
+        (None, v) otherwise."""
+        if v.origin is not None and v.origin[0] == "where":
+            test, chosen, other = v.origin[1]
+            if other.const == -math.inf:
+                c, y = self.positive_factor(chosen, scope)
+                if c is not None:
+                    return c, self.call("where", [test, y, other], None, scope)
         if v.origin is None or v.origin[0] != "mul" or not dims(v.axes):
             return None, v
         for c, y in (v.origin[1], v.origin[1][::-1]):

@@ -70,9 +70,9 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     mid_m = tl.maximum(0, tl.minimum(hi_m, (tl.min(offs_i, 0) + 1) // BLOCK_m * BLOCK_m))
     for start_m in range(0, mid_m, BLOCK_m):
         # fold 2: sum[k] (whole)
-        x_K8 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
-        qk_2 = tl.dot(x_Q2, x_K8)
-        x_V10 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
+        x_K10 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
+        qk_2 = tl.dot(x_Q2, x_K10)
+        x_V12 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
         # base 2, x0_2 = scale_val * qk_2: p_2 = exp2(qk_2 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
         # r, the max of x0_2, is scale_val times the max of qk_2 (scale_val > 0)
@@ -86,26 +86,28 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
         p_2 = tl.exp2(tl.fma(qk_2, (scale_val * a_2)[:, None], -r2_2[:, None]))
         l = l * alpha_2 + tl.sum(p_2, 1)
         acc = acc * alpha_2[:, None]
-        acc = tl.dot(p_2.to(tl.bfloat16), x_V10, acc)
+        acc = tl.dot(p_2.to(tl.bfloat16), x_V12, acc)
         r = r_new_2
     # the boundary tiles, where the predicate is evaluated
     for start_m in range(mid_m, hi_m, BLOCK_m):
         offs_m = start_m + tl.arange(0, BLOCK_m)
+        t0 = (offs_m[None, :] <= offs_i[:, None])
         # fold 1: sum[k] (whole)
         x_K1 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
         qk = tl.dot(x_Q2, x_K1)
-        x0 = tl.where((offs_m[None, :] <= offs_i[:, None]), (scale_val * qk), -float("inf"))
         x_V5 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
-        r_new = tl.maximum(r, tl.max(x0, 1))
+        # base 2, x0 = scale_val * t6: p = exp2(t6 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
+        # r, the max of x0, is scale_val times the max of t6 (scale_val > 0)
+        t6 = tl.where(t0, qk, -float("inf"))
+        r_new = tl.maximum(r, (scale_val * tl.max(t6, 1)))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = _scaled(r_use)
         alpha = tl.exp2(_scaled(r) - r2)
-        p = tl.exp2(tl.fma(x0, a[:, None], -r2[:, None]))
+        p = tl.exp2(tl.fma(t6, (scale_val * a)[:, None], -r2[:, None]))
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(tl.bfloat16), x_V5, acc)

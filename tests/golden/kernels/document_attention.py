@@ -79,9 +79,9 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
     for start_scan_i_2 in range(0, hi_i_2, 32 * BLOCK_i_2):
         offs_scan_i_2 = start_scan_i_2 + tl.arange(0, 32 * BLOCK_i_2)
         mask_scan_i_2 = offs_scan_i_2 < hi_i_2
-        x_D20 = tl.load(D_tile_3 + tl.cast(start_scan_i_2, tl.int64) * D_s1, mask=mask_scan_i_2, other=0.0)
-        least_D = tl.min(tl.reshape(tl.where(mask_scan_i_2, x_D20.to(tl.float32), float("inf")), [32, BLOCK_i_2]), 1)
-        most_D = tl.max(tl.reshape(tl.where(mask_scan_i_2, x_D20.to(tl.float32), -float("inf")), [32, BLOCK_i_2]), 1)
+        x_D24 = tl.load(D_tile_3 + tl.cast(start_scan_i_2, tl.int64) * D_s1, mask=mask_scan_i_2, other=0.0)
+        least_D = tl.min(tl.reshape(tl.where(mask_scan_i_2, x_D24.to(tl.float32), float("inf")), [32, BLOCK_i_2]), 1)
+        most_D = tl.max(tl.reshape(tl.where(mask_scan_i_2, x_D24.to(tl.float32), -float("inf")), [32, BLOCK_i_2]), 1)
         starts_i_2 = start_scan_i_2 + tl.arange(0, 32) * BLOCK_i_2
         live_i_2 = ((max_D < least_D) | (min_D > most_D)) == 0
         first_i_2 = tl.minimum(first_i_2, tl.min(tl.where(live_i_2, starts_i_2, hi_i_2)))
@@ -93,26 +93,27 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
     # the interior runs untested where the span has no holes; otherwise every tile is tested, in the boundary loop
     mid_i_2 = tl.where(dense_i_2, mid_i_2, first_i_2)
     for start_i_2 in range(first_i_2, mid_i_2, BLOCK_i_2):
-        x_D12 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
-        t13 = ((x_D0.to(tl.float32))[:, None] == (x_D12.to(tl.float32))[None, :])
+        x_D14 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
+        t15 = ((x_D0.to(tl.float32))[:, None] == (x_D14.to(tl.float32))[None, :])
         # fold 2: sum[k] (whole)
-        x_K14 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
-        qk_2 = tl.dot(x_Q6, x_K14)
-        x0_2 = tl.where(t13, (scale_val * qk_2), -float("inf"))
-        x_V17 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
+        x_K16 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
+        qk_2 = tl.dot(x_Q6, x_K16)
+        x_V19 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2: p_2 = exp2(x0_2 * a - r2), a = log2(e), r2 = r * a; r is the max of x0_2 itself
-        r_new_2 = tl.maximum(r, tl.max(x0_2, 1))
+        # base 2, x0_2 = scale_val * t20: p_2 = exp2(t20 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
+        # r, the max of x0_2, is scale_val times the max of t20 (scale_val > 0)
+        t20 = tl.where(t15, qk_2, -float("inf"))
+        r_new_2 = tl.maximum(r, (scale_val * tl.max(t20, 1)))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a_2 = _base2(r_use_2)
         r2_2 = _scaled(r_use_2)
         alpha_2 = tl.exp2(_scaled(r) - r2_2)
-        p_2 = tl.exp2(tl.fma(x0_2, a_2[:, None], -r2_2[:, None]))
+        p_2 = tl.exp2(tl.fma(t20, (scale_val * a_2)[:, None], -r2_2[:, None]))
         l = l * alpha_2 + tl.sum(p_2, 1)
         acc = acc * alpha_2[:, None]
-        acc = tl.dot(p_2.to(tl.bfloat16), x_V17, acc)
+        acc = tl.dot(p_2.to(tl.bfloat16), x_V19, acc)
         r = r_new_2
     # the boundary tiles, where the predicate is evaluated
     for start_i_2 in range(mid_i_2, last_i_2, BLOCK_i_2):
@@ -124,21 +125,23 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
         # (comparisons by the ranges of their sides over the tile)
         if ((max_D < min_D_2) | (min_D > max_D_2)) == 0:
             t2 = ((x_D0.to(tl.float32))[:, None] == (x_D1.to(tl.float32))[None, :])
+            t4 = (t2 & (offs_i_2[None, :] <= offs_i[:, None]))
             # fold 1: sum[k] (whole)
             x_K5 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
             qk = tl.dot(x_Q6, x_K5)
-            x0 = tl.where((t2 & (offs_i_2[None, :] <= offs_i[:, None])), (scale_val * qk), -float("inf"))
             x_V9 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
             # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-            # base 2: p = exp2(x0 * a - r2), a = log2(e), r2 = r * a; r is the max of x0 itself
-            r_new = tl.maximum(r, tl.max(x0, 1))
+            # base 2, x0 = scale_val * t10: p = exp2(t10 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
+            # r, the max of x0, is scale_val times the max of t10 (scale_val > 0)
+            t10 = tl.where(t4, qk, -float("inf"))
+            r_new = tl.maximum(r, (scale_val * tl.max(t10, 1)))
             # a leader still at the identity has no mass yet: use the finite stand-in 0
             r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
             # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
             a = _base2(r_use)
             r2 = _scaled(r_use)
             alpha = tl.exp2(_scaled(r) - r2)
-            p = tl.exp2(tl.fma(x0, a[:, None], -r2[:, None]))
+            p = tl.exp2(tl.fma(t10, (scale_val * a)[:, None], -r2[:, None]))
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(tl.bfloat16), x_V9, acc)
