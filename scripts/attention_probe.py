@@ -5,21 +5,26 @@ emitter would gain by emitting that.  (Since 66214ca the emitted kernel addresse
 K's and V's tiles as their first tiles' addresses, made once before the loop, plus
 the loop's start times the stride: 1.00x / 1.04x / 1.05x over computing them in
 every step at S = 4k / 16k / 1k.)
+Since 718d78a the emitter folds a positive scale into the max and the weights'
+fma itself (the "folded" variant of the thirteenth session: max(c qk) = c max(qk),
+exp2(fma(qk, c a, -r2))).  Variants (PROBE_VARIANTS=name,name picks some):
 - descriptor: the Q, K and V tiles loaded through device-side tensor descriptors
   (tl.make_tensor_descriptor: TMA on Hopper);
-- folded: the (positive) scale folded into the max and the weights' fma, one
-  multiply per score fewer: max(c qk) = c max(qk), exp2(fma(qk, c a, -r2));
-- lean: folded, and the accuracy contract's per-row guards dropped (a = log2(e)
-  always, r2 = r a unrounded as an fma operand): what the contract costs;
+- lean: the accuracy contract's per-row guards dropped (a = log2(e) always, r2 =
+  r a unrounded as an fma operand): what the contract costs;
 - rotated: the loop rotated by one contraction: the next tile's scores
-  `tl.dot(Q, K[next])` are issued before this tile's softmax (their wgmma can run
-  while the softmax does: FlashAttention-3's intra-warpgroup overlap), the scores
-  carried to the next step; rotated_folded: both (measured before the emitter
-  folded the scale itself);
+  `tl.dot(Q, K[next])` are issued before this tile's softmax (their wgmma could
+  run while the softmax does: FlashAttention-3's intra-warpgroup overlap), the
+  scores carried to the next step;
 - emulated: half of each tile's exponentials (alternate columns) computed on the
   FMA pipe, a degree-4 polynomial of 2^f times 2^j put into the exponent bits
   (FlashAttention-4's trick), the other half on MUFU.EX2: whether the
-  exponentials' pipe limits the loop.
+  exponentials' pipe limits the loop;
+- persistent, persistent2: one (two) programs per SM, each looping over the
+  output tiles in the emitted order; persistent_flat: the loop as
+  `tl.range(..., flatten=True)` (Triton's pipeliner may then fetch the next
+  tile's first K and V during this tile's epilogue): whether the programs'
+  prologue and epilogue, 8 key tiles apart at S = 1k, cost what cuDNN does not.
 
     python3 scripts/attention_probe.py      # prints a table; rows to $OUT/attention_probe.json
 """
@@ -37,13 +42,7 @@ import compiler
 from compiler.backend.triton.cache import load
 
 ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
-FOLDED = {
-    r"        x0 = \(scale_val \* qk\)\n": "",
-    r"tl\.max\(x0, 1\)": "scale_val * tl.max(qk, 1)",
-    r"tl\.fma\(x0, a\[:, None\]": "tl.fma(qk, (scale_val * a)[:, None]",
-}
 LEAN = {
-    **FOLDED,
     r"a = _base2\(r_use\)": "a = r_use * 0.0 + 1.4426950408889634",
     r"r2 = _scaled\(r_use\)": "r2 = r_use * 1.4426950408889634",
     r"alpha = tl\.exp2\(_scaled\(r\) - r2\)": "alpha = tl.exp2(r * 1.4426950408889634 - r2)",
@@ -94,12 +93,33 @@ LOADS = {   # pointer load (as emitted) -> descriptor load of the same tile
 }
 
 
-def variant(program, x, name: str, edits: dict):
+def persistent(programs: int, flatten: bool):
+    """Edits that make the kernel persistent: `programs` programs (per SM count),
+    each looping over the output tiles it owns."""
+    def edit(source: str) -> str:
+        head, rest = source.split("    pid = tl.program_id(0)\n", 1)
+        body, tail = rest.split("\n\n\ndef launch(", 1)
+        loop = (f"    tiles = tl.cdiv(n_j, BLOCK_j) * tl.cdiv(n_i, BLOCK_i) * n_h * n_b\n"
+                f"    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten={flatten}):\n"
+                f"        pid = tile\n")
+        body = "\n".join("    " + line if line else line for line in ("    pid = tl.program_id(0)\n" + body)
+                         .split("\n")[1:])
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        tail = re.sub(r"grid = lambda META: \((.*),\)\n", lambda m: f"grid = lambda META: (min({m.group(1)}, "
+                      f"{programs * sms}),)\n", tail)
+        return head + loop + body + "\n\n\ndef launch(" + tail
+    return edit
+
+
+def variant(program, x, name: str, edits):
     """A launcher of the program's module for inputs x, with `edits` (pattern ->
-    replacement, each matching once) applied to its source."""
+    replacement, each matching once; or a function of the source) applied to its
+    source."""
     program(**x)
     source = program.source
-    for pattern, replacement in edits.items():
+    if callable(edits):
+        source = edits(source)
+    for pattern, replacement in ({} if callable(edits) else edits).items():
         source, n = re.subn(pattern, replacement, source)
         assert n == 1, pattern
     module = load(source, f"attention_probe {name} {x['Q'].shape[2]}", interpret=False)
@@ -110,32 +130,43 @@ def variant(program, x, name: str, edits: dict):
     return lambda: (module.launch(t, n, x["Q"].device), out)[1]
 
 
+VARIANTS = {"emitted": {}, "descriptor": LOADS, "lean": LEAN, "rotated": ROTATED, "emulated": EMULATED,
+            "persistent": persistent(1, False), "persistent2": persistent(2, False),
+            "persistent_flat": persistent(1, True)}
+PROGRAMS = {"attention": ATTENTION,
+            "causal": "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"}
+
+
 def main() -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    wanted = os.environ.get("PROBE_VARIANTS", "emitted,descriptor,lean,rotated,emulated").split(",")
+    programs = os.environ.get("PROBE_PROGRAMS", "attention").split(",")
     rows = []
-    for b, h, s in ((4, 16, 4096), (1, 16, 16384), (16, 16, 1024)):
-        d = 128
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = {k: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for k in "QKV"}
-        x["scale"] = d ** -0.5
-        program = compiler.compile(ATTENTION)
-        ref = torch.nn.functional.scaled_dot_product_attention(x["Q"].double(), x["K"].double(), x["V"].double())
-        contenders = {name: variant(program, x, name, edits) for name, edits in
-                      (("emitted", {}), ("emulated", EMULATED))}
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(x["Q"], x["K"], x["V"])
-        contenders["cudnn"] = cudnn
-        flops = 4 * b * h * s * s * d
-        for name, fn in contenders.items():
-            out = fn()
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            rows.append({"shape": f"B{b} H{h} S{s} d{d}", "contender": name, "ms": ms,
-                         "tflops": flops / ms / 1e9, "rel_err": err})
-            print(f"B{b} H{h} S{s} d{d} {name:10s} {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s err {err:.1e}",
-                  flush=True)
+    for kind in programs:
+        causal = kind == "causal"
+        for b, h, s in ((4, 16, 4096), (1, 16, 16384), (16, 16, 1024)):
+            d = 128
+            g = torch.Generator(device="cuda").manual_seed(0)
+            x = {k: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for k in "QKV"}
+            x["scale"] = d ** -0.5
+            program = compiler.compile(PROGRAMS[kind])
+            ref = torch.nn.functional.scaled_dot_product_attention(x["Q"].double(), x["K"].double(),
+                                                                   x["V"].double(), is_causal=causal)
+            contenders = {name: variant(program, x, f"{kind} {name}", VARIANTS[name]) for name in wanted}
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(x["Q"], x["K"], x["V"], is_causal=causal)
+            contenders["cudnn"] = cudnn
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            shape = f"{kind} B{b} H{h} S{s} d{d}"
+            for name, fn in contenders.items():
+                out = fn()
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                rows.append({"shape": shape, "contender": name, "ms": ms, "tflops": flops / ms / 1e9, "rel_err": err})
+                print(f"{shape} {name:16s} {ms:7.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s err {err:.1e}", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "attention_probe.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
