@@ -130,11 +130,34 @@ def variant(program, x, name: str, edits):
     return lambda: (module.launch(t, n, x["Q"].device), out)[1]
 
 
+def tiling(rows: int, keys: int, warps: int, stages: int, maxnreg: int | None = None):
+    """The emitted kernel with one tiling instead of the autotuned candidates: `rows` x
+    `keys` tiles, and with `maxnreg` a register cap (triton.Config's maxnreg), so that two
+    programs of 8 warps share an SM (128 registers each; their shared memory must fit
+    too): one program's softmax may then run while the other's tensor cores do."""
+    def edit(source: str) -> str:
+        def one(m):
+            config = re.sub(r"'BLOCK_i': \d+", f"'BLOCK_i': {rows}", m.group(1))
+            config = re.sub(r"'BLOCK_m': \d+", f"'BLOCK_m': {keys}", config)
+            cap = f", maxnreg={maxnreg}" if maxnreg else ""
+            return f"configs=[triton.Config({config}, num_warps={warps}, num_stages={stages}{cap})], key="
+        return re.sub(r"configs=\[triton\.Config\((\{[^}]*\}).*?\], key=", one, source, count=1)
+    return edit
+
+
 VARIANTS = {"emitted": {}, "descriptor": LOADS, "lean": LEAN, "rotated": ROTATED, "emulated": EMULATED,
             "persistent": persistent(1, False), "persistent2": persistent(2, False),
-            "persistent_flat": persistent(1, True)}
+            "persistent_flat": persistent(1, True),
+            "t128x128s3": tiling(128, 128, 8, 3), "t128x64s2": tiling(128, 64, 8, 2),
+            "t128x64s2r128": tiling(128, 64, 8, 2, 128), "t128x128s2r128": tiling(128, 128, 8, 2, 128),
+            "t128x128s3r128": tiling(128, 128, 8, 3, 128), "t128x64s3r128": tiling(128, 64, 8, 3, 128)}
 PROGRAMS = {"attention": ATTENTION,
             "causal": "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"}
+
+
+# (batch, heads, sequence, head dimension); PROBE_SHAPES=b:h:s:d,... picks others
+SHAPES = [tuple(map(int, shape.split(":"))) for shape in
+          os.environ.get("PROBE_SHAPES", "4:16:4096:128,1:16:16384:128,16:16:1024:128").split(",")]
 
 
 def main() -> None:
@@ -144,8 +167,7 @@ def main() -> None:
     rows = []
     for kind in programs:
         causal = kind == "causal"
-        for b, h, s in ((4, 16, 4096), (1, 16, 16384), (16, 16, 1024)):
-            d = 128
+        for b, h, s, d in SHAPES:
             g = torch.Generator(device="cuda").manual_seed(0)
             x = {k: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for k in "QKV"}
             x["scale"] = d ** -0.5

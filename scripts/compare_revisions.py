@@ -35,6 +35,13 @@ import compiler.bench as new_bench
 def main(names: list[str], groups: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / ".before"))
     packages = {"new": compiler, **{n: importlib.import_module(n) for n in names}}
+    for tag, package in packages.items():
+        # each revision loads its own modules: one module shared by two revisions (equal
+        # sources, as where a change leaves a kernel alone) would get the first
+        # revision's launch wrappers, which the second does not recognise
+        backend = importlib.import_module(f"{package.__name__}.backend.triton.backend")
+        backend.load = lambda source, key, interpret, load=backend.load, tag=tag: load(source, f"{key} {tag}",
+                                                                                     interpret)
     benches = {"new": new_bench, **{n: importlib.import_module(f"{n}.bench") for n in names}}
     rows = []
     for group in groups:

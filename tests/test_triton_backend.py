@@ -291,6 +291,25 @@ def test_a_positive_literal_factor_leaves_the_tile():
     assert "30.0 * tl.max(" in backend.source
 
 
+@pytest.mark.parametrize("src, shapes, paired", [
+    (ATTENTION, {"Q": (4, 16, 4096, 64), "K": (4, 16, 4096, 64), "V": (4, 16, 4096, 64)}, True),
+    (CAUSAL, {"Q": (65536, 64), "K": (65536, 64), "V": (65536, 64)}, False),
+    (ATTENTION, {"Q": (4, 16, 4096, 128), "K": (4, 16, 4096, 128), "V": (4, 16, 4096, 128)}, False),
+    (ATTENTION, {"Q": (4, 16, 4096, 64), "K": (4, 16, 4096, 64), "V": (4, 16, 4096, 256)}, False),
+    ("C[i,j] = A[i,k] * B[k,j]", {"A": (4096, 64), "B": (64, 4096)}, False)])
+def test_two_programs_per_sm_are_a_candidate_where_their_state_fits(src, shapes, paired):
+    """A streamed contraction whose float32 state (scores and accumulator, 128 rows)
+    fits 96 registers a thread of 8 warps, and whose programs all do the same work,
+    gets one more autotune candidate, capped at 128 registers so that two programs
+    share an SM (schedule.tiles.PAIRED); a wider value tile (d = 128, 256) would
+    spill, causal programs differ in length, and a matrix product has its own tilings."""
+    ref, backend = triton_backend(src)
+    x = {k: torch.zeros(1, dtype=torch.bfloat16).expand(*shape) for k, shape in shapes.items()}
+    x.update({i.name: 0.125 for i in ref.checked.inputs if not i.rank})
+    source = backend.source_for(Binder(ref.checked, extents_of=backend.program)(x), sm_count=132)
+    assert source.count("maxnreg=128") == paired
+
+
 def _op_expression(op):
     from compiler.ops import OPS
     info = OPS[op]

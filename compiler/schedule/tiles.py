@@ -37,6 +37,22 @@ COLUMN_BLOCK = 64     # grid tile of an index contiguous in memory under a strea
 # 12-43%).  (64, 32, 4, 4), never the fastest there, is the small one that fits shared
 # memory where the others do not (float32 operands, wide heads, smaller GPUs).
 STREAMED = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 32, 4, 4)]
+# Two programs on one SM: the first STREAMED tiling with its registers capped at 128 a
+# thread (triton.Config's maxnreg), so that two programs of 8 warps fit the register file
+# (and, where the value tile is narrow, shared memory): one program's softmax then runs
+# while the other's matrix products do, which one program alone cannot overlap.  On the
+# H100 at d = 64 (session 17): alone, 1.07x (S = 1k) and 1.10x-1.12x (S = 4k) over the
+# autotuned choice of the other candidates (scripts/attention_probe.py); as a candidate,
+# side by side (scripts/compare_revisions.py), 1.06x-1.08x at S = 1k, 1.00x at S = 4k
+# (where the tuner's 25 ms timing prefers (64, 64, 4, 3) by 4%) and 1.08x-1.10x at
+# S = 16k, cuDNN's 0.80x-0.84x becoming 0.93x at S = 1k; at d = 128 the capped
+# registers cannot hold the accumulator and the scores (33 TFLOP/s, spilled), so it is a
+# candidate only where that float32 state fits PAIRED_STATE registers a thread, and only
+# for programs that all do the same work (uniform_work): causal attention at d = 64,
+# whose programs' loops differ in length, ran 0.92x-0.95x at S = 16k with it.
+# (rows, keys, warps, stages, registers a thread)
+PAIRED = (128, 128, 8, 3, 128)
+PAIRED_STATE = 96
 # (rows, cols, depth, warps, stages) for two tuned grid tiles x one tuned loop tile (a matrix product)
 MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
           (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
@@ -220,6 +236,13 @@ def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
     return n if n >= 2 else 1
 
 
+def uniform_work(kernel) -> bool:
+    """Whether every program of a kernel does the same work: it streams program folds
+    whose loops no index predicate bounds and whose tiles no predicate on data skips."""
+    from .bounds import index_bounds, tile_tests
+    return bool(kernel.program_folds) and not any(index_bounds(f) or tile_tests(f) for f in kernel.program_folds)
+
+
 def _set(sizes) -> str:
     return "{" + ", ".join(str(s) for s in sorted(set(sizes))) + "}"
 
@@ -268,6 +291,9 @@ def describe(kernel) -> list[str]:
     if ones:
         tiles.append(f"{', '.join(ones)}: one value at a time")
     untuned = "" if streamed or matmul else f"; warps and stages from {len(LAUNCH)} launch configs"
+    if streamed and uniform_work(kernel):
+        untuned = (f"; also {PAIRED[0]} x {PAIRED[1]} at {PAIRED[4]} registers a thread (two programs an SM) "
+                   f"where the float32 state fits {PAIRED_STATE}")
     lines = [f"  tiles: {'; '.join(tiles)}{untuned}"] if tiles else []
     if kernel.program_folds and not kernel.dependent:
         lines.append(f"  split (unless split= says): under 2 programs per SM and >= {SPLIT_MIN_TILES} tiles, over "

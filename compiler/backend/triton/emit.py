@@ -52,6 +52,7 @@ from ...schedule.tiles import (
     one_at_a_time,
     shared_loop_caps,
     split_tile,
+    uniform_work,
     whole_tile,
 )
 from ...schedule.folds import (
@@ -226,6 +227,7 @@ class KernelCode:
     optional: frozenset[str] = frozenset()
     functions: tuple = ()        # the jit functions it calls (a one-launch split's merge), defined before it
     zeroed: frozenset[str] = frozenset()      # buffers the launcher fills with zeros (arrival counters)
+    uniform: bool = False        # every program does the same work (schedule.tiles.uniform_work)
 
 
 class ModuleContext:
@@ -1960,7 +1962,7 @@ class KernelEmitter:
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
-                          functions, zeroed)
+                          functions, zeroed, uniform_work(spec))
 
     def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit

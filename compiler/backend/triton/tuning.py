@@ -6,7 +6,10 @@ grid tiles (the rows and columns of the output tile) and loop tiles (the
 streamed contraction index).  Candidates, each clamped to the index's extent
 (next power of two, at least 16):
 - one grid tile and one loop tile (a streamed fold against a matrix product,
-  attention-like): FlashAttention-style tilings, 64-128 rows by 32-128 keys;
+  attention-like): FlashAttention-style tilings, 64-128 rows by 32-128 keys,
+  and where its float32 state fits and every program does the same work, a
+  tiling capped at 128 registers a thread so that two programs share an SM
+  (PAIRED);
 - two grid tiles and one loop tile (a plain matrix product): 128-256 square
   output tiles with 32-64 deep slabs;
 - other kernels (memory-bound reductions and elementwise kernels): their tiles
@@ -32,7 +35,7 @@ from __future__ import annotations
 import math
 
 from ...errors import BackendError
-from ...schedule.tiles import LAUNCH, MATMUL, STREAMED, np2
+from ...schedule.tiles import LAUNCH, MATMUL, PAIRED, PAIRED_STATE, STREAMED, np2
 from .emit import KernelCode
 
 MAX_NUMEL = 1 << 20     # Triton's largest tensor
@@ -54,9 +57,12 @@ def largest_tile(code: KernelCode, blocks: dict[str, int]) -> int:
     return max((math.prod(blocks[b] for b in shape) for shape in code.tiles), default=1)
 
 
-def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str, int], int, int]]:
-    """[(constexprs, num_warps, num_stages)] to try for `code`; `extent` maps index
-    names to their extents.  Each candidate binds every constexpr of the kernel."""
+Candidate = tuple[dict[str, int], int, int, "int | None"]   # (constexprs, warps, stages, registers a thread)
+
+
+def candidates(code: KernelCode, extent: dict[str, int]) -> list[Candidate]:
+    """[(constexprs, num_warps, num_stages, maxnreg or None)] to try for `code`; `extent`
+    maps index names to their extents.  Each candidate binds every constexpr of the kernel."""
     base = binding(code)
     grid = [b for b, (role, _) in code.tunable.items() if role == "grid"]
     loop = [b for b, (role, _) in code.tunable.items() if role == "loop"]
@@ -64,21 +70,35 @@ def candidates(code: KernelCode, extent: dict[str, int]) -> list[tuple[dict[str,
     def clamp(block: str, size: int) -> int:
         return min(size, max(16, np2(extent[code.tunable[block][1]])))
 
-    out: list[tuple[dict[str, int], int, int]] = []
+    out: list[Candidate] = []
     if len(grid) == 1 and len(loop) == 1:
-        for rows, keys, warps, stages in STREAMED:
-            out.append(({**base, grid[0]: clamp(grid[0], rows), loop[0]: clamp(loop[0], keys)}, warps, stages))
+        def tiling(rows: int, keys: int) -> dict[str, int]:
+            return {**base, grid[0]: clamp(grid[0], rows), loop[0]: clamp(loop[0], keys)}
+        out = [(tiling(rows, keys), warps, stages, None) for rows, keys, warps, stages in STREAMED]
+        rows, keys, warps, stages, registers = PAIRED
+        paired = tiling(rows, keys)
+        if code.uniform and float_state(code, paired, grid[0], loop[0]) <= PAIRED_STATE * 32 * warps:
+            out.append((paired, warps, stages, registers))
     elif len(grid) == 2 and len(loop) == 1:
         for rows, cols, depth, warps, stages in MATMUL:
             out.append(({**base, grid[0]: clamp(grid[0], rows), grid[1]: clamp(grid[1], cols),
-                         loop[0]: clamp(loop[0], depth)}, warps, stages))
+                         loop[0]: clamp(loop[0], depth)}, warps, stages, None))
     else:
-        out = [(dict(base), warps, stages) for warps, stages in LAUNCH]
+        out = [(dict(base), warps, stages, None) for warps, stages in LAUNCH]
     unique = []
     for c in out:
         if c not in unique and largest_tile(code, c[0]) <= MAX_NUMEL:
             unique.append(c)
     return unique
+
+
+def float_state(code: KernelCode, blocks: dict[str, int], rows: str, keys: str) -> int:
+    """Elements of a streamed contraction's float32 state held across a step: the
+    scores tile (rows x keys) and the widest tile of rows that is not over the keys
+    (the accumulator of values)."""
+    widest = max((math.prod(blocks[b] for b in shape) for shape in code.tiles if rows in shape and keys not in shape),
+                 default=0)
+    return blocks[rows] * blocks[keys] + widest
 
 
 # How the autotuner times a candidate: a first call times every candidate once, and
@@ -95,11 +115,12 @@ TIMING = """def _time_candidate(kernel_call, quantiles):
 
 def decorator(code: KernelCode, configs) -> str:
     """The @triton.autotune line for `code` (its extent parameters as the key)."""
-    for blocks, _, _ in configs:
+    for blocks, *_ in configs:
         if set(blocks) != set(code.constexprs):
             raise AssertionError(f"{code.name}: a candidate binds {sorted(blocks)}, the kernel declares "
                                  f"{sorted(code.constexprs)}")
-    items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st})" for blocks, w, st in configs)
+    items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st}"
+                      + (f", maxnreg={registers})" if registers else ")") for blocks, w, st, registers in configs)
     keys = [p for p, expr in code.params if expr.startswith('n["')]     # the extents, by what they pass
     # cache_results: the choice is kept in Triton's cache, so another process tunes a shape only once
     return f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True, do_bench=_time_candidate)"
