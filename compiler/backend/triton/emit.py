@@ -1078,12 +1078,11 @@ class KernelEmitter:
         """Whether comparison `c` may hold somewhere in the tile, from the least and
         greatest value of each side over the tile (DEAD_WHEN): two reductions of the
         sides instead of the comparison over the whole tile and its reduction.  None
-        for a test that is no comparison of numbers."""
+        for a test that is no comparison."""
         if not (isinstance(c, Call) and c.op in DEAD_WHEN):
             return None
+        # (the checker takes no comparison of truth values, so both sides are numbers)
         sides = [self.value(x, body) for x in c.args]
-        if any(v.kind == "bool" for v in sides):
-            return None
         return f"({self.dead_when(c.op, sides, lambda v, fn: self.extreme(v, fn, body))}) == 0"
 
     @staticmethod
