@@ -51,7 +51,7 @@ STREAMED = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), 
 # for programs that all do the same work (uniform_work): causal attention at d = 64,
 # whose programs' loops differ in length, ran 0.92x-0.95x at S = 16k with it.
 # (rows, keys, warps, stages, registers a thread)
-PAIRED = (128, 128, 8, 3, 128)
+PAIRED = (*STREAMED[0], 128)
 PAIRED_STATE = 96
 # (rows, cols, depth, warps, stages) for two tuned grid tiles x one tuned loop tile (a matrix product)
 MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
@@ -290,11 +290,11 @@ def describe(kernel) -> list[str]:
     ones = sorted(kernel.batch_indices | singles | (set(kernel.grid) - set(tiled)))
     if ones:
         tiles.append(f"{', '.join(ones)}: one value at a time")
-    untuned = "" if streamed or matmul else f"; warps and stages from {len(LAUNCH)} launch configs"
+    tuning = "" if streamed or matmul else f"; warps and stages from {len(LAUNCH)} launch configs"
     if streamed and uniform_work(kernel):
-        untuned = (f"; also {PAIRED[0]} x {PAIRED[1]} at {PAIRED[4]} registers a thread (two programs an SM) "
-                   f"where the float32 state fits {PAIRED_STATE}")
-    lines = [f"  tiles: {'; '.join(tiles)}{untuned}"] if tiles else []
+        tuning = (f"; also {PAIRED[0]} x {PAIRED[1]} at {PAIRED[4]} registers a thread (two programs an SM) "
+                  f"where the float32 state fits {PAIRED_STATE}")
+    lines = [f"  tiles: {'; '.join(tiles)}{tuning}"] if tiles else []
     if kernel.program_folds and not kernel.dependent:
         lines.append(f"  split (unless split= says): under 2 programs per SM and >= {SPLIT_MIN_TILES} tiles, over "
                      f"min({PROGRAMS_PER_SM} SMs / programs, tiles / 8, {SPLIT_MAX}) programs, merged in order "
