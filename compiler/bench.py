@@ -467,8 +467,6 @@ def memory_cases(compile_, quick: bool) -> list[Case]:
                     x["eps"] = 1e-5
                 return x
             nbytes = n * n * dtype.itemsize * tensors + (n * dtype.itemsize if name == "logsumexp" else 0)
-            if name == "logsumexp":
-                nbytes = n * n * dtype.itemsize + n * dtype.itemsize
             program = compile_(src)
             cases.append(Case("memory", f"{name} {n}x{n} {str(dtype).split('.')[-1]}", nbytes, "GB/s",
                               make, lambda x, p=program: p(**x),

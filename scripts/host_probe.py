@@ -68,10 +68,30 @@ def main() -> None:
         "  launcher (module.launch)": host_us(lambda: launch(table, n, "cuda")),
         "  DirectLaunch.launch": host_us(lambda: kernel.launch(grid, args, constexprs)),
         "  compiled.run (floor)": host_us(floor),
+        "  DirectLaunch guard": host_us(lambda: kernel.guard(args, 0)),
+        "  torch.empty_like": host_us(lambda: torch.empty_like(q)),
+        "  tensor.new_empty(shape)": host_us(lambda: q.new_empty((1, 1, 16, 64))),
+        "  torch.empty(tuple)": host_us(lambda: torch.empty((1, 1, 16, 64), dtype=torch.bfloat16, device=q.device)),
         "  torch.empty": host_us(lambda: torch.empty((1, 1, 16, 64), dtype=torch.bfloat16, device="cuda")),
         "  torch.is_grad_enabled + is_compiling": host_us(lambda: torch.is_grad_enabled() or torch.compiler.is_compiling()),
         "SDPA call": host_us(lambda: F.scaled_dot_product_attention(q, k, v, scale=0.125)),
     }
+    before = os.environ.get("HOST_PROBE_BEFORE")      # a package of an earlier revision (compare_revisions.py's .before/)
+    if before:
+        import importlib
+        import sys
+        sys.path.insert(0, ".before")
+        # its own generated modules (as in compare_revisions.py): a module shared with this
+        # tree would carry this tree's launch wrappers
+        backend = importlib.import_module(f"{before}.backend.triton.backend")
+        backend.load = lambda source, key, interpret, load=backend.load: load(source, f"{key} {before}", interpret)
+        earlier = importlib.import_module(before).compile(source)
+        earlier(**x)
+        # alternating rounds, so that both see the same host
+        rows.update({"einfold call, again": host_us(lambda: program(**x)),
+                     f"{before} call": host_us(lambda: earlier(**x)),
+                     "einfold call, a third time": host_us(lambda: program(**x)),
+                     f"{before} call, again": host_us(lambda: earlier(**x))})
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(5000):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import compiler
-from compiler.backend.triton.launch import DirectLaunch, guard_of, positions_of
+from compiler.backend.triton.launch import DirectLaunch, guard_function
 
 
 class FakeCompiled:
@@ -104,11 +104,12 @@ def test_a_launch_hook_gets_the_launch_metadata(fake_driver, monkeypatch):
 
 def test_the_guard_holds_what_the_binder_specialises_on():
     x = torch.zeros(8, dtype=torch.float16)
-    where = positions_of((x, 3, 0.5, x, 4))
-    assert guard_of((x, 3, 0.5, x, 4), *where) == ((True, True), (3, 4))
-    assert guard_of((x[1:], 3, 2.0, x, 4), *where) == ((False, True), (3, 4))
-    one = positions_of((x, 3, 0.5))
-    assert guard_of((x, 16, 0.5), *one) == ((True,), (16,)) != guard_of((x, 17, 0.5), *one)
+    guard = guard_function((x, 3, 0.5, x, 4))
+    assert guard((x, 3, 0.5, x, 4), 0) == (0, True, True, 3, 4)
+    assert guard((x[1:], 3, 2.0, x, 4), 1) == (1, False, True, 3, 4)
+    one = guard_function((x, 3, 0.5))
+    assert one((x, 16, 0.5), 0) == (0, True, 16) != one((x, 17, 0.5), 0)
+    assert guard_function((0.5,))((0.25,), 0) == (0,)
 
 
 @pytest.mark.gpu

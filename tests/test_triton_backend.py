@@ -310,6 +310,42 @@ def test_two_programs_per_sm_are_a_candidate_where_their_state_fits(src, shapes,
     assert source.count("maxnreg=128") == paired
 
 
+EVICTION_CASES = {
+    # a row streamed once by the program that folds it: read past the cache
+    "L[i] = logsumexp[j](X[i,j])": {"X": ["evict_first"]},
+    # the fold reads the row, the epilogue reads it again: kept for it, then streamed past
+    "Y[i,j] = softmax[j](X[i,j])": {"X": ["evict_last", "evict_first"]},
+    # every program reads the weights W[j]: no hint
+    "Y[i,j] = (X[i,j] - mean[j](X[i,j])) * W[j]": {"X": ["evict_last", "evict_first"], "W": [None]},
+    # two kernels read X (one folds columns, one rows): the second may find it in cache
+    "C[j] = sum[i](X[i,j]); R[i] = max[j](X[i,j])": {"X": [None, None]},
+    # no fold: elementwise kernels ran slower with the hints
+    "Y[i,j] = X[i,j] + Z[i,j]": {"X": [None], "Z": [None]},
+    # tl.dot: K and V are read by every row tile's program, Q's hint did not pay
+    "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]": {"Q": [None], "K": [None], "V": [None]},
+}
+
+
+@pytest.mark.parametrize("src", list(EVICTION_CASES))
+def test_rows_streamed_once_are_read_past_the_cache(src):
+    """Loads of a memory-bound fold whose elements no other program reads carry
+    eviction hints (the last read of a tensor evict_first, earlier ones evict_last);
+    other loads none."""
+    import re
+    from compiler.ir import Access
+    ref, backend = triton_backend(src)
+    extent = {"i": 1000}        # rows over several programs (and a single one over the others)
+    x = {n.tensor: torch.zeros(1).expand(*[extent.get(i, 48) for i in n.indices])
+         for st in ref.checked.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices}
+    x.update({i.name: 0.125 for i in ref.checked.inputs if not i.rank})
+    x = {name: value for name, value in x.items() if name in {i.name for i in ref.checked.inputs}}
+    source = backend.source_for(Binder(ref.checked, extents_of=backend.program)(x), sm_count=132)
+    hints = {}
+    for tensor, policy in re.findall(r"x_(\w+?)\d+ = tl\.load\(.*?(?:eviction_policy=\"(\w+)\")?\)$", source, re.M):
+        hints.setdefault(tensor, []).append(policy or None)
+    assert hints == EVICTION_CASES[src]
+
+
 def _op_expression(op):
     from compiler.ops import OPS
     info = OPS[op]

@@ -19,7 +19,7 @@ from ...errors import BackendError
 from ...schedule import Plan, Schedule
 from .cache import load
 from .emit import POSITIVE, Signature
-from .launch import bind_directly, direct_launch_supported
+from .launch import bind_directly, direct_launch_supported, output_maker
 from ...schedule.tiles import auto_split
 from .module import Built, ModuleBuilder
 
@@ -213,17 +213,19 @@ class TritonBackend:
         else:
             stream_of = int         # the interpreter: one stream
 
+        made = [(name, output_maker(shape, dtype, device)) for name, shape, dtype in outputs]
+
         def run(values):
             t = dict(values)
-            for name, shape, dtype in outputs:
-                t[name] = torch.empty(shape, dtype=dtype, device=device)
+            for name, make in made:
+                t[name] = make()
             if scratch is not None:
                 stream = stream_of()
                 if stream not in kept:
                     kept[stream] = scratch(extents, device)
                 t.update(kept[stream])
             launch(t, extents, device)
-            return {name: t[name] for name, _, _ in outputs}
+            return {name: t[name] for name, _ in made}
         return run
 
     def _output_specs(self, binding: Binding) -> list[tuple[str, list[int], torch.dtype]]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from ...schedule.tiles import auto_split
-from .emit import KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo
+from .emit import KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo, tensors_read
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
 
@@ -66,6 +67,8 @@ class ModuleBuilder:
         self.ctx.reserved |= set(schedule.buffers)
         self.ctx.module_names |= {spec.name + suffix for spec in schedule.kernels
                                   for suffix in ("", "_partial", "_merge")}
+        readers = Counter(tensor for spec in schedule.kernels for tensor in tensors_read(spec))
+        self.ctx.shared_reads = {tensor for tensor, kernels in readers.items() if kernels > 1}
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
         self.notes: list[str] = []
