@@ -26,31 +26,62 @@ import compiler
 PROGRAMS = {"logsumexp": ("L[i] = logsumexp[j](X[i,j])", lambda x: torch.logsumexp(x.float(), -1).to(x.dtype), 1),
             "softmax": ("Y[i,j] = softmax[j](X[i,j])", lambda x: torch.softmax(x.float(), -1).to(x.dtype), 2),
             "rms": ("Y[i] = sqrt(mean[j](X[i,j] * X[i,j]))",
-                    lambda x: x.float().square().mean(-1).sqrt().to(x.dtype), 1)}
+                    lambda x: x.float().square().mean(-1).sqrt().to(x.dtype), 1),
+            "layernorm": ("mu[i] = sum[j](X[i,j]) / len(j)\nvar[i] = sum[j]((X[i,j] - mu[i]) ** 2) / len(j)\n"
+                          "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(var[i] + eps)",
+                          lambda x: torch.nn.functional.layer_norm(x.float(), x.shape[-1:], eps=EPS).to(x.dtype), 2)}
+EPS = 1e-5
 # (rows a program, row chunk, warps, stages); None: the emitted autotuned kernel
 TILINGS = [None, *((rows, 8192, warps, 2) for rows in (1, 2) for warps in (4, 8, 16)),
            *((1, chunk, warps, stages) for chunk in (4096, 2048) for warps in (4, 8, 16) for stages in (1, 3)),
            (1, 1024, 4, 4), (2, 4096, 8, 3), (4, 2048, 8, 3), (8, 1024, 8, 3)]
-# hand edits of the emitted kernel (PROBE_VARIANTS=name,name): regex -> replacement
+if os.environ.get("PROBE_WHOLE_ROWS"):      # only tilings whose row is one tile (what whole_row needs)
+    TILINGS = [None, *((1, 8192, warps, stages) for warps in (4, 8, 16) for stages in (1, 2))]
+# hand edits of the emitted kernel (PROBE_VARIANTS=name,name): regex -> replacement, or a
+# function of the kernel's text
+def whole_row(text: str) -> str:
+    """The fold's loop and the epilogue's loop as straight code over one tile (valid
+    where the row is one tile: the 8192 tilings), the epilogue reading the row the
+    fold loaded (registers) instead of loading it again (from L2)."""
+    lines, out, dedent = text.split("\n"), [], None
+    loaded = re.search(r"(x_X\d+) = tl\.load\(X_tile_2", text).group(1)
+    for line in lines:
+        head = re.fullmatch(r"( *)for (start_\w+) in range\(0, n_j, BLOCK_\w+\):", line)
+        if head:
+            out.append(f"{head.group(1)}{head.group(2)} = 0")
+            dedent = len(head.group(1))
+            continue
+        if dedent is not None and line.strip() and len(line) - len(line.lstrip()) <= dedent:
+            dedent = None
+        if dedent is not None:
+            line = line[4:]
+        if re.match(r" *x_X\d+ = tl\.load\(X_tile \+", line):
+            line = re.sub(r"= tl\.load\(.*\)$", f"= {loaded}", line)
+        out.append(line)
+    return "\n".join(out)
+
+
 VARIANTS = {"emitted": {},
-            # the streamed load marked as read once (L2 keeps it last), as Inductor marks its loads
-            "evict_first": {r"x_X0 = tl\.load\((.*)\)\n": r"x_X0 = tl.load(\1, eviction_policy='evict_first')\n"},
+            # the eviction hints removed (as emitted before the eighteenth session)
+            "no_hints": {r", eviction_policy=\"\w+\"": ""},
             # 32-bit offsets (the tensor's 2^26 elements fit)
-            "int32": {r"\.to\(tl\.int64\)": "", r"tl\.cast\(start_j, tl\.int64\)": "start_j"}}
-VARIANTS["evict_first_int32"] = {**VARIANTS["int32"], **VARIANTS["evict_first"]}
+            "int32": {r"\.to\(tl\.int64\)": "", r"tl\.cast\((start_j2?), tl\.int64\)": r"\1"},
+            "whole_row": whole_row}
 VARIANT_NAMES = os.environ.get("PROBE_VARIANTS", "emitted").split(",")
 PROGRAM_NAMES = os.environ.get("PROBE_PROGRAMS", ",".join(PROGRAMS)).split(",")
 DTYPES = [getattr(torch, name) for name in os.environ.get("PROBE_DTYPES", "bfloat16,float32").split(",")]
 
 
-def module_of(source: str, dtype: torch.dtype, n: int, edits: dict[str, str]):
+def module_of(source: str, dtype: torch.dtype, n: int, edits):
     program = compiler.compile(source, backend="triton")
     x = torch.randn(n, n, device="cuda", dtype=dtype)
-    text = program.backend.source_for(program.binder({"X": x}),
+    text = program.backend.source_for(program.binder({"X": x, **({"eps": EPS} if "eps" in source else {})}),
                                       sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
     # the kernel alone, without its autotuner: launched at each fixed tiling below
     fixed = re.sub(r"@triton\.autotune\(.*\)\n", "", text)
-    for pattern, replacement in edits.items():
+    if callable(edits):
+        fixed = edits(fixed)
+    for pattern, replacement in ({} if callable(edits) else edits).items():
         fixed, count = re.subn(pattern, replacement, fixed)
         assert count, f"no {pattern!r} in the kernel of {source}"
     path = os.path.join(tempfile.mkdtemp(), f"row_probe_{abs(hash((source, str(dtype), fixed)))}.py")
@@ -72,7 +103,7 @@ def fixed_tilings(module, text: str, x: torch.Tensor, out: torch.Tensor, want: t
     timed = {}
     for rows_, chunk, warps, stages in TILINGS[1:]:
         y = torch.empty_like(out)
-        args = {"n_i": n, "n_j": n, "X_ptr": x, "X_s0": x.stride(0), "X_s1": 1}
+        args = {"n_i": n, "n_j": n, "X_ptr": x, "X_s0": x.stride(0), "X_s1": 1, "eps_val": EPS}
         out_name = "L" if "L_ptr" in names else "Y"
         args[f"{out_name}_ptr"] = y
         for k, stride in enumerate(y.stride()):
@@ -110,9 +141,10 @@ def main() -> None:
             for variant in VARIANT_NAMES:
                 program, module, text = module_of(source, dtype, n, VARIANTS[variant])
                 if variant == VARIANT_NAMES[0]:
-                    out = program(X=x)
+                    out = program(X=x, **({"eps": EPS} if "eps" in source else {}))
                     assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2)
-                    timed["emitted (autotuned)"] = triton.testing.do_bench(lambda: program(X=x))
+                    timed["emitted (autotuned)"] = triton.testing.do_bench(lambda: program(X=x, **(
+                        {"eps": EPS} if "eps" in source else {})))
                 timed.update(fixed_tilings(module, text, x, out, want, variant))
             for contender, ms in timed.items():
                 rows.append({"program": name, "dtype": str(dtype).split(".")[-1], "contender": contender,

@@ -112,6 +112,18 @@ def test_the_guard_holds_what_the_binder_specialises_on():
     assert guard_function((0.5,))((0.25,), 0) == (0,)
 
 
+@pytest.mark.parametrize("shape", [[3, 1, 5, 7], [4], [], [2, 0, 3]])
+def test_outputs_are_fresh_contiguous_tensors_of_their_spec(shape):
+    """A runner's output maker makes a new contiguous tensor of the output's shape,
+    dtype and device at each call (torch.empty where the shape is empty)."""
+    from compiler.backend.triton.launch import output_maker
+    make = output_maker(shape, torch.bfloat16, torch.device("cpu"))
+    a, b = make(), make()
+    assert a.shape == b.shape == torch.Size(shape) and a.dtype == torch.bfloat16 and a.is_contiguous()
+    assert a.numel() == 0 or a.data_ptr() != b.data_ptr()
+    assert a.stride() == torch.empty(shape).stride()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [None, 4])
 def test_direct_launches_match_torch_aligned_or_not(split):
