@@ -143,8 +143,9 @@ def hooked(hook) -> bool:
 def output_maker(shape: list[int], dtype: torch.dtype, device: torch.device):
     """A function that makes an uninitialised contiguous output of this shape, dtype
     and device: `torch.empty_like` of a zero-dimensional tensor expanded to the shape
-    (no storage of its own), which parses no dtype or device per call: half of
-    `torch.empty`'s host time (1.7 against 3.2 us a call on the H100's host).  Checked
+    (no storage of its own), which parses no dtype or device per call: about half of
+    `torch.empty`'s host time (`torch.empty_like` 1.7-1.9 against 3.2-3.4 us a call
+    on the H100's host, scripts/host_probe.py).  Checked
     once here; where torch made anything but a contiguous tensor from it (an empty
     one, or another version's stride rule), `torch.empty` itself."""
     pattern = torch.empty((), dtype=dtype, device=device).expand(shape)
