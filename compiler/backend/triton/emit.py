@@ -2024,8 +2024,16 @@ def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, boo
         if all(loads[raw][2] for raw in raws) and len({loads[raw][1] for raw in raws}) == 1:
             policy.update({raw: "evict_last" for raw in raws[:-1]})
             policy[raws[-1]] = "evict_first"
-    return [_EVICTION.sub(lambda m: f', eviction_policy="{policy[m.group(1)]}"' if m.group(1) in policy else "",
-                          line) for line in lines]
+    why = {"evict_first": "no other program reads these elements of {}: read past the cache",
+           "evict_last": "{} is read again below: kept in cache for it"}
+    out = []
+    for line in lines:
+        hinted = [raw for raw in _EVICTION.findall(line) if raw in policy]
+        pad = line[:len(line) - len(line.lstrip())]
+        out += [f"{pad}# {why[policy[raw]].format(loads[raw][0])} ({policy[raw]})" for raw in hinted]
+        out.append(_EVICTION.sub(lambda m: f', eviction_policy="{policy[m.group(1)]}"' if m.group(1) in policy
+                                 else "", line))
+    return out
 
 
 def with_role_names(lines: list[str], names: dict[str, str]) -> list[str]:

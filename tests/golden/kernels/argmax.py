@@ -37,6 +37,7 @@ def einfold_Y(n_i, n_j, X_ptr, X_s0, X_s1, Y_ptr, Y_s0, BLOCK_i: tl.constexpr, B
     for start_j in range(0, n_j, BLOCK_j):
         offs_j = start_j + tl.arange(0, BLOCK_j)
         mask_j = offs_j < n_j
+        # no other program reads these elements of X: read past the cache (evict_first)
         x_X0 = tl.load(X_tile + tl.cast(start_j, tl.int64) * X_s1, mask=mask_j[None, :], other=0.0, eviction_policy="evict_first")
         lift_m = (tl.where(mask_j[None, :], x_X0, -float("inf")) + tl.zeros([BLOCK_i, BLOCK_j], tl.float32))
         lift_p = (tl.where(mask_j[None, :], (offs_j.to(tl.int64))[None, :], 0) + tl.zeros([BLOCK_i, BLOCK_j], tl.int64))

@@ -53,6 +53,7 @@ def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, B
     l = tl.zeros([BLOCK_i], tl.float32)
     X_tile = X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + tl.arange(0, BLOCK_j)[None, :].to(tl.int64) * X_s1
     for start_j in range(0, n_j, BLOCK_j):
+        # no other program reads these elements of X: read past the cache (evict_first)
         x_X0 = tl.load(X_tile + tl.cast(start_j, tl.int64) * X_s1, eviction_policy="evict_first")
         # r: running max (the leader); the field l is repaired when it moves
         # base 2: p = exp2(x_X0 * a - r2), a = log2(e), r2 = r * a; r is the max of x_X0 itself
