@@ -15,7 +15,8 @@ each, then the median round), so clock and thermal drift hit them alike.
 Prints each earlier revision's time over this tree's (> 1: this tree is
 faster) and writes the rows to $OUT/compare.json.  COMPARE_CASES=TEXT[,TEXT]
 keeps the cases whose name contains one of the texts (compiling and
-autotuning every case twice takes minutes).
+autotuning every case twice takes minutes); COMPARE_QUICK=1 takes the groups'
+--quick cases.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def main(names: list[str], groups: list[str]) -> None:
     benches = {"new": new_bench, **{n: importlib.import_module(f"{n}.bench") for n in names}}
     rows = []
     for group in groups:
-        per_revision = {tag: bench.GROUPS[group](lambda src, p=packages[tag]: p.compile(src, backend="triton"), False)
+        quick = bool(os.environ.get("COMPARE_QUICK"))
+        per_revision = {tag: bench.GROUPS[group](lambda src, p=packages[tag]: p.compile(src, backend="triton"), quick)
                         for tag, bench in benches.items()}
         wanted = [w for w in os.environ.get("COMPARE_CASES", "").split(",") if w]
         for cases in zip(*per_revision.values()):
