@@ -165,9 +165,9 @@ def cmd_dump(args) -> int:
     from . import compile
     program = compile(_read_program(args), backend="triton")
     inputs = _random_inputs(program, args)
-    sm_count = (torch.cuda.get_device_properties(0).multi_processor_count
-                if torch.cuda.is_available() else None)
-    source = program.backend.source_for(program.binder(inputs), sm_count=sm_count)
+    gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    source = program.backend.source_for(program.binder(inputs), sm_count=gpu and gpu.multi_processor_count,
+                                        l2_bytes=gpu and getattr(gpu, "L2_cache_size", None))
     if args.output:
         try:
             Path(args.output).write_text(source)
@@ -178,9 +178,9 @@ def cmd_dump(args) -> int:
         print(f"einfold dump: wrote {args.output}", file=sys.stderr)
     else:
         print(source, end="")
-    if sm_count is None:
-        print("einfold dump: no GPU here, so the module is shown without an automatic split "
-              "(its SM count decides it)", file=sys.stderr)
+    if gpu is None:
+        print("einfold dump: no GPU here, so the module is shown without an automatic split and "
+              "without evict_last hints (the GPU's SM count and L2 cache decide them)", file=sys.stderr)
     return 0
 
 

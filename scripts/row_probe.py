@@ -1,10 +1,11 @@
 """Probe (issue 13): row reductions at fixed tilings against the emitted choice and
-torch.compile, on the GPU.  The generated kernel of each program (8192 x 8192) is
-launched at fixed (rows a program, row chunk, warps, stages) instead of its
-autotuned configs: whether several rows a program, or the row streamed in chunks
-(so that Triton's pipeliner loads the next chunk during this one's arithmetic),
-keeps more bytes in flight than one whole row a program (bf16 logsumexp: 80% of
-copy bandwidth as emitted).
+torch.compile, on the GPU.  The generated kernel of each program (8192 x 8192, or
+PROBE_N x PROBE_N) is launched at fixed (rows a program, row chunk, warps, stages)
+instead of its autotuned configs, as emitted or with hand edits (PROBE_VARIANTS):
+whether several rows a program, or the row streamed in chunks (so that Triton's
+pipeliner loads the next chunk during this one's arithmetic), keeps more bytes in
+flight than one whole row a program (bf16 logsumexp: 80% of copy bandwidth as
+emitted before the eighteenth session), and what the loads' eviction hints do.
 
     python3 scripts/row_probe.py      # prints a table; rows to $OUT/row_probe.json
 """
@@ -35,8 +36,9 @@ EPS = 1e-5
 TILINGS = [None, *((rows, 8192, warps, 2) for rows in (1, 2) for warps in (4, 8, 16)),
            *((1, chunk, warps, stages) for chunk in (4096, 2048) for warps in (4, 8, 16) for stages in (1, 3)),
            (1, 1024, 4, 4), (2, 4096, 8, 3), (4, 2048, 8, 3), (8, 1024, 8, 3)]
+N = int(os.environ.get("PROBE_N", 8192))   # rows and columns
 if os.environ.get("PROBE_WHOLE_ROWS"):      # only tilings whose row is one tile (what whole_row needs)
-    TILINGS = [None, *((1, 8192, warps, stages) for warps in (4, 8, 16) for stages in (1, 2))]
+    TILINGS = [None, *((1, N, warps, stages) for warps in (4, 8, 16) for stages in (1, 2))]
 # hand edits of the emitted kernel (PROBE_VARIANTS=name,name): regex -> replacement, or a
 # function of the kernel's text
 def whole_row(text: str) -> str:
@@ -64,6 +66,8 @@ def whole_row(text: str) -> str:
 VARIANTS = {"emitted": {},
             # the eviction hints removed (as emitted before the eighteenth session)
             "no_hints": {r", eviction_policy=\"\w+\"": ""},
+            # only the last read hinted (evict_first): an earlier read of the same row without evict_last
+            "no_last": {r", eviction_policy=\"evict_last\"": ""},
             # 32-bit offsets (the tensor's 2^26 elements fit)
             "int32": {r"\.to\(tl\.int64\)": "", r"tl\.cast\((start_j2?), tl\.int64\)": r"\1"},
             "whole_row": whole_row}
@@ -124,7 +128,7 @@ def fixed_tilings(module, text: str, x: torch.Tensor, out: torch.Tensor, want: t
 
 
 def main() -> None:
-    n = 8192
+    n = N
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
     copy = 2 * src.numel() * 4 / (triton.testing.do_bench(lambda: dst.copy_(src)) * 1e-3) / 1e9

@@ -19,6 +19,7 @@ import compiler
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "kernels"
 H100_SMS = 132
+H100_L2_BYTES = 50 * 2 ** 20
 BF16, F32 = torch.bfloat16, torch.float32
 
 ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
@@ -61,7 +62,7 @@ def kernel_source(name: str) -> str:
     source, outputs, inputs = GOLDEN[name]
     program = compiler.compile(source, backend="triton", outputs=outputs)
     binding = program.binder({k: _input(v) for k, v in inputs.items()})
-    return program.backend.source_for(binding, sm_count=H100_SMS)
+    return program.backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2_BYTES)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))

@@ -313,7 +313,8 @@ def test_two_programs_per_sm_are_a_candidate_where_their_state_fits(src, shapes,
 EVICTION_CASES = {
     # a row streamed once by the program that folds it: read past the cache
     "L[i] = logsumexp[j](X[i,j])": {"X": ["evict_first"]},
-    # the fold reads the row, the epilogue reads it again: kept for it, then streamed past
+    # the fold reads the row, the epilogue reads it again and streams it past (an L2 cache
+    # of 190 KB, smaller than X: the first read keeps the rows for the second)
     "Y[i,j] = softmax[j](X[i,j])": {"X": ["evict_last", "evict_first"]},
     # every program reads the weights W[j]: no hint
     "Y[i,j] = (X[i,j] - mean[j](X[i,j])) * W[j]": {"X": ["evict_last", "evict_first"], "W": [None]},
@@ -326,11 +327,10 @@ EVICTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("src", list(EVICTION_CASES))
-def test_rows_streamed_once_are_read_past_the_cache(src):
-    """Loads of a memory-bound fold whose elements no other program reads carry
-    eviction hints (the last read of a tensor evict_first, earlier ones evict_last);
-    other loads none."""
+def eviction_hints(src: str, l2_bytes: int | None) -> dict[str, list]:
+    """{tensor: the eviction hint of each of its loads, in kernel order} of the module
+    a GPU with 132 SMs and an L2 cache of `l2_bytes` would run for `src` (1000 x 48
+    rows)."""
     import re
     from compiler.ir import Access
     ref, backend = triton_backend(src)
@@ -339,11 +339,30 @@ def test_rows_streamed_once_are_read_past_the_cache(src):
          for st in ref.checked.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices}
     x.update({i.name: 0.125 for i in ref.checked.inputs if not i.rank})
     x = {name: value for name, value in x.items() if name in {i.name for i in ref.checked.inputs}}
-    source = backend.source_for(Binder(ref.checked, extents_of=backend.program)(x), sm_count=132)
+    binding = Binder(ref.checked, extents_of=backend.program)(x)
+    source = backend.source_for(binding, sm_count=132, l2_bytes=l2_bytes)
     hints = {}
     for tensor, policy in re.findall(r"x_(\w+?)\d+ = tl\.load\(.*?(?:eviction_policy=\"(\w+)\")?\)$", source, re.M):
         hints.setdefault(tensor, []).append(policy or None)
-    assert hints == EVICTION_CASES[src]
+    return hints
+
+
+@pytest.mark.parametrize("src", list(EVICTION_CASES))
+def test_rows_streamed_once_are_read_past_the_cache(src):
+    """Loads of a memory-bound fold whose elements no other program reads carry
+    eviction hints (the last read of a tensor evict_first, an earlier one evict_last
+    where the tensor is larger than the L2 cache); other loads none."""
+    assert eviction_hints(src, l2_bytes=190_000) == EVICTION_CASES[src]
+
+
+def test_a_row_read_again_is_kept_in_cache_only_where_the_cache_cannot_hold_the_tensor():
+    """X (1000 x 48 float32, 192 KB): kept for the epilogue's second read by a cache
+    smaller than it; a cache that holds it keeps the rows without the mark, and where
+    the cache is not known (no GPU) nothing is marked for it."""
+    softmax = "Y[i,j] = softmax[j](X[i,j])"
+    assert eviction_hints(softmax, l2_bytes=190_000) == {"X": ["evict_last", "evict_first"]}
+    assert eviction_hints(softmax, l2_bytes=200_000) == {"X": [None, "evict_first"]}
+    assert eviction_hints(softmax, l2_bytes=None) == {"X": [None, "evict_first"]}
 
 
 def _op_expression(op):

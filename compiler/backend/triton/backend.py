@@ -73,7 +73,7 @@ def _pass_names() -> tuple[str, ...]:
     return tuple(name for name, _ in PIPELINE)
 
 
-_SM_COUNTS: dict[int, int] = {}
+_GPU_FACTS: dict[int, tuple[int, int | None]] = {}
 
 
 def _tf32_allowed() -> bool:
@@ -86,13 +86,16 @@ def _tf32_allowed() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
-def _sm_count(device: torch.device) -> int | None:
+def _gpu_facts(device: torch.device) -> tuple[int | None, int | None]:
+    """(SM count, L2 cache bytes) of a CUDA device; (None, None) off the GPU."""
     if device.type != "cuda":
-        return None
+        return None, None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    if index not in _GPU_FACTS:
+        properties = torch.cuda.get_device_properties(index)
+        l2_bytes = getattr(properties, "L2_cache_size", None) or None
+        _GPU_FACTS[index] = (properties.multi_processor_count, l2_bytes)
+    return _GPU_FACTS[index]
 
 
 class TritonBackend:
@@ -134,16 +137,19 @@ class TritonBackend:
             else:
                 inputs.append((decl.name, "number", 0, POSITIVE if positive_number(value) else None))
         interpret = self.interpreted(binding)
-        return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype,
-                         None if interpret else _sm_count(binding.device), interpret,
-                         tf32=not interpret and _tf32_allowed())
+        sm_count, l2_bytes = (None, None) if interpret else _gpu_facts(binding.device)
+        return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype, sm_count, interpret,
+                         tf32=not interpret and _tf32_allowed(), l2_bytes=l2_bytes)
 
-    def source_for(self, binding: Binding, *, sm_count: int | None = None) -> str:
+    def source_for(self, binding: Binding, *, sm_count: int | None = None,
+                   l2_bytes: int | None = None) -> str:
         """The module these inputs would run as compiled kernels on a GPU (with
-        `sm_count` SMs; None: no automatic split), without running anything."""
+        `sm_count` SMs, None: no automatic split; an L2 cache of `l2_bytes`, None: no
+        eviction hint that depends on it), without running anything."""
         from dataclasses import replace
         sig = self.signature(binding, self._extents(binding))
-        return self.build(replace(sig, interpret=False, sm_count=sm_count, tf32=_tf32_allowed())).source
+        return self.build(replace(sig, interpret=False, sm_count=sm_count, tf32=_tf32_allowed(),
+                                  l2_bytes=l2_bytes)).source
 
     def build(self, signature: Signature) -> Built:
         built = self._sources.get(signature)

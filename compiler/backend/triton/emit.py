@@ -197,6 +197,7 @@ class Signature:
     sm_count: int | None                                # None: no auto split (no GPU)
     interpret: bool = False                             # kernels run under Triton's interpreter
     tf32: bool = False                                  # float32 tl.dot in TF32 (torch's matmul setting)
+    l2_bytes: int | None = None                         # the GPU's L2 cache (eviction hints); None: unknown
 
     def extent(self, name: str) -> int:
         return dict(self.extents)[name]
@@ -364,7 +365,8 @@ class KernelEmitter:
         self.whole: dict[str, Axis] = {}
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
-        self.loads: dict[str, tuple[str, tuple, bool]] = {}   # a load's variable -> (tensor, indices, read_once)
+        # a load's variable -> (tensor, indices, read once, larger than the L2 cache)
+        self.loads: dict[str, tuple[str, tuple, bool, bool]] = {}
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
@@ -789,7 +791,7 @@ class KernelEmitter:
         if tile is not None:
             self.tile_of[raw] = tile
         self.tile(target)
-        self.loads[raw] = (e.tensor, e.indices, self.read_once(e))
+        self.loads[raw] = (e.tensor, e.indices, self.read_once(e), self.beyond_cache(e))
         hint = f", {EVICTION_MARK}{raw}"
         if mask:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0{hint})")
@@ -813,6 +815,13 @@ class KernelEmitter:
         folds = any(isinstance(n, Reduce) for st in self.spec.statements for n in walk(st.expr))
         return (folds and not self.contraction and e.tensor not in self.ctx.shared_reads
                 and all(g in e.indices or one_program(g) for g in self.spec.grid))
+
+    def beyond_cache(self, e: Access) -> bool:
+        """Whether the elements `e` reads are more than the GPU's L2 cache holds (False
+        where the cache is not known)."""
+        l2 = self.ctx.sig.l2_bytes
+        itemsize = getattr(self.ctx.tensors[e.tensor].dtype, "itemsize", 4)
+        return l2 is not None and math.prod(self.ctx.extent(i) for i in e.indices) * itemsize > l2
 
     def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
         info = self.ctx.tensors[name]
@@ -2006,15 +2015,19 @@ def program_names(spec: KernelSchedule, ctx: ModuleContext) -> set[str]:
     return names
 
 
-def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, bool]]) -> list[str]:
+def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, bool, bool]]) -> list[str]:
     """The kernel's lines with each load's eviction hint.  A tensor whose elements
-    only this program reads (`loads`: variable -> (tensor, indices, read_once)),
-    through one access, streams past the cache: its last load in the kernel is
-    marked evict_first (bf16 logsumexp and RMS over rows of 8192 on the H100: 80% ->
-    88-89% of copy bandwidth, scripts/row_probe.py), and any earlier one evict_last,
-    for the later load reads the same elements (softmax's epilogue re-reads the row
-    its fold read).  Other loads keep the default: other programs read their
-    elements too (attention's K and V, a bias), and the cache serves them."""
+    only this program reads (`loads`: variable -> (tensor, indices, read once,
+    larger than the L2 cache)), through one access, streams past the cache: its
+    last load in the kernel is marked evict_first (bf16 logsumexp and RMS over rows
+    of 8192 on the H100: 80% -> 88-89% of copy bandwidth, scripts/row_probe.py).
+    An earlier load of it (softmax's fold, whose epilogue reads the row again) is
+    marked evict_last where the tensor is larger than the L2 cache, so that the
+    rows in flight stay for the second read (8192 x 8192 softmax and layernorm:
+    1.03x in float32, 1.02x-1.03x in bf16); a tensor the cache holds keeps its rows
+    without it, and the mark only crowds the cache (4096 x 4096 bf16: 0.94x).
+    Other loads keep the default: other programs read their elements too
+    (attention's K and V, a bias), and the cache serves them."""
     order: dict[str, list[str]] = {}          # tensor -> its loads' variables, in program order
     for line in lines:
         for raw in _EVICTION.findall(line):
@@ -2022,10 +2035,10 @@ def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, boo
     policy = {}
     for raws in order.values():
         if all(loads[raw][2] for raw in raws) and len({loads[raw][1] for raw in raws}) == 1:
-            policy.update({raw: "evict_last" for raw in raws[:-1]})
+            policy.update({raw: "evict_last" for raw in raws[:-1] if loads[raw][3]})
             policy[raws[-1]] = "evict_first"
     why = {"evict_first": "no other program reads these elements of {}: read past the cache",
-           "evict_last": "{} is read again below: kept in cache for it"}
+           "evict_last": "{} is read again below and is larger than the L2 cache: kept in it for that"}
     out = []
     for line in lines:
         hinted = [raw for raw in _EVICTION.findall(line) if raw in policy]

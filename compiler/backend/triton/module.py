@@ -26,7 +26,8 @@ import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from ...schedule.tiles import auto_split
-from .emit import KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo, tensors_read
+from .emit import (KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo,
+                   tensors_read)
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
 

@@ -32,7 +32,7 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
     s1_m2 = tl.full([BLOCK_i], 0.0, tl.float32)
     X_tile_2 = X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + tl.arange(0, BLOCK_j2)[None, :].to(tl.int64) * X_s1
     for start_j2 in range(0, n_j, BLOCK_j2):
-        # X is read again below: kept in cache for it (evict_last)
+        # X is read again below and is larger than the L2 cache: kept in it for that (evict_last)
         x_X3 = tl.load(X_tile_2 + tl.cast(start_j2, tl.int64) * X_s1, eviction_policy="evict_last")
         # the tile's state from sums over it: s1_n, s1_mean, s1_err, s1_m2
         sum_count = tl.sum((1.0 + tl.zeros([BLOCK_j2], tl.float32)), 0)
