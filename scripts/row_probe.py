@@ -37,6 +37,11 @@ TILINGS = [None, *((rows, 8192, warps, 2) for rows in (1, 2) for warps in (4, 8,
            *((1, chunk, warps, stages) for chunk in (4096, 2048) for warps in (4, 8, 16) for stages in (1, 3)),
            (1, 1024, 4, 4), (2, 4096, 8, 3), (4, 2048, 8, 3), (8, 1024, 8, 3)]
 N = int(os.environ.get("PROBE_N", 8192))   # rows and columns
+# (rows, columns) of X, PROBE_SHAPES=ROWSxCOLS,...: long rows stream several tiles a program
+SHAPES = [tuple(map(int, shape.split("x"))) for shape in os.environ.get("PROBE_SHAPES", f"{N}x{N}").split(",")]
+if os.environ.get("PROBE_LAUNCH"):           # the emitted row tile at the (warps, stages) the tuner tries
+    from compiler.schedule.tiles import LAUNCH, STREAM_BLOCK
+    TILINGS = [None, *((1, STREAM_BLOCK, warps, stages) for warps, stages in LAUNCH)]
 if os.environ.get("PROBE_WHOLE_ROWS"):      # only tilings whose row is one tile (what whole_row needs)
     TILINGS = [None, *((1, N, warps, stages) for warps in (4, 8, 16) for stages in (1, 2))]
 # hand edits of the emitted kernel (PROBE_VARIANTS=name,name): regex -> replacement, or a
@@ -76,9 +81,9 @@ PROGRAM_NAMES = os.environ.get("PROBE_PROGRAMS", ",".join(PROGRAMS)).split(",")
 DTYPES = [getattr(torch, name) for name in os.environ.get("PROBE_DTYPES", "bfloat16,float32").split(",")]
 
 
-def module_of(source: str, dtype: torch.dtype, n: int, edits):
+def module_of(source: str, dtype: torch.dtype, shape: tuple[int, int], edits):
     program = compiler.compile(source, backend="triton")
-    x = torch.randn(n, n, device="cuda", dtype=dtype)
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
     text = program.backend.source_for(program.binder({"X": x, **({"eps": EPS} if "eps" in source else {})}),
                                       sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
     # the kernel alone, without its autotuner: launched at each fixed tiling below
@@ -100,14 +105,16 @@ def module_of(source: str, dtype: torch.dtype, n: int, edits):
 
 def fixed_tilings(module, text: str, x: torch.Tensor, out: torch.Tensor, want: torch.Tensor, variant: str) -> dict:
     """ms of the module's kernel at each fixed tiling of TILINGS, by a label."""
-    n = x.shape[0]
+    n, cols = x.shape
     kernel_name = re.search(r"def (einfold_\w+)\(", text).group(1)
     kernel = getattr(module, kernel_name)
     names = [p.split(":")[0].strip() for p in re.search(rf"def {kernel_name}\((.*)\):", text).group(1).split(",")]
     timed = {}
     for rows_, chunk, warps, stages in TILINGS[1:]:
         y = torch.empty_like(out)
-        args = {"n_i": n, "n_j": n, "X_ptr": x, "X_s0": x.stride(0), "X_s1": 1, "eps_val": EPS}
+        if chunk > cols or n % rows_:
+            continue
+        args = {"n_i": n, "n_j": cols, "X_ptr": x, "X_s0": x.stride(0), "X_s1": 1, "eps_val": EPS}
         out_name = "L" if "L_ptr" in names else "Y"
         args[f"{out_name}_ptr"] = y
         for k, stride in enumerate(y.stride()):
@@ -128,36 +135,36 @@ def fixed_tilings(module, text: str, x: torch.Tensor, out: torch.Tensor, want: t
 
 
 def main() -> None:
-    n = N
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
     copy = 2 * src.numel() * 4 / (triton.testing.do_bench(lambda: dst.copy_(src)) * 1e-3) / 1e9
     del src, dst
     rows = []
-    for name in PROGRAM_NAMES:
+    for name, (n, cols), dtype in [(name, shape, dtype) for name in PROGRAM_NAMES for shape in SHAPES
+                                   for dtype in DTYPES]:
         source, torch_fn, tensors = PROGRAMS[name]
-        for dtype in DTYPES:
-            x = torch.randn(n, n, device="cuda", dtype=dtype)
-            want = torch_fn(x)
-            nbytes = (n * n * tensors + n * (tensors == 1)) * dtype.itemsize
-            compiled = torch.compile(torch_fn)
-            timed = {"torch.compile": triton.testing.do_bench(lambda: compiled(x))}
-            for variant in VARIANT_NAMES:
-                program, module, text = module_of(source, dtype, n, VARIANTS[variant])
-                if variant == VARIANT_NAMES[0]:
-                    out = program(X=x, **({"eps": EPS} if "eps" in source else {}))
-                    assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2)
-                    timed["emitted (autotuned)"] = triton.testing.do_bench(lambda: program(X=x, **(
-                        {"eps": EPS} if "eps" in source else {})))
-                timed.update(fixed_tilings(module, text, x, out, want, variant))
-            for contender, ms in timed.items():
-                rows.append({"program": name, "dtype": str(dtype).split(".")[-1], "contender": contender,
-                             "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9})
+        x = torch.randn(n, cols, device="cuda", dtype=dtype)
+        want = torch_fn(x)
+        nbytes = (n * cols * tensors + n * (tensors == 1)) * dtype.itemsize
+        compiled = torch.compile(torch_fn)
+        timed = {"torch.compile": triton.testing.do_bench(lambda: compiled(x))}
+        for variant in VARIANT_NAMES:
+            program, module, text = module_of(source, dtype, (n, cols), VARIANTS[variant])
+            if variant == VARIANT_NAMES[0]:
+                out = program(X=x, **({"eps": EPS} if "eps" in source else {}))
+                assert torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+                timed["emitted (autotuned)"] = triton.testing.do_bench(lambda: program(X=x, **(
+                    {"eps": EPS} if "eps" in source else {})))
+            timed.update(fixed_tilings(module, text, x, out, want, variant))
+        for contender, ms in timed.items():
+            rows.append({"program": name, "shape": f"{n}x{cols}", "dtype": str(dtype).split(".")[-1],
+                         "contender": contender,
+                         "ms": ms, "GB/s": nbytes / (ms * 1e-3) / 1e9})
     with open(os.path.join(os.environ.get("OUT", "."), "row_probe.json"), "w") as f:
         json.dump({"copy_GBps": copy, "rows": rows}, f, indent=1)
     print(f"copy bandwidth {copy:.0f} GB/s")
     for r in rows:
-        print(f"{r['program']:10s} {r['dtype']:9s} {r['contender']:60s} {r['ms'] * 1e3:8.1f} us "
+        print(f"{r['program']:10s} {r['shape']:11s} {r['dtype']:9s} {r['contender']:60s} {r['ms'] * 1e3:8.1f} us "
               f"{r['GB/s']:6.0f} GB/s {r['GB/s'] / copy:6.1%}")
 
 
