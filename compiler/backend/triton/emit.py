@@ -145,6 +145,15 @@ def dims(axes) -> tuple[Axis, ...]:
 
 
 @dataclass(frozen=True)
+class Load:
+    """What the eviction hints need of one load (with_eviction_hints)."""
+    tensor: str
+    indices: tuple[str, ...]
+    read_once: bool          # no other program or kernel reads its elements (KernelEmitter.read_once)
+    beyond_cache: bool       # more elements than the GPU's L2 cache holds
+
+
+@dataclass(frozen=True)
 class Value:
     code: str
     axes: tuple[Axis, ...]             # sorted; scalar grid axes included
@@ -365,8 +374,7 @@ class KernelEmitter:
         self.whole: dict[str, Axis] = {}
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
-        # a load's variable -> (tensor, indices, read once, larger than the L2 cache)
-        self.loads: dict[str, tuple[str, tuple, bool, bool]] = {}
+        self.loads: dict[str, Load] = {}             # a load's variable -> what its hint depends on
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
@@ -791,7 +799,7 @@ class KernelEmitter:
         if tile is not None:
             self.tile_of[raw] = tile
         self.tile(target)
-        self.loads[raw] = (e.tensor, e.indices, self.read_once(e), self.beyond_cache(e))
+        self.loads[raw] = Load(e.tensor, e.indices, self.read_once(e), self.beyond_cache(e))
         hint = f", {EVICTION_MARK}{raw}"
         if mask:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0{hint})")
@@ -2015,12 +2023,12 @@ def program_names(spec: KernelSchedule, ctx: ModuleContext) -> set[str]:
     return names
 
 
-def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, bool, bool]]) -> list[str]:
-    """The kernel's lines with each load's eviction hint.  A tensor whose elements
-    only this program reads (`loads`: variable -> (tensor, indices, read once,
-    larger than the L2 cache)), through one access, streams past the cache: its
-    last load in the kernel is marked evict_first (bf16 logsumexp and RMS over rows
-    of 8192 on the H100: 80% -> 88-89% of copy bandwidth, scripts/row_probe.py).
+def with_eviction_hints(lines: list[str], loads: dict[str, Load]) -> list[str]:
+    """The kernel's lines with each load's eviction hint (`loads`: by the load's
+    variable).  A tensor whose elements only this program reads, through one
+    access, streams past the cache: its last load in the kernel is marked
+    evict_first (bf16 logsumexp and RMS over rows of 8192 on the H100: 80% -> 88-89%
+    of copy bandwidth, scripts/row_probe.py).
     An earlier load of it (softmax's fold, whose epilogue reads the row again) is
     marked evict_last where the tensor is larger than the L2 cache, so that the
     rows in flight stay for the second read (8192 x 8192 softmax and layernorm:
@@ -2031,11 +2039,11 @@ def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, boo
     order: dict[str, list[str]] = {}          # tensor -> its loads' variables, in program order
     for line in lines:
         for raw in _EVICTION.findall(line):
-            order.setdefault(loads[raw][0], []).append(raw)
+            order.setdefault(loads[raw].tensor, []).append(raw)
     policy = {}
     for raws in order.values():
-        if all(loads[raw][2] for raw in raws) and len({loads[raw][1] for raw in raws}) == 1:
-            policy.update({raw: "evict_last" for raw in raws[:-1] if loads[raw][3]})
+        if all(loads[raw].read_once for raw in raws) and len({loads[raw].indices for raw in raws}) == 1:
+            policy.update({raw: "evict_last" for raw in raws[:-1] if loads[raw].beyond_cache})
             policy[raws[-1]] = "evict_first"
     why = {"evict_first": "no other program reads these elements of {}: read past the cache",
            "evict_last": "{} is read again below and is larger than the L2 cache: kept in it for that"}
@@ -2043,7 +2051,7 @@ def with_eviction_hints(lines: list[str], loads: dict[str, tuple[str, tuple, boo
     for line in lines:
         hinted = [raw for raw in _EVICTION.findall(line) if raw in policy]
         pad = line[:len(line) - len(line.lstrip())]
-        out += [f"{pad}# {why[policy[raw]].format(loads[raw][0])} ({policy[raw]})" for raw in hinted]
+        out += [f"{pad}# {why[policy[raw]].format(loads[raw].tensor)} ({policy[raw]})" for raw in hinted]
         out.append(_EVICTION.sub(lambda m: f', eviction_policy="{policy[m.group(1)]}"' if m.group(1) in policy
                                  else "", line))
     return out

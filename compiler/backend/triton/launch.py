@@ -145,12 +145,12 @@ def output_maker(shape: list[int], dtype: torch.dtype, device: torch.device):
     and device: `torch.empty_like` of a zero-dimensional tensor expanded to the shape
     (no storage of its own), which parses no dtype or device per call: about half of
     `torch.empty`'s host time (`torch.empty_like` 1.7-1.9 against 3.2-3.4 us a call
-    on the H100's host, scripts/host_probe.py).  Checked
-    once here; where torch made anything but a contiguous tensor from it (an empty
-    one, or another version's stride rule), `torch.empty` itself."""
+    on the H100's host, scripts/host_probe.py).  Checked once here; where torch made
+    anything but a contiguous tensor from it (an empty one, or another version's
+    stride rule), `torch.empty` itself."""
     pattern = torch.empty((), dtype=dtype, device=device).expand(shape)
     made = torch.empty_like(pattern)
-    if made.numel() and made.is_contiguous() and made.dtype == dtype and made.device == device:
+    if made.numel() and made.is_contiguous():
         return functools.partial(torch.empty_like, pattern)
     return functools.partial(torch.empty, shape, dtype=dtype, device=device)
 
