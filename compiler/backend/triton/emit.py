@@ -379,6 +379,9 @@ class KernelEmitter:
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
         self.contraction = set(spec.dot_indices)        # the schedule's tile roles
+        # memory-bound: the kernel folds without tl.dot (its loads may stream past the cache)
+        self.streams_rows = not self.contraction and any(
+            isinstance(n, Reduce) for st in spec.statements for n in walk(st.expr))
         self.value_only = set(spec.value_only)
         self.loop_cap = STREAM_BLOCK     # lowered when a grid tile of columns shares the tile budget
 
@@ -820,8 +823,7 @@ class KernelEmitter:
         def one_program(g: str) -> bool:
             ax = self.root.env[g]
             return ax.block_name not in self.tunable and self.ctx.extent(g) <= max(ax.block, 1)
-        folds = any(isinstance(n, Reduce) for st in self.spec.statements for n in walk(st.expr))
-        return (folds and not self.contraction and e.tensor not in self.ctx.shared_reads
+        return (self.streams_rows and e.tensor not in self.ctx.shared_reads
                 and all(g in e.indices or one_program(g) for g in self.spec.grid))
 
     def beyond_cache(self, e: Access) -> bool:
@@ -2015,11 +2017,10 @@ def tensors_read(spec: KernelSchedule) -> set[str]:
 
 def program_names(spec: KernelSchedule, ctx: ModuleContext) -> set[str]:
     """The names of the program a kernel's comments may quote: tensors, statements, indices."""
-    names = {name for name, _ in ctx.sig.extents} | set(ctx.fresh_names) | ctx.input_names
+    names = {name for name, _ in ctx.sig.extents} | set(ctx.fresh_names) | ctx.input_names | tensors_read(spec)
     for st in spec.statements:
         names |= {st.name, *st.indices}
-        for n in walk(st.expr):
-            names |= {n.tensor} if isinstance(n, Access) else set(n.indices) if isinstance(n, Reduce) else set()
+        names |= {i for n in walk(st.expr) if isinstance(n, Reduce) for i in n.indices}
     return names
 
 
