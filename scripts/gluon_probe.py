@@ -86,6 +86,7 @@ def alibi_score(qk, rows, cols, head, scale, extra_ptr):
 SCORES = {"plain": plain_score, "softcap": softcap_score, "alibi": alibi_score}
 SCORE = plain_score           # the variant's (see variant())
 CAUSAL = gl.constexpr(False)
+ROTATE = gl.constexpr(True)   # the next tile's scores issued before this tile's softmax
 
 
 @gluon.jit
@@ -145,6 +146,27 @@ def _step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, p,
 
 
 @gluon.jit
+def _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows, head, scale,
+                extra_ptr, seq_kv, MASKED: gl.constexpr):
+    """One step of the loop in program order (as `tl` emits it): scores, softmax, then P V, each
+    waited for; only the other consumer's work overlaps this one's softmax."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    qk = warpgroup_mma_wait(0, deps=(_scores(q, k_smem, k_ready, t, zeros), ))
+    mbarrier.arrive(k_empty.index(t % STAGES), count=1)
+    y, c = _logits(qk, t, rows, head, scale, extra_ptr, seq_kv, MASKED)
+    r_new, alpha, p = _weights(y, c, r)
+    l = l * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    mbarrier.wait(v_ready.index(t % STAGES), (t // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    acc, p_op = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_smem.index(t % STAGES), acc, is_async=True), p_op))
+    mbarrier.arrive(v_empty.index(t % STAGES), count=1)
+    return r_new, l, acc
+
+
+@gluon.jit
 def _consumer(part: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, q_bh,
               row0, head, scale, extra_ptr, seq_kv, n_tiles, n_unmasked):
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -160,6 +182,22 @@ def _consumer(part: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empt
     q = q_smem.index(part)
     mbarrier.wait(q_bar.index(part), 0)
     zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if not ROTATE:
+        r = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+        for t in range(0, n_unmasked):
+            r, l, acc = _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows,
+                                    head, scale, extra_ptr, seq_kv, False)
+        for t in range(n_unmasked, n_tiles):
+            r, l, acc = _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows,
+                                    head, scale, extra_ptr, seq_kv, True)
+        o = acc / gl.convert_layout(l, o_rows)[:, None]
+        q.store(o.to(o_desc.dtype))
+        fence_async_shared()
+        tma_store(o_desc, [q_bh, row0 + part * ROWS, 0], q.reshape([1, ROWS, HEAD_D]))
+        tma.store_wait(0)
+        return
 
     qk = warpgroup_mma_wait(0, deps=(_scores(q, k_smem, k_ready, 0, zeros), ))
     mbarrier.arrive(k_empty.index(0), count=1)
@@ -275,23 +313,24 @@ def attention_kernel(q_desc, k_desc, v_desc, o_desc, scale, extra_ptr, heads, gr
         gl.warp_specialize(args, _part0, args, [_part1, _load], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def variant(score: str, causal: bool):
+def variant(score: str, causal: bool, rotate: bool = True):
     """A copy of this module whose kernels compute `score` (causal or not): Triton 3.6's
     warp_specialize passes its partitions tensors only, so a variant's constants are the
     module's globals, as a generated module would have them in its text."""
-    key = f"gluon_probe_{score}_{int(causal)}"
+    key = f"gluon_probe_{score}_{int(causal)}_{int(rotate)}"
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, __file__)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         module.SCORE = module.SCORES[score]
         module.CAUSAL = gl.constexpr(causal)
+        module.ROTATE = gl.constexpr(rotate)
         sys.modules[key] = module
     return sys.modules[key]
 
 
-def gluon_attention(x, score, causal, block_n, stages, consumer_regs, loader_regs):
-    module = variant(score, causal)
+def gluon_attention(x, score, causal, block_n, stages, consumer_regs, loader_regs, rotate=True):
+    module = variant(score, causal, rotate)
     q, k, v = x["Q"], x["K"], x["V"]
     b, h, s, d = q.shape
     h_kv, keys = k.shape[1], k.shape[2]
@@ -412,6 +451,9 @@ def main() -> None:
         for block_n, stages, cregs, lregs in configs:
             contenders[f"gluon n{block_n} st{stages} r{cregs}/{lregs}"] = gluon_attention(
                 x, score, causal, block_n, stages, cregs, lregs)
+            if os.environ.get("PROBE_IN_ORDER"):
+                contenders[f"in order n{block_n} st{stages} r{cregs}/{lregs}"] = gluon_attention(
+                    x, score, causal, block_n, stages, cregs, lregs, rotate=False)
         flops = 4 * b * h * s * s * d / (2 if causal else 1)
         shape = f"{case[0]} B{b} H{h}{'/' + str(kv_heads) if kv_heads else ''} S{s} d{d}"
         for name, fn in contenders.items():
