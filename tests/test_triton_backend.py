@@ -627,7 +627,8 @@ def test_split_of_dependent_folds_materialises_the_inner_one():
 def test_auto_split_heuristic():
     assert auto_split(programs=8, tiles=512, sm_count=132) == 64       # decode: 8 heads, 32768 keys
     assert auto_split(programs=32, tiles=512, sm_count=132) == 33      # about 8 programs per SM
-    assert auto_split(programs=16, tiles=96, sm_count=132) == 12       # every split streams >= 8 tiles
+    assert auto_split(programs=16, tiles=96, sm_count=132) == 24       # every split streams >= 4 tiles
+    assert auto_split(programs=8, tiles=128, sm_count=132) == 32       # decode: 8 heads, 8192 keys
     assert auto_split(programs=1024, tiles=512, sm_count=132) == 1      # enough programs already
     assert auto_split(programs=256, tiles=16, sm_count=132) == 1        # prefill: too short to be worth it
     assert auto_split(programs=1, tiles=10_000, sm_count=132) == 64     # capped

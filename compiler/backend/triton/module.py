@@ -11,7 +11,7 @@ runs the rest of the kernel: one launch.  `split=N` forces N; by default (`split
 when it launches fewer than 2 programs per SM and its longest program fold
 streams at least SPLIT_MIN_TILES tiles (a long reduction: decoding against a
 long KV cache, a few very long rows): N = min(ceil(8 * SMs / programs),
-tiles // 8, SPLIT_MAX), so that every split still streams eight tiles or more
+tiles // SPLIT_MIN_RUN, SPLIT_MAX), so that every split still streams four tiles or more
 (the schedule's split policy: compiler.schedule.tiles).
 Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
 (the interpreter) the default never splits."""
