@@ -3,7 +3,9 @@
 1. Decode (one query row, d = 128, bf16) at each forced split (`split=N`) beside the
    schedule's own choice and SDPA's cuDNN backend: whether another split would reach
    0.9x cuDNN at L = 8k, where the bench measures 0.82x.
-2. Pure reads: bf16 logsumexp over 8192 x 8192 reads the tensor once and writes almost
+2. Few long rows: bf16 logsumexp over 256 x 262144 (32 tiles a row, under the split's
+   SPLIT_MIN_TILES) at forced splits.
+3. Pure reads: bf16 logsumexp over 8192 x 8192 reads the tensor once and writes almost
    nothing; the target counts against copy bandwidth (read + write).  torch's own
    reductions that only read (sum, amax over the rows) give the read ceiling.
 
@@ -34,7 +36,8 @@ def main() -> None:
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     splits = [int(s) for s in os.environ.get("PROBE_SPLITS", "8,16,32,64,128").split(",")]
-    for h, length in [(8, 8192), (32, 8192), (8, 65536)]:
+    for h, length in [tuple(int(v) for v in c.split(":")) for c in
+                      os.environ.get("PROBE_DECODE", "8:8192,32:8192,8:65536").split(",") if c]:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = {"Q": torch.randn(1, h, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g),
              "K": torch.randn(1, h, length, 128, device="cuda", dtype=torch.bfloat16, generator=g),
@@ -59,6 +62,18 @@ def main() -> None:
                          "rel_err_vs_cudnn": err})
             print(f"decode H{h} L{length:6d} {name:22s} {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s "
                   f"{base / ms:5.2f}x cuDNN", flush=True)
+    x = torch.randn(256, 262144, device="cuda", dtype=torch.bfloat16)
+    nbytes = x.numel() * x.element_size()
+    for n in [None] + splits[:4]:
+        program = compiler.compile(LOGSUMEXP, **({} if n is None else {"split": n}))
+        fn = (lambda p: lambda: p(X=x))(program)
+        fn()
+        ms = bench(fn)
+        name = "auto" if n is None else f"split={n}"
+        rows.append({"case": "logsumexp 256 x 262144 bf16", "contender": name, "ms": ms,
+                     "pct_copy": nbytes / ms / 1e6 / copy})
+        print(f"logsumexp 256 x 262144 bf16 {name:10s} {ms * 1e3:7.1f} us {100 * nbytes / ms / 1e6 / copy:5.1f}% "
+              f"of copy bandwidth", flush=True)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(8192, 8192, device="cuda", dtype=dtype)
         program = compiler.compile(LOGSUMEXP)
