@@ -15,7 +15,10 @@ generated `tl` kernel and SDPA's cuDNN backend in one process, checked against f
     python3 scripts/gluon_probe.py --compile-only  # no GPU needed: every variant built for sm_90a
 
 PROBE_CASES=score[-causal]:batch:heads:sequence:d[:kv heads],... and
-PROBE_CONFIGS=key tile:stages:consumer registers:loader registers,... pick others.
+PROBE_CONFIGS=key tile:stages:consumer registers:loader registers,... pick others;
+PROBE_IN_ORDER=1 adds consumers that run each tile in program order (scores, softmax,
+P V, each waited for), as the `tl` emitter writes the loop.  Rows with no key at all
+(none arise here) would divide by a zero sum: einfold's _natural epilogue is not copied.
 """
 from __future__ import annotations
 
@@ -41,11 +44,11 @@ from compiler.bench import GROUPED_QUERY, SCALED, attention_of, training_attenti
 
 LOG2E = gl.constexpr(1.4426950408889634)
 ROWS = gl.constexpr(64)    # query rows of one consumer warpgroup (wgmma's M per warpgroup)
-# Triton 3.6 takes (default args, default fn, worker args, worker fns, warps, regs);
-# later versions take a list of (fn, args) pairs
 # Triton 3.6 names the TMA copies async_copy_global_to_shared / async_copy_shared_to_global
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# Triton 3.6 takes (default args, default fn, worker args, worker fns, warps, regs);
+# later versions take a list of (fn, args) pairs
 LISTED_PARTITIONS = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
 
 
@@ -167,44 +170,31 @@ def _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros,
 
 
 @gluon.jit
-def _consumer(part: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, q_bh,
-              row0, head, scale, extra_ptr, seq_kv, n_tiles, n_unmasked):
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    HEAD_D: gl.constexpr = k_smem.shape[2]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows = row0 + part * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    q = q_smem.index(part)
-    mbarrier.wait(q_bar.index(part), 0)
-    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    if not ROTATE:
-        r = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-        for t in range(0, n_unmasked):
-            r, l, acc = _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows,
-                                    head, scale, extra_ptr, seq_kv, False)
-        for t in range(n_unmasked, n_tiles):
-            r, l, acc = _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows,
-                                    head, scale, extra_ptr, seq_kv, True)
-        o = acc / gl.convert_layout(l, o_rows)[:, None]
-        q.store(o.to(o_desc.dtype))
-        fence_async_shared()
-        tma_store(o_desc, [q_bh, row0 + part * ROWS, 0], q.reshape([1, ROWS, HEAD_D]))
-        tma.store_wait(0)
-        return
+def _in_order(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zeros, acc, rows, head, scale, extra_ptr, seq_kv,
+              n_tiles, n_unmasked):
+    """The loop in program order: (acc, l) after every tile."""
+    r = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, zeros.type.layout))
+    l = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, zeros.type.layout))
+    for t in range(0, n_unmasked):
+        r, l, acc = _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows,
+                                head, scale, extra_ptr, seq_kv, False)
+    for t in range(n_unmasked, n_tiles):
+        r, l, acc = _plain_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, l, acc, rows,
+                                head, scale, extra_ptr, seq_kv, True)
+    return acc, l
 
+
+@gluon.jit
+def _rotated(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zeros, acc, rows, head, scale, extra_ptr, seq_kv,
+             n_tiles, n_unmasked):
+    """The rotated loop: tile 0's softmax before it, the last tile's P V after it; (acc, l)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     qk = warpgroup_mma_wait(0, deps=(_scores(q, k_smem, k_ready, 0, zeros), ))
     mbarrier.arrive(k_empty.index(0), count=1)
     y, c = _logits(qk, 0, rows, head, scale, extra_ptr, seq_kv, True)
-    r, alpha, p = _weights(y, c, gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout)))
+    r, alpha, p = _weights(y, c, gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, zeros.type.layout)))
     l = gl.sum(p, 1)
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     for t in range(1, n_unmasked):
         r, p, l, acc = _step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, zeros, r, p, l, acc, rows,
                              head, scale, extra_ptr, seq_kv, False)
@@ -214,10 +204,32 @@ def _consumer(part: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empt
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    acc_token = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc_token, p_op))
+    acc, p_op = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True), p_op))
     mbarrier.arrive(v_empty.index(last), count=1)
-    o = acc / gl.convert_layout(l, o_rows)[:, None]
+    return acc, l
+
+
+@gluon.jit
+def _consumer(part: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, q_bh,
+              row0, head, scale, extra_ptr, seq_kv, n_tiles, n_unmasked):
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    rows = row0 + part * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    q = q_smem.index(part)
+    mbarrier.wait(q_bar.index(part), 0)
+    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    if ROTATE:
+        acc, l = _rotated(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zeros, acc, rows, head, scale,
+                          extra_ptr, seq_kv, n_tiles, n_unmasked)
+    else:
+        acc, l = _in_order(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zeros, acc, rows, head, scale,
+                           extra_ptr, seq_kv, n_tiles, n_unmasked)
+    o = acc / gl.convert_layout(l, gl.SliceLayout(1, o_layout))[:, None]
     q.store(o.to(o_desc.dtype))    # Q's buffer is free: it holds O on its way out
     fence_async_shared()
     tma_store(o_desc, [q_bh, row0 + part * ROWS, 0], q.reshape([1, ROWS, HEAD_D]))
@@ -395,9 +407,9 @@ def compile_only() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     for score in SCORES:
-        for causal in (False, True):
+        for causal, rotate in ((False, True), (True, True), (True, False)):
             for d in (128, 64):
-                module = variant(score, causal)
+                module = variant(score, causal, rotate)
                 rows = gl.NVMMASharedLayout.get_default_for([1, ROWS.value, d], gl.bfloat16)
                 keys = gl.NVMMASharedLayout.get_default_for([1, 128, d], gl.bfloat16)
                 signature = {"q_desc": f"tensordesc<bf16[1,{ROWS.value},{d}],{rows!r}>",
@@ -412,7 +424,7 @@ def compile_only() -> None:
                                         {(names.index(n),): v for n, v in constants.items()})
                 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
                 regs = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"])))
-                print(f"{score:8s} causal={causal!s:5s} d={d:3d}: {kernel.metadata.shared} bytes of shared memory, "
+                print(f"{score:8s} causal={causal!s:5s} rotated={rotate!s:5s} d={d:3d}: {kernel.metadata.shared} bytes of shared memory, "
                       f"partition registers {', '.join(regs)}", flush=True)
 
 
