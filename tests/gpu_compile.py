@@ -1,0 +1,130 @@
+"""Build a program's generated kernels for a GPU on a machine without one.
+
+    TRITON_INTERPRET=0 python3 tests/gpu_compile.py [--dtypes bfloat16,float32] NAME...
+
+NAME: a program of test_differential.CORPUS, or grad-NAME: the backward program that
+autograd runs (compiler.grad(..., saved=True)) of test_grad.CORPUS's NAME.  For each
+program, in each dtype (bfloat16 and float32 unless --dtypes says) at test_differential's
+large GPU sizes: the
+module the backend would run on a Hopper GPU (132 SMs: splits as there), its kernels'
+launches recorded from the generated launcher (nothing runs), then every launch and
+every autotuning candidate compiled by Triton's own compiler for sm_90 (the frontend,
+the GPU passes, ptxas) with the specialisation Triton's launcher would give those
+arguments.  One JSON line per compiled candidate: program, dtype, launch (its place in
+the launcher), kernel, candidate, shared memory bytes, or the error.  Triton's interpreter must be off in this process
+(library functions such as tl.cdiv are compiled, not interpreted): the backend turns
+it on for a machine without CUDA unless TRITON_INTERPRET is already set."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import compiler  # noqa: E402
+from compiler.backend.triton.cache import load  # noqa: E402
+from compiler.random_inputs import random_inputs  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+H100_SMS = 132
+H100_L2 = 50 << 20
+
+
+def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tuple, dict]]:
+    """(kernel, positional arguments, keyword arguments) of every launch the generated
+    launcher makes for `inputs` (CPU tensors), in order, without running any."""
+    backend = program.backend
+    binding = program.binder(inputs)
+    source = backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2)
+    module = load(source, "gpu compile check", interpret=False)
+    calls = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
+
+    kernels = {name: v for name, v in vars(module).items() if isinstance(v, (Autotuner, JITFunction))}
+    extents = backend._extents(binding)
+    t = dict(binding.values)
+    for name, shape, dtype in backend._output_specs(binding):
+        t[name] = torch.empty(shape, dtype=dtype)
+    if hasattr(module, "scratch"):
+        t.update(module.scratch(extents, torch.device("cpu")))
+    for name, kernel in kernels.items():
+        setattr(module, name, Recorder(kernel))
+    try:
+        module.launch(t, extents, torch.device("cpu"))
+    finally:             # the kernels' globals must be the kernels again when they compile
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+    return calls
+
+
+def build(kernel, args: tuple, kwargs: dict, target=HOPPER):
+    """Triton's compiled kernel of one launch for `target`, as its launcher would
+    specialise these arguments."""
+    backend = make_backend(target)
+    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def check(name: str, program: compiler.Program, dtype: torch.dtype, sizes: dict) -> list[dict]:
+    raw = random_inputs(program.checked, sizes, dtype=torch.float64)
+    # a backward's saved statistics are float32 beside 16-bit inputs, as the saving forward stores them
+    inputs = {k: v.to(torch.float32 if k in program.statistic_inputs else dtype)
+              if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in raw.items()}
+    rows = []
+    for launch, (kernel, args, kwargs) in enumerate(launches(program, inputs)):
+        candidates = kernel.configs if isinstance(kernel, Autotuner) else [None]
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        for config in candidates:
+            row = {"program": name, "dtype": str(dtype), "launch": launch, "kernel": fn.__name__,
+                   "candidate": None if config is None else str(config)}
+            try:
+                compiled = build(kernel, args, {**kwargs, **(config.all_kwargs() if config else {})})
+                row["shared"] = compiled.metadata.shared
+            except Exception as e:  # noqa: BLE001 -- reported per candidate, judged by the test
+                row["error"] = f"{type(e).__name__}: {str(e)[-1200:]}"
+            rows.append(row)
+    return rows
+
+
+def program_of(name: str) -> compiler.Program:
+    from test_differential import CORPUS
+    from test_grad import CORPUS as GRADIENTS
+    if name.startswith("grad-"):
+        source, _, _, wrt = GRADIENTS[name.removeprefix("grad-")]
+        return compiler.grad(source, wrt=wrt, backend="triton", saved=True)
+    return compiler.compile(CORPUS[name], backend="triton")
+
+
+def main(argv: list[str]) -> None:
+    from test_differential import case_of, gpu_size_sets
+    dtypes = ["bfloat16", "float32"]
+    if argv[:1] == ["--dtypes"]:
+        dtypes, argv = argv[1].split(","), argv[2:]
+    for name in argv:
+        program = program_of(name)
+        case = case_of(program.text)
+        sizes = case.extents(gpu_size_sets(case)["large"])
+        for dtype in (getattr(torch, d) for d in dtypes):
+            for row in check(name, program, dtype, sizes):
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

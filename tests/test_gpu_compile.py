@@ -1,0 +1,140 @@
+"""The generated kernels build for the GPU, checked on a machine without one.
+
+Every program of the differential corpus (test_differential.CORPUS: the pass library,
+the equivalent spellings, the discovery table, the first round's GPU-only crashes, the
+empty and launch cases), in bfloat16 and float32, and the backward that autograd runs
+for each program of the gradient corpus (test_grad.CORPUS), in bfloat16, is specialised
+to large sizes. Each kernel launch, with every autotuning candidate, is then built by Triton's
+compiler for Hopper (sm_90): the frontend, the GPU passes and ptxas, with the argument
+specialisation Triton's launcher would give.
+
+The interpreter never runs that compiler. A kernel that would fail only on the GPU
+(a layout the GPU passes reject, a type the PTX backend cannot lower, a launch none of
+whose candidates fits the shared memory of an H100 block) fails here instead.
+
+What this cannot find:
+- wrong numbers (test_differential runs the corpus, on CPU and on the GPU);
+- a failure that only the device's Triton version has. CI builds with the Triton pip
+  resolves; the H100 ran 3.6 this round.
+
+The work runs in subprocesses (tests/gpu_compile.py), one per CPU at a time, with the
+interpreter off."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_differential import CORPUS
+from test_grad import CORPUS as GRADIENTS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+H100_BLOCK_SHARED = 232448      # bytes of shared memory one block may use on an H100 (227 KiB)
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory) -> dict[str, str]:
+    """Generated modules and Triton's builds go to temporary folders shared by the
+    module's tests, not the user's caches."""
+    base = tmp_path_factory.mktemp("gpu-compile")
+    return {"EINFOLD_CACHE_DIR": str(base / "einfold"), "TRITON_CACHE_DIR": str(base / "triton")}
+
+
+def compiled_off_the_interpreter(args: list[str], caches: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, **caches, "TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=2400,
+                          cwd=os.path.dirname(HERE))
+
+
+def built(names: list[str], dtypes: str, caches: dict[str, str]) -> list[dict]:
+    """gpu_compile.py's rows for `names`, in as many processes at once as there are CPUs
+    (a build is one process's work)."""
+    workers = os.cpu_count() or 1
+    chunks = [names[k::2 * workers] for k in range(min(len(names), 2 * workers))]
+    with ThreadPoolExecutor(workers) as pool:
+        runs = list(pool.map(lambda chunk: compiled_off_the_interpreter(
+            [os.path.join(HERE, "gpu_compile.py"), "--dtypes", dtypes, *chunk], caches), chunks))
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for done in runs for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def assert_every_launch_builds(rows: list[dict], names: list[str]) -> None:
+    assert {r["program"] for r in rows} == set(names), "a program launched no kernel at the large sizes"
+    failed = [f"{r['program']} ({r['dtype']}) {r['kernel']} [{r['candidate']}]: {r['error']}"
+              for r in rows if "error" in r]
+    assert not failed, "\n".join(failed)
+    # a candidate too big for a block fails its launch, which the autotuner skips; a launch
+    # with none that fits fails on the GPU
+    smallest: dict[tuple, int] = {}
+    for r in rows:
+        launch = (r["program"], r["dtype"], r["launch"], r["kernel"])
+        smallest[launch] = min(smallest.get(launch, r["shared"]), r["shared"])
+    too_big = [f"{' '.join(map(str, launch))}: {shared} bytes" for launch, shared in smallest.items()
+               if shared > H100_BLOCK_SHARED]
+    assert not too_big, "launches whose every candidate needs more shared memory than an H100 block has:\n" + \
+        "\n".join(too_big)
+
+
+def test_every_kernel_of_the_differential_corpus_builds_for_hopper(caches):
+    names = list(CORPUS)
+    assert_every_launch_builds(built(names, "bfloat16,float32", caches), names)
+
+
+# The backward of test_grad's "sink" (attention with a per-head sink in the normaliser) is
+# left out of the build below: two of its contractions have three factors (no tl.dot), whose
+# broadcast products are 64 x 64 x 64-element tiles, and LLVM lowers them for many minutes
+# (docs/reliability.md, known gaps). The test after it pins that: once those tiles are
+# bounded the backward builds in seconds, that test fails, and "sink" returns here.
+TOO_SLOW_TO_BUILD = "grad-sink"
+
+
+def test_every_kernel_of_the_gradient_corpus_builds_for_hopper(caches):
+    # the backward that autograd runs, in bfloat16 (training's dtype; float32 doubles the time)
+    names = [f"grad-{name}" for name in GRADIENTS if f"grad-{name}" != TOO_SLOW_TO_BUILD]
+    assert_every_launch_builds(built(names, "bfloat16", caches), names)
+
+
+def test_the_sink_backward_still_takes_minutes_to_build(caches):
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, os.path.join(HERE, "gpu_compile.py"), "--dtypes", "bfloat16",
+                        TOO_SLOW_TO_BUILD], env={**os.environ, **caches, "TRITON_INTERPRET": "0"},
+                       capture_output=True, timeout=90, cwd=os.path.dirname(HERE))
+
+
+def test_the_check_reports_a_kernel_that_does_not_build_and_one_too_big_for_a_block(tmp_path, caches):
+    script = tmp_path / "kernels.py"      # Triton reads a kernel's source from its file
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch, triton, triton.language as tl
+        sys.path.insert(0, {HERE!r})
+        from gpu_compile import build
+
+        @triton.jit
+        def product(a_ptr, b_ptr, c_ptr, n, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                    KB: tl.constexpr):
+            rows, cols, inner, inner_b = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K), tl.arange(0, KB)
+            acc = tl.zeros([M, N], tl.float32)
+            for start in range(0, n, K):
+                a = tl.load(a_ptr + rows[:, None] * n + start + inner[None, :])
+                b = tl.load(b_ptr + (start + inner_b[:, None]) * N + cols[None, :])
+                acc = tl.dot(a, b, acc)
+            tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc)
+
+        x = torch.ones(256, 256)
+        try:
+            build(product, (x, x, x, 256), {{"M": 64, "K": 32, "N": 64, "KB": 16}})
+        except Exception as e:
+            print("mismatched:", type(e).__name__)
+        big = build(product, (x, x, x, 256), {{"M": 256, "K": 64, "N": 256, "KB": 64, "num_stages": 4}})
+        print("big:", big.metadata.shared)
+    """))
+    done = compiled_off_the_interpreter([str(script)], caches)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "mismatched: CompilationError" in done.stdout, done.stdout
+    shared = int(done.stdout.split("big:")[1])
+    assert shared > H100_BLOCK_SHARED      # 3 buffered stages of two float32 256 x 64 tiles: 384 KiB
