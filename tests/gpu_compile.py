@@ -71,11 +71,10 @@ def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tupl
     return calls
 
 
-def build(kernel, args: tuple, kwargs: dict, target=HOPPER):
-    """Triton's compiled kernel of one launch for `target`, as its launcher would
-    specialise these arguments."""
+def build(fn: JITFunction, args: tuple, kwargs: dict, target=HOPPER):
+    """Triton's compiled kernel of one launch of `fn` for `target`, as its launcher
+    would specialise these arguments."""
     backend = make_backend(target)
-    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
@@ -95,7 +94,7 @@ def check(name: str, program: compiler.Program, dtype: torch.dtype, sizes: dict)
             row = {"program": name, "dtype": str(dtype), "launch": launch, "kernel": fn.__name__,
                    "candidate": None if config is None else str(config)}
             try:
-                compiled = build(kernel, args, {**kwargs, **(config.all_kwargs() if config else {})})
+                compiled = build(fn, args, {**kwargs, **(config.all_kwargs() if config else {})})
                 row["shared"] = compiled.metadata.shared
             except Exception as e:  # noqa: BLE001 -- reported per candidate, judged by the test
                 row["error"] = f"{type(e).__name__}: {str(e)[-1200:]}"
