@@ -166,8 +166,9 @@ def cmd_dump(args) -> int:
     program = compile(_read_program(args), backend="triton")
     inputs = _random_inputs(program, args)
     gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    arch = args.arch if args.arch is not None else gpu and 10 * gpu.major + gpu.minor
     source = program.backend.source_for(program.binder(inputs), sm_count=gpu and gpu.multi_processor_count,
-                                        l2_bytes=gpu and getattr(gpu, "L2_cache_size", None))
+                                        l2_bytes=gpu and getattr(gpu, "L2_cache_size", None), arch=arch)
     if args.output:
         try:
             Path(args.output).write_text(source)
@@ -290,9 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "dump", "print the generated Triton module (kernels and launcher) for given sizes",
                  f'einfold dump -e "{ATTENTION}" --size i=4096 --size m=4096 --dtype bfloat16',
-                 f'einfold dump -e "{ATTENTION}" -o attention_kernels.py')
+                 f'einfold dump -e "{ATTENTION}" -o attention_kernels.py',
+                 f'einfold dump -e "{ATTENTION}" --size i=4096 --size m=4096 --size k=128 --size j=128 '
+                 f'--dtype bfloat16 --arch 90')
     _add_inputs(p)
     p.add_argument("-o", "--output", metavar="PATH", help="write the module to this file instead of stdout")
+    p.add_argument("--arch", type=int, metavar="CC",
+                   help="the GPU's compute capability as 10 * major + minor (90: Hopper, whose streamed "
+                        "rescaled folds take the Hopper form in Gluon); default: this machine's GPU, or none")
     p.set_defaults(run=cmd_dump)
 
     p = _command(sub, "bench", "benchmark the generated kernels against torch baselines (needs a CUDA GPU)",

@@ -24,6 +24,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -40,10 +41,12 @@ H100_L2 = 50 << 20
 
 def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tuple, dict]]:
     """(kernel, positional arguments, keyword arguments) of every launch the generated
-    launcher makes for `inputs` (CPU tensors), in order, without running any."""
+    launcher makes for `inputs` (CPU tensors), in order, without running any; a kernel in
+    the Hopper form (compiler/backend/triton/hopper.py) with its `tl` fallback after it,
+    the launch the launcher makes where TMA cannot read the operands."""
     backend = program.backend
     binding = program.binder(inputs)
-    source = backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2)
+    source = backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2, arch=HOPPER.arch)
     module = load(source, "gpu compile check", interpret=False)
     calls = []
 
@@ -65,10 +68,14 @@ def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tupl
         setattr(module, name, Recorder(kernel))
     try:
         module.launch(t, extents, torch.device("cpu"))
+        if hasattr(module, "_tma_ready"):
+            module._tma_ready = lambda *views: False
+            module.launch(t, extents, torch.device("cpu"))
     finally:             # the kernels' globals must be the kernels again when they compile
         for name, kernel in kernels.items():
             setattr(module, name, kernel)
-    return calls
+    return list({(id(kernel), repr(args), repr(kwargs)): (kernel, args, kwargs)
+                 for kernel, args, kwargs in calls}.values())
 
 
 def build(fn: JITFunction, args: tuple, kwargs: dict, target=HOPPER):
@@ -78,10 +85,13 @@ def build(fn: JITFunction, args: tuple, kwargs: dict, target=HOPPER):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = (GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource)(fn, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
-def check(name: str, program: compiler.Program, dtype: torch.dtype, sizes: dict) -> list[dict]:
+def check(name: str, program: compiler.Program, dtype: torch.dtype, sizes: dict,
+          suffix: str = "") -> list[dict]:
+    """Rows for every launch (of a kernel whose name ends in `suffix`) and candidate."""
     raw = random_inputs(program.checked, sizes, dtype=torch.float64)
     # a backward's saved statistics are float32 beside 16-bit inputs, as the saving forward stores them
     inputs = {k: v.to(torch.float32 if k in program.statistic_inputs else dtype)
@@ -90,6 +100,8 @@ def check(name: str, program: compiler.Program, dtype: torch.dtype, sizes: dict)
     for launch, (kernel, args, kwargs) in enumerate(launches(program, inputs)):
         candidates = kernel.configs if isinstance(kernel, Autotuner) else [None]
         fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        if not fn.__name__.endswith(suffix):
+            continue
         for config in candidates:
             row = {"program": name, "dtype": str(dtype), "launch": launch, "kernel": fn.__name__,
                    "candidate": None if config is None else str(config)}

@@ -73,7 +73,7 @@ def _pass_names() -> tuple[str, ...]:
     return tuple(name for name, _ in PIPELINE)
 
 
-_GPU_FACTS: dict[int, tuple[int, int | None]] = {}
+_GPU_FACTS: dict[int, tuple[int, int | None, int]] = {}
 
 
 def _tf32_allowed() -> bool:
@@ -86,15 +86,16 @@ def _tf32_allowed() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
-def _gpu_facts(device: torch.device) -> tuple[int | None, int | None]:
-    """(SM count, L2 cache bytes) of a CUDA device; (None, None) off the GPU."""
+def _gpu_facts(device: torch.device) -> tuple[int | None, int | None, int | None]:
+    """(SM count, L2 cache bytes, compute capability as 10 * major + minor) of a CUDA
+    device; (None, None, None) off the GPU."""
     if device.type != "cuda":
-        return None, None
+        return None, None, None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _GPU_FACTS:
         properties = torch.cuda.get_device_properties(index)
         l2_bytes = getattr(properties, "L2_cache_size", None) or None
-        _GPU_FACTS[index] = (properties.multi_processor_count, l2_bytes)
+        _GPU_FACTS[index] = (properties.multi_processor_count, l2_bytes, 10 * properties.major + properties.minor)
     return _GPU_FACTS[index]
 
 
@@ -137,19 +138,20 @@ class TritonBackend:
             else:
                 inputs.append((decl.name, "number", 0, POSITIVE if positive_number(value) else None))
         interpret = self.interpreted(binding)
-        sm_count, l2_bytes = (None, None) if interpret else _gpu_facts(binding.device)
+        sm_count, l2_bytes, arch = (None, None, None) if interpret else _gpu_facts(binding.device)
         return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype, sm_count, interpret,
-                         tf32=not interpret and _tf32_allowed(), l2_bytes=l2_bytes)
+                         tf32=not interpret and _tf32_allowed(), l2_bytes=l2_bytes, arch=arch)
 
     def source_for(self, binding: Binding, *, sm_count: int | None = None,
-                   l2_bytes: int | None = None) -> str:
+                   l2_bytes: int | None = None, arch: int | None = None) -> str:
         """The module these inputs would run as compiled kernels on a GPU (with
         `sm_count` SMs, None: no automatic split; an L2 cache of `l2_bytes`, None: no
-        eviction hint that depends on it), without running anything."""
+        eviction hint that depends on it; compute capability `arch`, 90: Hopper, whose
+        kernels of streamed rescaled folds take the Hopper form), without running anything."""
         from dataclasses import replace
         sig = self.signature(binding, self._extents(binding))
         return self.build(replace(sig, interpret=False, sm_count=sm_count, tf32=_tf32_allowed(),
-                                  l2_bytes=l2_bytes)).source
+                                  l2_bytes=l2_bytes, arch=arch)).source
 
     def build(self, signature: Signature) -> Built:
         built = self._sources.get(signature)
@@ -173,7 +175,7 @@ class TritonBackend:
             options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
             module = load(built.source, options, interpret)
             if not interpret and direct_launch_supported():
-                bind_directly(module, [k.name for k in built.plan.kernels])
+                bind_directly(module, built.launched)
             entry = (built, _quiet(module.launch) if interpret else module.launch, getattr(module, "scratch", None))
             self._built[sig] = entry
         if interpret:

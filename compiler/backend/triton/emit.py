@@ -207,6 +207,7 @@ class Signature:
     interpret: bool = False                             # kernels run under Triton's interpreter
     tf32: bool = False                                  # float32 tl.dot in TF32 (torch's matmul setting)
     l2_bytes: int | None = None                         # the GPU's L2 cache (eviction hints); None: unknown
+    arch: int | None = None                             # compute capability as 10 * major + minor (90: Hopper)
 
     def extent(self, name: str) -> int:
         return dict(self.extents)[name]

@@ -26,6 +26,7 @@ import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from ...schedule.tiles import auto_split
+from . import hopper
 from .emit import (KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo,
                    tensors_read)
 from .ops import HELPERS
@@ -36,6 +37,7 @@ from .tuning import TIMING, binding, candidates, decorator
 class Built:
     source: str
     plan: Plan
+    launched: tuple[str, ...] = ()      # every kernel the launcher may launch (the plan's, and fallbacks)
 
 
 def packed_strides(args: list[str]) -> list[str]:
@@ -72,6 +74,7 @@ class ModuleBuilder:
         self.ctx.shared_reads = {tensor for tensor, kernels in readers.items() if kernels > 1}
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
+        self.hopper: dict[str, tuple[hopper.HopperFold, hopper.HopperCode]] = {}   # tl kernel -> its Hopper form
         self.notes: list[str] = []
 
     def _register(self, spec: KernelSchedule) -> None:
@@ -141,10 +144,36 @@ class ModuleBuilder:
                 self.kernels.append((code, 1))
                 if not self.sig.interpret:
                     self._tune(code)
-                plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else ""),
-                                           spec.loops))
+                form = self._hopper_form(spec)
+                if form is None:
+                    plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else ""),
+                                               spec.loops))
+                else:
+                    plan_kernels.append(Kernel(form.name, code.writes, f"{form.why} (the tl kernel {code.name} "
+                                               f"where TMA cannot read the operands)", spec.loops))
             buffers += list(spec.buffers)
-        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)))
+        launched = tuple(code.name for code, _ in self.kernels) + tuple(form.name for _, form in self.hopper.values())
+        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched)
+
+    def _hopper_form(self, spec: KernelSchedule) -> hopper.HopperCode | None:
+        """The kernel's Hopper form (hopper.py) on an sm_90 GPU, if it takes it; why not,
+        as a note of the module, where it is a Hopper GPU's kernel of a rescaled fold."""
+        if self.sig.interpret or self.sig.arch != 90:
+            return None
+        found = hopper.match(spec, self.ctx)
+        if isinstance(found, hopper.HopperFold) and not hopper.gluon_available():
+            found = "this Triton has no Gluon for Hopper"
+        if isinstance(found, hopper.HopperFold):
+            name = spec.name + "_hopper"
+            self.ctx.module_names.add(name)
+            form = hopper.emit(found, spec, self.ctx, name)
+            if isinstance(form, hopper.HopperCode):
+                self.hopper[spec.name] = (found, form)
+                return form
+            found = form
+        if any(f.summary.rescaled for f in spec.program_folds):
+            self.notes.append(f"{spec.name}: not in the Hopper form: {found}")
+        return None
 
     def _tune(self, code: KernelCode) -> None:
         """Autotune a compiled kernel over tilings of its contractions (tuning.py)."""
@@ -181,6 +210,33 @@ class ModuleBuilder:
         lines.append("    }")
         return lines
 
+    def launch_lines(self, code: KernelCode, n_split: int) -> list[str]:
+        """The launcher's lines that launch one kernel (tl)."""
+        lines = []
+        if code.split_axis or n_split > 1:
+            lines.append(f"    n_split = {n_split}")
+        args = packed_strides([expr for _, expr in code.params])
+        if code.name in self.tuned:
+            # the autotuner binds every tile (each candidate is complete): the grid follows its choice
+            factors = [(f'max(triton.cdiv(n["{g}"], META["{b}"]), 1)' if g in code.optional else
+                        f'triton.cdiv(n["{g}"], META["{b}"])') if b is not None else f
+                       for (g, b), f in zip(code.grid_blocks, code.grid)]
+            sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks if g not in code.optional) or "True"
+            second = " n_split" if code.split_axis else ""
+            lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},{second})")
+            lines.append(f"    if {sizes}:                       # an empty output launches nothing")
+            lines.append(f"        {code.name}[grid](")
+        else:
+            # every constexpr, as each autotune candidate would bind it (tuning.binding)
+            args += [f"{k}={v}" for k, v in binding(code).items()]
+            grid = " * ".join(code.grid) if code.grid else "1"
+            dims = "grid, n_split" if code.split_axis else "grid,"
+            lines.append(f"    grid = {grid}")
+            lines.append("    if grid > 0:                       # an empty output launches nothing")
+            lines.append(f"        {code.name}[({dims})](")
+        lines.append("            " + ", ".join(args) + ")")
+        return lines
+
     def launcher(self) -> list[str]:
         kept = [name for code, _ in self.kernels for name, _, _ in code.buffers]
         lines = ["def launch(t, n, device):",
@@ -191,28 +247,13 @@ class ModuleBuilder:
             lines.append("        t.update(scratch(n, device))")
         for code, n_split in self.kernels:
             lines.append(f"    # {code.name}: {code.why}")
-            if code.split_axis or n_split > 1:
-                lines.append(f"    n_split = {n_split}")
-            args = packed_strides([expr for _, expr in code.params])
-            if code.name in self.tuned:
-                # the autotuner binds every tile (each candidate is complete): the grid follows its choice
-                factors = [(f'max(triton.cdiv(n["{g}"], META["{b}"]), 1)' if g in code.optional else
-                            f'triton.cdiv(n["{g}"], META["{b}"])') if b is not None else f
-                           for (g, b), f in zip(code.grid_blocks, code.grid)]
-                sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks if g not in code.optional) or "True"
-                second = " n_split" if code.split_axis else ""
-                lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},{second})")
-                lines.append(f"    if {sizes}:                       # an empty output launches nothing")
-                lines.append(f"        {code.name}[grid](")
+            if code.name in self.hopper:
+                _, form = self.hopper[code.name]
+                lines += form.launch
+                lines.append("    else:                       # TMA cannot read the operands: the tl kernel")
+                lines += ["    " + line for line in self.launch_lines(code, n_split)]
             else:
-                # every constexpr, as each autotune candidate would bind it (tuning.binding)
-                args += [f"{k}={v}" for k, v in binding(code).items()]
-                grid = " * ".join(code.grid) if code.grid else "1"
-                dims = "grid, n_split" if code.split_axis else "grid,"
-                lines.append(f"    grid = {grid}")
-                lines.append("    if grid > 0:                       # an empty output launches nothing")
-                lines.append(f"        {code.name}[({dims})](")
-            lines.append("            " + ", ".join(args) + ")")
+                lines += self.launch_lines(code, n_split)
         for spec in self.schedule.kernels:
             for b in spec.buffers:
                 shape = ", ".join(f'n["{i}"]' for i in self.schedule.indices_of(b))
@@ -223,13 +264,21 @@ class ModuleBuilder:
 
     def source(self) -> str:
         parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
+        if self.hopper:
+            parts.append(hopper.PRELUDE.rstrip())
         parts += [HELPERS[h].rstrip() for h in sorted(self.ctx.helpers)]
+        gl_helpers = sorted({h for _, form in self.hopper.values() for h in form.helpers})
+        parts += [hopper.gl_helper(h).rstrip() for h in gl_helpers]
         parts += [src.rstrip() for _, src in self.ctx.combines.values()]
         if self.tuned:
             parts.append(TIMING)
         for code, _ in self.kernels:
             parts += [f.source.rstrip() for f in code.functions]
             parts.append((f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip())
+            if code.name in self.hopper:
+                found, form = self.hopper[code.name]
+                parts.append("\n".join(hopper.layouts(found, self.ctx, form.name)))
+                parts.append(form.source.rstrip())
         if any(code.buffers for code, _ in self.kernels):
             parts.append("\n".join(self.scratch()))
         parts.append("\n".join(self.launcher()))

@@ -1,0 +1,194 @@
+"""The Hopper form of streamed rescaled folds (compiler/backend/triton/hopper.py).
+
+On this machine: which programs take the form on an sm_90 GPU, for every spelling of
+the same program, and why the others do not (the module's notes), from the generated
+source alone; and that the Gluon kernels build for sm_90a (Triton's compiler and ptxas,
+in a subprocess with the interpreter off).  On the GPU: every variant against float64,
+no less accurate than the `tl` kernel the launcher falls back to, ragged sizes, rows
+no key reaches, large logits, operands TMA cannot read."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compiler
+from compiler.random_inputs import random_inputs, relative_error
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCALED = "Q[b,h,i,k] * K[b,h,m,k] * scale"
+
+
+def attention(logits: str = SCALED, keep: str | None = None) -> str:
+    inner = f"where({keep}, {logits}, -inf)" if keep else logits
+    return f"O[b,h,i,j] = softmax[m]({inner}) * V[b,h,m,j]"
+
+
+# name -> (program, sizes): programs that mean a streamed rescaled fold with a contraction of
+# depth 128 in its leader and a weighted value tensor, whatever their spelling
+TAKEN = {
+    "plain": (attention(), {}),
+    "causal": (attention(keep="m <= i"), {}),
+    "window": (attention(keep="m <= i and i - m < 100"), {}),
+    "bottom-right causal": (attention(keep="m <= i + len(m) - len(i)"), {"m": 1000}),
+    "rows no key reaches": (attention(keep="m <= i - 200"), {}),
+    "grouped query": ("O[b,g,r,i,j] = softmax[m](Q[b,g,r,i,k] * K[b,g,m,k] * scale) * V[b,g,m,j]", {}),
+    "alibi": (attention("Q[b,h,i,k] * K[b,h,m,k] * scale - A[h] * abs(i - m)", "m <= i"), {}),
+    "renamed and reordered": ("Out[x,y,p,q] = softmax[n](K[x,y,n,d] * Q[x,y,p,d] / 8.0) * V[x,y,n,q]", {}),
+    "three statements": ("S[b,h,i,m] = Q[b,h,i,k] * K[b,h,m,k] * scale\n"
+                         "P[b,h,i,m] = softmax[m](S[b,h,i,m])\nO[b,h,i,j] = P[b,h,i,m] * V[b,h,m,j]", {}),
+    "with its logsumexp": (attention() + "\nL[b,h,i] = logsumexp[m](" + SCALED + ")", {}),
+    "values of width 64": (attention(), {"j": 64}),
+}
+
+# name -> (program, sizes, why not): the tl kernel runs them
+NOT_TAKEN = {
+    "depth 64": (attention(), {"k": 64, "j": 64}, "contraction depth 64"),
+    "a document mask": (attention(keep="D[b,i] == D[b,m] and m <= i"), {"m": 300}, "per-tile tests"),
+    "a decode row": (attention(), {"i": 1}, "fewer than 128 rows"),
+    "float32 operands": (attention(), {"dtype": torch.float32}, "16-bit"),
+    "softcap": (attention("cap * tanh(Q[b,h,i,k] * K[b,h,m,k] * scale / cap)", "m <= i"), {}, "tanh"),
+}
+
+SIZES = {"b": 2, "h": 3, "g": 2, "r": 2, "x": 2, "y": 3, "i": 300, "p": 300, "m": 333, "n": 333,
+         "k": 128, "d": 128, "j": 128, "q": 128}
+
+
+def inputs_of(program, sizes: dict, dtype=torch.bfloat16, device="cpu") -> dict:
+    sizes = {**SIZES, **sizes}
+    dtype = sizes.pop("dtype", dtype)
+    x = random_inputs(program.checked, sizes, dtype=torch.float64)
+    if "D" in x:
+        x["D"] = (torch.arange(sizes["i"]) // 97).expand(sizes["b"], -1).to(torch.float64)
+    if "A" in x:     # per-head slopes in float32 beside 16-bit operands
+        x["A"] = torch.tensor([2 ** (-8 * (h + 1) / len(x["A"])) for h in range(len(x["A"]))], dtype=torch.float64)
+    if "cap" in x:
+        x["cap"] = 30.0
+    return {k: v.to(device, torch.float32 if k == "A" else dtype if v.is_floating_point() else v.dtype)
+            if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+def hopper_source(src: str, sizes: dict) -> str:
+    program = compiler.compile(src, backend="triton")
+    return program.backend.source_for(program.binder(inputs_of(program, sizes)), sm_count=132, arch=90)
+
+
+@pytest.mark.parametrize("name", list(TAKEN))
+def test_every_spelling_takes_the_hopper_form_on_sm90(name):
+    src, sizes = TAKEN[name]
+    source = hopper_source(src, sizes)
+    assert "@gluon.jit" in source and "_hopper[(triton.cdiv(" in source, source[-3000:]
+    assert "not in the Hopper form" not in source
+
+
+@pytest.mark.parametrize("name", list(NOT_TAKEN))
+def test_the_others_keep_the_tl_kernel_and_say_why(name):
+    src, sizes, why = NOT_TAKEN[name]
+    source = hopper_source(src, sizes)
+    assert "@gluon.jit" not in source
+    notes = [line for line in source.splitlines() if "not in the Hopper form" in line]
+    assert notes and why in notes[0], notes
+
+
+def test_other_gpus_and_the_interpreter_never_see_gluon():
+    program = compiler.compile(attention(keep="m <= i"), backend="triton")
+    binding = program.binder(inputs_of(program, {}))
+    for arch in (None, 80, 100):
+        source = program.backend.source_for(binding, sm_count=132, arch=arch)
+        assert "gluon" not in source and "Hopper form" not in source
+
+
+def test_the_gluon_kernels_build_for_sm90(tmp_path):
+    """Every Hopper-form kernel above, through Triton's compiler and ptxas for sm_90a
+    (tests/gpu_compile.py), within an H100 block's shared memory (their tl fallbacks are
+    the kernels test_gpu_compile builds)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "EINFOLD_CACHE_DIR": str(tmp_path / "einfold"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    names = ["causal", "grouped query", "alibi", "window", "with its logsumexp", "values of width 64"]
+    script = ("import json, sys, torch; sys.path.insert(0, 'tests'); import gpu_compile, test_hopper, compiler\n"
+              "for name in sys.argv[1:]:\n"
+              "    src, sizes = test_hopper.TAKEN[name]\n"
+              "    program = compiler.compile(src, backend='triton')\n"
+              "    for row in gpu_compile.check(name, program, torch.bfloat16, {**test_hopper.SIZES, **sizes}, '_hopper'):\n"
+              "        print(json.dumps(row), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script, *names], env=env, capture_output=True, text=True,
+                          timeout=1200, cwd=os.path.dirname(HERE))
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {r["program"] for r in rows if r["kernel"].endswith("_hopper")} == set(names), rows
+    assert [r for r in rows if "error" in r] == []
+    assert max(r["shared"] for r in rows) <= 232448
+
+
+# ---------------------------------------------------------------- on the GPU
+def oracle(src: str, x: dict) -> dict:
+    program = compiler.compile(src, backend="reference")
+    wide = {k: v.double().cpu() if isinstance(v, torch.Tensor) and v.is_floating_point() else
+            v.cpu() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    out = program(**wide)
+    return dict(zip(program.outputs, out if isinstance(out, tuple) else (out,)))
+
+
+def results(program, x: dict) -> dict:
+    out = program(**x)
+    return dict(zip(program.outputs, out if isinstance(out, tuple) else (out,)))
+
+
+def untouchable(x: dict, name: str) -> dict:
+    """The same inputs with `name` laid out so that TMA cannot read it (its last index strided)."""
+    t = x[name]
+    return {**x, name: t.transpose(-1, -2).contiguous().transpose(-1, -2)}
+
+
+GPU_CASES = {
+    "plain": {"i": 300, "m": 333},
+    "causal": {"i": 1021, "m": 1021},
+    "window": {"i": 700, "m": 700},
+    "bottom-right causal": {"i": 300, "m": 1000},
+    "rows no key reaches": {"i": 600, "m": 600},
+    "grouped query": {"i": 257, "m": 513},
+    "alibi": {"i": 1024, "m": 1024},
+    "renamed and reordered": {"p": 129, "n": 1},
+    "three statements": {"i": 1024, "m": 1024},
+    "with its logsumexp": {"i": 384, "m": 700},
+    "values of width 64": {"i": 300, "m": 333},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_hopper_form_matches_float64_as_well_as_the_tl_kernel(name, dtype, private_cache):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper form runs on sm_90 only")
+    src, sizes = TAKEN[name]
+    program = compiler.compile(src, backend="triton")
+    x = inputs_of(program, {**sizes, **GPU_CASES[name]}, dtype, "cuda")
+    assert any(k.name.endswith("_hopper") for k in program.plan(**x).kernels)
+    want = oracle(src, x)
+    got = results(program, x)
+    operand = next(n for n in ("K", "Q") if n in x)
+    fallback = results(program, untouchable(x, operand))
+    for out in program.outputs:
+        err, tl_err = relative_error(got[out], want[out]), relative_error(fallback[out], want[out])
+        assert err <= 2 * tl_err + 2e-3, (out, err, tl_err)
+    if name == "rows no key reaches":
+        assert torch.isnan(got["O"][:, :, :200]).all() and torch.isfinite(got["O"][:, :, 200:]).all()
+
+
+@pytest.mark.gpu
+def test_large_logits_stay_finite_as_in_torch(private_cache):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper form runs on sm_90 only")
+    src = attention(keep="m <= i")
+    program = compiler.compile(src, backend="triton")
+    x = inputs_of(program, {"i": 512, "m": 512}, torch.bfloat16, "cuda")
+    x["Q"] = x["Q"] * 300
+    got = results(program, x)["O"]
+    assert torch.isfinite(got).all()
+    assert relative_error(got, oracle(src, x)["O"]) < 2e-2
