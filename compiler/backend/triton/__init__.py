@@ -5,6 +5,7 @@ and buffers for any sizes, and the tile and split policy); per signature it
 evaluates the policy's tiles and splits:
 
     emit.py      one kernel's source from templates: tiles, loops, folds
+    hopper.py    the Hopper form (sm_90, Gluon) of a streamed rescaled fold
     ops.py       the operator emission table
     tuning.py    autotune candidates (the schedule's tables), complete configs
     module.py    the whole module (kernels + launcher), splits, Plan
