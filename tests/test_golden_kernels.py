@@ -48,7 +48,15 @@ GOLDEN = {
     "two_output_fold": ("S[i,m] = Q[i,k] * K[m,k] * scale\n"
                         "O[i,j] = softmax[m](S[i,m]) * V[m,j]\nL[i] = logsumexp[m](S[i,m])", ["O", "L"],
                         {"Q": ((1000, 64), F32), "K": ((777, 64), F32), "V": ((777, 64), F32), "scale": 0.125}),
+    # on a Hopper GPU (sm_90): the warp-specialised Gluon form, its tl kernel as the fallback;
+    # a window and the row logsumexp beside the output
+    "hopper_window_attention": ("O[b,h,i,j] = softmax[m](where(m <= i and i - m < 256, "
+                                "Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]\n"
+                                "L[b,h,i] = logsumexp[m](where(m <= i and i - m < 256, "
+                                "Q[b,h,i,k] * K[b,h,m,k] * scale, -inf))", ["O", "L"],
+                                {n: ((2, 4, 1024, 128), BF16) for n in "QKV"} | {"scale": 0.088}),
 }
+ARCH = {"hopper_window_attention": 90}     # compute capability of the GPU a golden is generated for
 
 
 def _input(spec):
@@ -62,7 +70,7 @@ def kernel_source(name: str) -> str:
     source, outputs, inputs = GOLDEN[name]
     program = compiler.compile(source, backend="triton", outputs=outputs)
     binding = program.binder({k: _input(v) for k, v in inputs.items()})
-    return program.backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2_BYTES)
+    return program.backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2_BYTES, arch=ARCH.get(name))
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
