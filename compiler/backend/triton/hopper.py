@@ -382,6 +382,8 @@ def ${K}_fold(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zeros, acc,
         ${EXTRA}):
     # the fold over key tiles lo .. hi - 1, rotated: tile lo's weights before the loop, the last
     # P V after it; tiles inner_lo .. inner_hi - 1 hold no masked element and skip the masks
+    # (a loop of masked tiles before them only under a lower bound, after them only where an
+    # upper bound or a partial last tile can mask)
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -391,16 +393,10 @@ def ${K}_fold(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, zeros, acc,
     y, c = ${K}_logits(qk, rows, cols, ${EXTRA}, True)
     r, alpha, p = ${K}_weights(y, c, gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, qk.type.layout)))
     l = gl.sum(p, 1)
-    for t in range(lo + 1, inner_lo):
-        r, p, l, acc = ${K}_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, t - lo, zeros, r, p, l,
-                                 acc, rows, ${EXTRA}, True)
-    for t in range(gl.maximum(inner_lo, lo + 1), inner_hi):
+${BEFORE}    for t in range(gl.maximum(inner_lo, lo + 1), inner_hi):
         r, p, l, acc = ${K}_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, t - lo, zeros, r, p, l,
                                  acc, rows, ${EXTRA}, False)
-    for t in range(gl.maximum(inner_hi, lo + 1), hi):
-        r, p, l, acc = ${K}_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, t - lo, zeros, r, p, l,
-                                 acc, rows, ${EXTRA}, True)
-    last = hi - 1 - lo
+${AFTER}    last = hi - 1 - lo
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(warpgroup_mma(p_op, v_smem.index(last % STAGES), acc, is_async=True),
@@ -598,10 +594,19 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
               f"hi, inner_lo, inner_hi, {extra})" if n < CONSUMERS else
               f"{name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, "
               f"v_empty, row0, lo, hi, {extra})")) for n in range(CONSUMERS + 1))
+    loops = {}
+    for side, needed in (("BEFORE", any(not b.upper for b in h.bounds)),
+                         ("AFTER", any(b.upper for b in h.bounds) or ctx.extent(h.keys) % BLOCK_N != 0)):
+        start = "lo + 1" if side == "BEFORE" else "gl.maximum(inner_hi, lo + 1)"
+        stop = "inner_lo" if side == "BEFORE" else "hi"
+        loops[side] = (f"    for t in range({start}, {stop}):\n"
+                       f"        r, p, l, acc = {name}_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, "
+                       f"t - lo, zeros, r, p, l,\n"
+                       f"                                 acc, rows, {extra}, True)\n") if needed else ""
     why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {CONSUMERS} consumer warpgroups "
            f"of {ROWS} rows, each tile's scores issued before the previous tile's P V")
     source = SKELETON.substitute(
-        K=name, EXTRA=extra, PARAMS=", ".join(params), WHY=why, CONSUMERS=CONSUMERS, COORDS="\n".join(coord_lines),
+        K=name, EXTRA=extra, PARAMS=", ".join(params), WHY=why, BEFORE=loops["BEFORE"], AFTER=loops["AFTER"], CONSUMERS=CONSUMERS, COORDS="\n".join(coord_lines),
         N_ROWS=n_rows, N_KEYS=n_keys, BOUNDS="\n".join(bounds), DTYPE=dtype, DEPTH=ctx.extent(h.depth),
         WIDTH=ctx.extent(h.width), A_AT=at["a"], B_AT=at["b"], V_AT=at["v"], A_BLOCK=block["a"],
         B_BLOCK=block["b"], V_BLOCK=block["v"], PARTITIONS=partitions.rstrip() + "\n",

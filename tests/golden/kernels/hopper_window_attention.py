@@ -253,6 +253,8 @@ def einfold_O_hopper_fold(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2):
     # the fold over key tiles lo .. hi - 1, rotated: tile lo's weights before the loop, the last
     # P V after it; tiles inner_lo .. inner_hi - 1 hold no masked element and skip the masks
+    # (a loop of masked tiles before them only under a lower bound, after them only where an
+    # upper bound or a partial last tile can mask)
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
