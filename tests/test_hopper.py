@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -192,3 +193,92 @@ def test_large_logits_stay_finite_as_in_torch(private_cache):
     got = results(program, x)["O"]
     assert torch.isfinite(got).all()
     assert relative_error(got, oracle(src, x)["O"]) < 2e-2
+
+
+# ---------------------------------------------------------------- the generated host and bound code, on CPU
+def hopper_module(src: str, x: dict):
+    from compiler.backend.triton.cache import load
+    program = compiler.compile(src, backend="triton")
+    binding = program.binder(x)
+    text = program.backend.source_for(binding, sm_count=132, arch=90)
+    return load(text, "test_hopper", interpret=True), program.backend, binding
+
+
+def launched(src: str, x: dict) -> list[str]:
+    """The kernels the generated launcher launches for `x`, recorded, nothing run."""
+    from triton.runtime.jit import JITFunction
+    from triton.runtime.autotuner import Autotuner
+    module, backend, binding = hopper_module(src, x)
+    names = []
+    kernels = {name: k for name, k in vars(module).items() if isinstance(k, (JITFunction, Autotuner))}
+    for name in kernels:
+        setattr(module, name, type("Recorder", (), {"__getitem__": lambda self, grid, name=name:
+                                                    lambda *a, **k: names.append(name)})())
+    t = dict(x) | {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in backend._output_specs(binding)}
+    try:
+        module.launch(t, backend._extents(binding), torch.device("cpu"))
+    finally:        # the module is shared by every load of its text
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+    return names
+
+
+def test_the_launcher_falls_back_to_the_tl_kernel_where_tma_cannot_read():
+    src, _ = TAKEN["causal"]
+    x = inputs_of(compiler.compile(src), {})
+    assert launched(src, x) == ["einfold_O_hopper"]
+    # the heads-major view of a sequence-major tensor: its last stride is still 1
+    q = x["Q"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert launched(src, {**x, "Q": q}) == ["einfold_O_hopper"]
+    assert launched(src, untouchable(x, "K")) == ["einfold_O"]             # the depth strided
+    shifted = torch.empty(x["V"].numel() + 1, dtype=x["V"].dtype)[1:].view(x["V"].shape)
+    assert launched(src, {**x, "V": shifted.copy_(x["V"])}) == ["einfold_O"]   # 2 bytes off 16
+
+
+# name -> (program, its predicate on (i, m, n_i, n_m))
+BOUNDED = {
+    "causal": (TAKEN["causal"][0], lambda i, m, n_i, n_m: m <= i),
+    "window": (TAKEN["window"][0], lambda i, m, n_i, n_m: (m <= i) & (i - m < 100)),
+    "wide window": (attention(keep="m <= i and i - m < 300"), lambda i, m, n_i, n_m: (m <= i) & (i - m < 300)),
+    "window alone": (attention(keep="i - m <= 400"), lambda i, m, n_i, n_m: i - m <= 400),
+    "bottom-right causal": (TAKEN["bottom-right causal"][0], lambda i, m, n_i, n_m: m <= i + n_m - n_i),
+    "rows no key reaches": (TAKEN["rows no key reaches"][0], lambda i, m, n_i, n_m: m <= i - 200),
+    "plain": (attention(), lambda i, m, n_i, n_m: m >= 0),
+}
+
+
+@pytest.mark.parametrize("name", list(BOUNDED))
+@pytest.mark.parametrize("n_i, n_m", [(128, 1), (300, 333), (1021, 1021), (256, 1000), (700, 129)])
+def test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask(name, n_i, n_m):
+    """The kernel's prologue (lo, hi, inner_lo, inner_hi), run in Python for every row block,
+    against every element of every tile: a tile with a live element lies in [lo, hi), a tile
+    in [inner_lo, inner_hi) is live at every element of the block's rows,
+    lo <= inner_lo <= inner_hi <= hi, hi > lo, and the loops of masked tiles the fold
+    leaves out are empty for every block."""
+    import math
+    import types
+    src, keep = BOUNDED[name]
+    program = compiler.compile(src, backend="triton")
+    x = inputs_of(program, {"i": n_i, "m": n_m})
+    source = program.backend.source_for(program.binder(x), sm_count=132, arch=90)
+    kernel = source[source.index("def einfold_O_hopper(q_desc"):]
+    prologue = kernel[kernel.index("    row0 = pid_m * BLOCK_M"):kernel.index("    q_smem = ")]
+    gl = types.SimpleNamespace(maximum=max, minimum=min, to_tensor=int)
+    i = torch.arange(n_i)[:, None]
+    m = torch.arange(n_m)[None, :]
+    live = keep(i, m, n_i, n_m) & (m < n_m)
+    tiles = math.ceil(n_m / 128)
+    for pid_m in range(math.ceil(n_i / 128)):
+        env = {"gl": gl, "pid_m": pid_m, "BLOCK_M": 128, "BLOCK_N": 128, "n_i": n_i, "n_m": n_m}
+        exec(textwrap.dedent(prologue), env)
+        lo, hi, inner_lo, inner_hi = (env[v] for v in ("lo", "hi", "inner_lo", "inner_hi"))
+        assert lo <= inner_lo <= inner_hi <= hi and hi > lo
+        assert lo + 1 >= inner_lo or "for t in range(lo + 1, inner_lo)" in source
+        assert max(inner_hi, lo + 1) >= hi or "for t in range(gl.maximum(inner_hi, lo + 1), hi)" in source
+        block = live[pid_m * 128:(pid_m + 1) * 128]
+        for t in range(tiles):
+            tile = block[:, t * 128:(t + 1) * 128]
+            if bool(tile.any()):
+                assert lo <= t < hi, (pid_m, t, lo, hi)
+            if inner_lo <= t < inner_hi:
+                assert bool(tile.all()) and tile.shape[1] == 128, (pid_m, t, inner_lo, inner_hi)
