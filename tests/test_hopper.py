@@ -115,7 +115,8 @@ def test_the_gluon_kernels_build_for_sm90(tmp_path):
               "for name in sys.argv[1:]:\n"
               "    src, sizes = test_hopper.TAKEN[name]\n"
               "    program = compiler.compile(src, backend='triton')\n"
-              "    for row in gpu_compile.check(name, program, torch.bfloat16, {**test_hopper.SIZES, **sizes}, '_hopper'):\n"
+              "    sizes = {**test_hopper.SIZES, **sizes}\n"
+              "    for row in gpu_compile.check(name, program, torch.bfloat16, sizes, '_hopper'):\n"
               "        print(json.dumps(row), flush=True)\n")
     done = subprocess.run([sys.executable, "-c", script, *names], env=env, capture_output=True, text=True,
                           timeout=1200, cwd=os.path.dirname(HERE))

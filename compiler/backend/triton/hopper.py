@@ -55,8 +55,9 @@ WIDTHS = (64, 128)
 MIN_ROWS = 128            # below one full row block the tl kernel's smaller tiles waste less
 OPERAND_DTYPES = {torch.bfloat16: "gl.bfloat16", torch.float16: "gl.float16"}
 # Operators that cost a transcendental or a division a score (their emission calls tl.exp, tl.log,
-# ... or a helper, or divides; a division by a literal power of two is exact and cheap).  With one in the leader argument the form lost to the tl
-# kernel: softcap's tanh 0.86x in the probe, 0.93x / 0.63x (causal) FlexAttention in the bench.
+# ... or a helper, or divides; a division by a literal power of two is exact and cheap).  With one
+# in the leader argument the form lost to the tl kernel: softcap's tanh 0.86x in the probe, 0.93x /
+# 0.63x (causal) FlexAttention in the bench.
 SCORE_COSTLY = frozenset(op for op, (template, helper) in emission.TEMPLATES.items()
                          if helper or op == "div" or any(f"tl.{fn}(" in template for fn in
                                                          ("exp", "exp2", "log", "log2", "erf", "sigmoid", "sqrt",
@@ -323,7 +324,7 @@ def positive_split(e: Expr, positive: set[str]) -> tuple[Expr | None, Expr]:
     if isinstance(e, Call) and e.op == "mul":
         for c, y in (e.args, e.args[::-1]):
             if (isinstance(c, Access) and not c.indices and c.tensor in positive) or \
-                    (isinstance(c, Const) and not isinstance(c.value, bool) and c.value > 0 and c.value != float("inf")):
+                    (isinstance(c, Const) and not isinstance(c.value, bool) and 0 < c.value < float("inf")):
                 return c, y
     return None, e
 
@@ -572,11 +573,8 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
                 params += [pointer, *strides]
                 launch_args += [f't["{tensor}"]'] + ([f'*t["{tensor}"].stride()'] if info.rank else [])
         coords = [fresh(("coord", x), f"idx_{_ident(x)}") for x in h.batch]
-        for reserved in ("rows", "cols", "qk", "r", "l", "acc", "y", "c", "p", "t", "n", "u", "MASKED", "ROWS"):
-            fresh(("local", reserved), reserved)
-    except _Clash as clash:
-        return f"the generated name {clash} would mean two things"
-
+    except _Clash as clash:     # a scalar `n` and an index `val` would both be n_val (the skeleton's
+        return f"the generated name {clash} would mean two things"     # own names match no such spelling)
     extra = ", ".join(coords + params)
     logits = _logits_function(h, ctx, names, helpers, name, extra)
     store = _store_function(h, spec, ctx, names, helpers, name, extra)
@@ -606,7 +604,8 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
     why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {CONSUMERS} consumer warpgroups "
            f"of {ROWS} rows, each tile's scores issued before the previous tile's P V")
     source = SKELETON.substitute(
-        K=name, EXTRA=extra, PARAMS=", ".join(params), WHY=why, BEFORE=loops["BEFORE"], AFTER=loops["AFTER"], CONSUMERS=CONSUMERS, COORDS="\n".join(coord_lines),
+        K=name, EXTRA=extra, PARAMS=", ".join(params), WHY=why, BEFORE=loops["BEFORE"], AFTER=loops["AFTER"],
+        CONSUMERS=CONSUMERS, COORDS="\n".join(coord_lines),
         N_ROWS=n_rows, N_KEYS=n_keys, BOUNDS="\n".join(bounds), DTYPE=dtype, DEPTH=ctx.extent(h.depth),
         WIDTH=ctx.extent(h.width), A_AT=at["a"], B_AT=at["b"], V_AT=at["v"], A_BLOCK=block["a"],
         B_BLOCK=block["b"], V_BLOCK=block["v"], PARTITIONS=partitions.rstrip() + "\n",
