@@ -45,6 +45,11 @@ TAKEN = {
                          "P[b,h,i,m] = softmax[m](S[b,h,i,m])\nO[b,h,i,j] = P[b,h,i,m] * V[b,h,m,j]", {}),
     "with its logsumexp": (attention() + "\nL[b,h,i] = logsumexp[m](" + SCALED + ")", {}),
     "values of width 64": (attention(), {"j": 64}),
+    # tensors the generated functions load by rows, keys or both, beside the scores and the results
+    "padding bias": (attention(SCALED + " + P[b,m]"), {}),
+    "per-row temperature": (attention("Q[b,h,i,k] * K[b,h,m,k] * T[b,h,i]"), {}),
+    "relative bias": (attention(SCALED + " + R[h,i,m]"), {}),
+    "gated output": ("O[b,h,i,j] = G[b,h,i] * softmax[m](" + SCALED + ") * V[b,h,m,j]", {}),
 }
 
 # name -> (program, sizes, why not): the tl kernel runs them
@@ -70,6 +75,9 @@ def inputs_of(program, sizes: dict, dtype=torch.bfloat16, device="cpu") -> dict:
         x["A"] = torch.tensor([2 ** (-8 * (h + 1) / len(x["A"])) for h in range(len(x["A"]))], dtype=torch.float64)
     if "cap" in x:
         x["cap"] = 30.0
+    if "P" in x:     # padding: the last keys of each batch masked out
+        x["P"] = torch.where(torch.arange(sizes["m"]) < sizes["m"] - 17, 0.0, -float("inf")).expand(
+            sizes["b"], -1).contiguous()
     return {k: v.to(device, torch.float32 if k == "A" else dtype if v.is_floating_point() else v.dtype)
             if isinstance(v, torch.Tensor) else v for k, v in x.items()}
 
@@ -110,7 +118,8 @@ def test_the_gluon_kernels_build_for_sm90(tmp_path):
     the kernels test_gpu_compile builds)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "EINFOLD_CACHE_DIR": str(tmp_path / "einfold"),
            "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    names = ["causal", "grouped query", "alibi", "window", "with its logsumexp", "values of width 64"]
+    names = ["causal", "grouped query", "alibi", "window", "with its logsumexp", "values of width 64",
+             "padding bias", "per-row temperature", "relative bias", "gated output"]
     script = ("import json, sys, torch; sys.path.insert(0, 'tests'); import gpu_compile, test_hopper, compiler\n"
               "for name in sys.argv[1:]:\n"
               "    src, sizes = test_hopper.TAKEN[name]\n"
@@ -159,6 +168,10 @@ GPU_CASES = {
     "three statements": {"i": 1024, "m": 1024},
     "with its logsumexp": {"i": 384, "m": 700},
     "values of width 64": {"i": 300, "m": 333},
+    "padding bias": {"i": 300, "m": 333},
+    "per-row temperature": {"i": 257, "m": 513},
+    "relative bias": {"i": 300, "m": 333},
+    "gated output": {"i": 300, "m": 333},
 }
 
 
