@@ -684,7 +684,14 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
     D = rowsum(dO * O): linearity of the expectation under p, for any output
     that is a p-weighted sum, found without refolding over m.  Returns the
     program and the outputs it now reads (inputs of the result, after the
-    others; a name the backward already defines is read from its statement)."""
+    others).  A forward output the backward recomputes as a statement of its own
+    (the adjoint of a normaliser that is not a softmax's reads O itself) is read
+    too: the forward has it."""
+    outputs = {st.name: st for st in forward.statements if st.name in forward.outputs and st.dtype == FLOAT}
+    recomputed = tuple(s for s in backward.statements if outputs.get(s.name) == s)
+    if recomputed:
+        backward = replace(backward, statements=tuple(s for s in backward.statements if s not in recomputed),
+                           inputs=(*backward.inputs, *(Input(s.name, len(s.indices)) for s in recomputed)))
     found: dict[Expr, tuple[Assign, tuple[str, ...]]] = {}
     for st in forward.statements:
         if st.name in forward.outputs and st.dtype == FLOAT:
@@ -728,7 +735,7 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
     statements = tuple(replace(s, expr=transform(s.expr, exchanged)) for s in backward.statements)
     inputs = tuple(Input(st.name, len(st.indices)) for name, st in used.items() if name not in taken)
     return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs),
-                   extents=tuple(sorted(names.extents.items()))), tuple(used)
+                   extents=tuple(sorted(names.extents.items()))), (*(s.name for s in recomputed), *used)
 
 
 def _shape_of(e: Expr) -> tuple[Expr, tuple[str, ...]]:
