@@ -79,8 +79,8 @@ def main() -> None:
         x = {"Q": q, "K": k, "V": v, "scale": 0.088}
         program = compiler.compile(source, backend="triton")
         binding = program.binder(x)
-        generated = program.backend.source_for(binding, sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
-                                               arch=90)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        generated = program.backend.source_for(binding, sm_count=sms, arch=90)
         extents = program.backend._extents(binding)
         flops = 4 * batch * 16 * s * s * 128 / (2 if causal else 1)
         reference = None
@@ -93,7 +93,8 @@ def main() -> None:
             diff = (t["O"].float() - reference.float()).abs().max().item()
             ms = triton.testing.do_bench(lambda: module.launch(t, extents, q.device), warmup=25, rep=300,
                                          return_mode="median")
-            print(f"{name:12s} {vname:20s} {ms:.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s  max diff {diff:.1e}", flush=True)
+            print(f"{name:12s} {vname:20s} {ms:.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s  max diff {diff:.1e}",
+                  flush=True)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             ms = triton.testing.do_bench(
                 lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
