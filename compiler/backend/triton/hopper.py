@@ -21,26 +21,27 @@ bite and with the bounding relations assumed true on interior tiles
 (schedule.bounds); the loop's tile range comes from the same bounds; the
 outputs are the statements over the final (r, l, acc), stored by pointer.  The
 base-2 weights, the stand-in 0 for a leader with no mass and `_natural` are
-the `tl` emitter's (passes/base2.py), so the results agree with it bit for bit
-in the formulas, not only in tolerance.
+the `tl` emitter's (passes/base2.py): the same formulas, rounded alike but for
+the order of the sums.
 
 `match` says whether a kernel takes this form for a signature, or why not;
 `emit` writes it.  The `tl` kernel of the same schedule stays in the module:
 the launcher runs it where TMA cannot read the operands (strides, alignment)."""
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from string import Template
 
 import torch
 
-from dataclasses import replace
-
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, children, format_expr, transform, walk
+from ...ops import OPS
 from ...schedule import KernelSchedule
 from ...schedule.bounds import Bound, assume_relation, constant, index_bounds
 from . import ops as emission
+from .emit import ident
 
 # The tiling the probe measured fastest at d = 128 on the H100 (docs/performance.md,
 # nineteenth session); at d = 64 the form measured no faster than the tl kernel, so the
@@ -184,7 +185,6 @@ def match(spec: KernelSchedule, ctx) -> HopperFold | str:
 
 def _power_of_two(e: Expr) -> bool:
     """A literal power of two: dividing by it is an exact multiplication."""
-    import math
     return isinstance(e, Const) and not isinstance(e.value, bool) and e.value > 0 and \
         math.isfinite(e.value) and math.frexp(e.value)[0] == 0.5
 
@@ -292,7 +292,6 @@ class Printer:
         assert isinstance(e, Call), e
         args = [self.code(a) for a in e.args]
         kinds = tuple(k for _, k in args)
-        from ...ops import OPS
         kind = OPS[e.op].result(kinds)
         codes = [f"{c}.to(gl.float32)" if k == "int" and e.op in emission.FLOAT_RESULT else c for c, k in args]
         return gl_template(e.op, self.helpers).format(*codes), kind
@@ -548,7 +547,7 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
         params: list[str] = []          # kernel parameters after the descriptors
         launch_args: list[str] = []
         for x in (h.rows, h.keys, *h.batch):
-            params.append(fresh(("extent", x), f"n_{_ident(x)}"))
+            params.append(fresh(("extent", x), f"n_{ident(x)}"))
             launch_args.append(f'n["{x}"]')
         tensors = {}
         for e in [n for n in walk(h.fold.args[0]) if isinstance(n, Access) and n not in (h.a, h.b)] + \
@@ -558,21 +557,21 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
                 {n.name for n in walk(h.fold.args[0]) if isinstance(n, Extent)} | \
                 {n.name for b in h.bounds for n in walk(b.offset) if isinstance(n, Extent)}:
             if ("extent", n) not in names:
-                params.append(fresh(("extent", n), f"n_{_ident(n)}"))
+                params.append(fresh(("extent", n), f"n_{ident(n)}"))
                 launch_args.append(f'n["{n}"]')
         for st in spec.statements:
             tensors[st.name] = ctx.tensors[st.name]
         for tensor, info in tensors.items():
             if info.kind == "number":
-                params.append(fresh(("tensor", tensor), f"{_ident(tensor)}_val"))
+                params.append(fresh(("tensor", tensor), f"{ident(tensor)}_val"))
                 launch_args.append(f'float(t["{tensor}"])')
             else:
-                pointer = fresh(("pointer", tensor), f"{_ident(tensor)}_ptr")
-                strides = [fresh(("stride", tensor, d), f"{_ident(tensor)}_s{d}") for d in range(info.rank)]
+                pointer = fresh(("pointer", tensor), f"{ident(tensor)}_ptr")
+                strides = [fresh(("stride", tensor, d), f"{ident(tensor)}_s{d}") for d in range(info.rank)]
                 names[("tensor", tensor)] = (pointer, strides)
                 params += [pointer, *strides]
                 launch_args += [f't["{tensor}"]'] + ([f'*t["{tensor}"].stride()'] if info.rank else [])
-        coords = [fresh(("coord", x), f"idx_{_ident(x)}") for x in h.batch]
+        coords = [fresh(("coord", x), f"idx_{ident(x)}") for x in h.batch]
     except _Clash as clash:     # a scalar `n` and an index `val` would both be n_val (the skeleton's
         return f"the generated name {clash} would mean two things"     # own names match no such spelling)
     extra = ", ".join(coords + params)
@@ -619,11 +618,6 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
 
 class _Clash(Exception):
     pass
-
-
-def _ident(name: str) -> str:
-    from .emit import ident
-    return ident(name)
 
 
 def _batch_of(x: str, h: HopperFold) -> tuple[str, ...]:
