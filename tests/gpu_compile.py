@@ -39,15 +39,9 @@ H100_SMS = 132
 H100_L2 = 50 << 20
 
 
-def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tuple, dict]]:
-    """(kernel, positional arguments, keyword arguments) of every launch the generated
-    launcher makes for `inputs` (CPU tensors), in order, without running any; a kernel in
-    the Hopper form (compiler/backend/triton/hopper.py) with its `tl` fallback after it,
-    the launch the launcher makes where TMA cannot read the operands."""
-    backend = program.backend
-    binding = program.binder(inputs)
-    source = backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2, arch=HOPPER.arch)
-    module = load(source, "gpu compile check", interpret=False)
+def recorded(module, t: dict, extents: dict) -> list[tuple[object, tuple, dict]]:
+    """(kernel, positional arguments, keyword arguments) of every launch a loaded
+    generated module's launcher makes for the tensors `t`, in order, without running any."""
     calls = []
 
     class Recorder:
@@ -58,24 +52,41 @@ def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tupl
             return lambda *args, **kwargs: calls.append((self.kernel, args, kwargs))
 
     kernels = {name: v for name, v in vars(module).items() if isinstance(v, (Autotuner, JITFunction))}
+    for name, kernel in kernels.items():
+        setattr(module, name, Recorder(kernel))
+    try:
+        module.launch(t, extents, torch.device("cpu"))
+    finally:             # the kernels' globals must be the kernels again (a module is shared by its loads)
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+    return calls
+
+
+def launches(program: compiler.Program, inputs: dict) -> list[tuple[object, tuple, dict]]:
+    """`recorded` launches of the module a Hopper GPU would run for `inputs` (CPU tensors);
+    a kernel in the Hopper form (compiler/backend/triton/hopper.py) is followed by its `tl`
+    fallback, the launch the launcher makes where TMA cannot read the operands."""
+    backend = program.backend
+    binding = program.binder(inputs)
+    source = backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2, arch=HOPPER.arch)
+    module = load(source, "gpu compile check", interpret=False)
     extents = backend._extents(binding)
     t = dict(binding.values)
     for name, shape, dtype in backend._output_specs(binding):
         t[name] = torch.empty(shape, dtype=dtype)
     if hasattr(module, "scratch"):
         t.update(module.scratch(extents, torch.device("cpu")))
-    for name, kernel in kernels.items():
-        setattr(module, name, Recorder(kernel))
-    try:
-        module.launch(t, extents, torch.device("cpu"))
-        if hasattr(module, "_tma_ready"):
-            module._tma_ready = lambda *views: False
-            module.launch(t, extents, torch.device("cpu"))
-    finally:             # the kernels' globals must be the kernels again when they compile
-        for name, kernel in kernels.items():
-            setattr(module, name, kernel)
-    return list({(id(kernel), repr(args), repr(kwargs)): (kernel, args, kwargs)
-                 for kernel, args, kwargs in calls}.values())
+    calls = recorded(module, t, extents)
+    if hasattr(module, "_tma_ready"):
+        ready = module._tma_ready
+        module._tma_ready = lambda *views: False
+        try:
+            fallback = recorded(module, t, extents)
+        finally:
+            module._tma_ready = ready
+        seen = {id(kernel) for kernel, _, _ in calls}
+        calls += [call for call in fallback if id(call[0]) not in seen]
+    return calls
 
 
 def build(fn: JITFunction, args: tuple, kwargs: dict, target=HOPPER):

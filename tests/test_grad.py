@@ -690,6 +690,30 @@ def test_the_saved_backward_plan_does_not_depend_on_spelling(causal):
     assert plans[0] == plans[1]
 
 
+def test_the_saved_backward_reads_an_output_its_adjoint_reads_whatever_the_spelling():
+    # a sink in the normaliser: no softmax statistic to save, but the adjoint reads O itself
+    # (its derivative through the normaliser): the saved backward takes O from the forward
+    spellings = ["O[h,i,j] = sum[m](exp(sum[k](Q[h,i,k] * K[h,m,k]) * scale) * V[h,m,j]) / "
+                 "(sum[m](exp(sum[k](Q[h,i,k] * K[h,m,k]) * scale)) + exp(S[h]))",
+                 "O[a,x,y] = sum[n](V[a,n,y] * exp(scale * sum[d](K[a,n,d] * Q[a,x,d]))) / "
+                 "(exp(S[a]) + sum[n](exp(scale * sum[d](K[a,n,d] * Q[a,x,d]))))"]
+    inputs = {"Q": randn(2, 5, 3, seed=1), "K": randn(2, 6, 3, seed=2), "V": randn(2, 6, 4, seed=3),
+              "S": randn(2, seed=4), "scale": 0.7, "dO": randn(2, 5, 4, seed=5)}
+    forward = compiler.compile(spellings[0], backend="reference")
+    given = {**inputs, "O": forward(**{n: v for n, v in inputs.items() if n != "dO"})}
+    results = []
+    for source in spellings:
+        backward = compiler.grad(source, wrt=("Q", "K", "V", "S"), backend="reference", saved=True)
+        assert "O" in backward.inputs and not any(s.name == "O" for s in backward.checked.statements)
+        got = backward(**given)
+        want = compiler.grad(source, wrt=("Q", "K", "V", "S"), backend="reference")(**inputs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        results.append(got)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
 def _over(index, loops):
     return any(index in loop.indices or _over(index, loop.inner) for loop in loops)
 

@@ -693,10 +693,9 @@ def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[st
         backward = replace(backward, statements=tuple(s for s in backward.statements if s not in recomputed),
                            inputs=(*backward.inputs, *(Input(s.name, len(s.indices)) for s in recomputed)))
     found: dict[Expr, tuple[Assign, tuple[str, ...]]] = {}
-    for st in forward.statements:
-        if st.name in forward.outputs and st.dtype == FLOAT:
-            key, order = _shape_of(order_operands(st.expr))
-            found.setdefault(key, (st, order))
+    for st in outputs.values():
+        key, order = _shape_of(order_operands(st.expr))
+        found.setdefault(key, (st, order))
     defs = {s.name: s for s in backward.statements}
     taken = {i.name for i in backward.inputs} | set(defs)
     used: dict[str, Assign] = {}

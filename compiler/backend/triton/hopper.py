@@ -524,7 +524,7 @@ def _tma_ready(*views):
 @dataclass
 class HopperCode:
     name: str
-    source: str          # the gl functions and the kernel
+    source: str          # its operands' TMA blocks and layouts (globals), the gl functions and the kernel
     launch: list[str]    # launcher lines (the TMA path; the caller adds the fallback)
     why: str
     helpers: set[str]
@@ -581,9 +581,14 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
     coord_lines = _coordinates(h, names)
     bounds = _bound_lines(h, names, helpers, n_rows)
     dtype = OPERAND_DTYPES[h.dtype]
-    at = {x: "".join(f"{names[('coord', y)]}, " for y in _batch_of(x, h)) for x in ("a", "b", "v")}
-    block = {x: "[" + ", ".join(["1"] * len(_batch_of(x, h)) + [rows, str(ctx.extent(col))]) + "]"
-             for x, rows, col in (("a", "ROWS", h.depth), ("b", "BLOCK_N", h.depth), ("v", "BLOCK_N", h.width))}
+    at, block, globals_ = {}, {}, []
+    for x, access, inner, rows, height in _operands(h):
+        batch = [i for i in access.indices if i not in inner]
+        at[x] = "".join(f"{names[('coord', y)]}, " for y in batch)
+        block[x] = "[" + ", ".join(["1"] * len(batch) + [rows, str(ctx.extent(inner[1]))]) + "]"
+        # each operand's TMA block and its shared-memory layout, module globals of the launcher
+        globals_.append(f"{name}_{x}_block = {[1] * len(batch) + [height, ctx.extent(inner[1])]}")
+        globals_.append(f"{name}_{x}_layout = gl.NVMMASharedLayout.get_default_for({name}_{x}_block, {dtype})")
     workers = [f"{name}_part{n}" for n in range(1, CONSUMERS + 1)]
     partitions = "".join(PARTITION.substitute(
         K=name, N=n, EXTRA=extra,
@@ -611,8 +616,8 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
         LISTED=", ".join(f"({w}, args)" for w in [f"{name}_part0", *workers]), WORKERS=", ".join(workers),
         WARPS=", ".join(["4"] * (CONSUMERS - 1) + ["1"]),
         REGS=", ".join([str(CONSUMER_REGS)] * (CONSUMERS - 1) + [str(LOADER_REGS)]))
-    source = "\n\n".join([logits, store, source])
-    launch = _launch_lines(h, ctx, name, launch_args)
+    source = "\n".join(globals_) + "\n\n\n" + "\n\n".join([logits, store, source])
+    launch = _launch_lines(h, name, launch_args)
     return HopperCode(name, source, launch, why, helpers)
 
 
@@ -620,10 +625,11 @@ class _Clash(Exception):
     pass
 
 
-def _batch_of(x: str, h: HopperFold) -> tuple[str, ...]:
-    access = {"a": h.a, "b": h.b, "v": h.v}[x]
-    inner = {"a": (h.rows, h.depth), "b": (h.keys, h.depth), "v": (h.keys, h.width)}[x]
-    return tuple(i for i in access.indices if i not in inner)
+def _operands(h: HopperFold):
+    """(role, access, its (row, inner) indices, the rows of its TMA block by name and by value)
+    of each operand the loader copies."""
+    return (("a", h.a, (h.rows, h.depth), "ROWS", ROWS), ("b", h.b, (h.keys, h.depth), "BLOCK_N", BLOCK_N),
+            ("v", h.v, (h.keys, h.width), "BLOCK_N", BLOCK_N))
 
 
 def _coordinates(h: HopperFold, names) -> list[str]:
@@ -751,18 +757,16 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
     return "\n".join(lines) + "\n"
 
 
-def _launch_lines(h: HopperFold, ctx, name: str, launch_args: list[str]) -> list[str]:
+def _launch_lines(h: HopperFold, name: str, launch_args: list[str]) -> list[str]:
     """The launch through TMA descriptors: each operand viewed as (batch.., rows, inner)."""
     lines = []
     views = []
-    for x, access, inner in (("a", h.a, (h.rows, h.depth)), ("b", h.b, (h.keys, h.depth)),
-                             ("v", h.v, (h.keys, h.width))):
-        order = [*_batch_of(x, h), *inner]
+    for x, access, inner, _, _ in _operands(h):
+        order = [*(i for i in access.indices if i not in inner), *inner]
         perm = [access.indices.index(i) for i in order]
         view = f'{name}_{x}'
-        source = f't["{access.tensor}"]'
-        lines.append(f"    {view} = {source}" + (f".permute({', '.join(map(str, perm))})"
-                                                   if perm != sorted(perm) else ""))
+        lines.append(f'    {view} = t["{access.tensor}"]' + (f".permute({', '.join(map(str, perm))})"
+                                                            if perm != sorted(perm) else ""))
         views.append(view)
     grid = " * ".join(f'n["{x}"]' for x in h.batch) or "1"
     lines.append(f"    if _tma_ready({', '.join(views)}):")
@@ -773,14 +777,3 @@ def _launch_lines(h: HopperFold, ctx, name: str, launch_args: list[str]) -> list
     lines.append("            " + ", ".join(descriptors) + ",")
     lines.append("            " + ", ".join(launch_args) + f", BLOCK_N={BLOCK_N}, STAGES={STAGES}, num_warps=4)")
     return lines
-
-
-def layouts(h: HopperFold, ctx, name: str) -> list[str]:
-    """Module globals: each operand's TMA block and its shared-memory layout."""
-    dtype = OPERAND_DTYPES[h.dtype]
-    out = []
-    for x, rows, col in (("a", ROWS, h.depth), ("b", BLOCK_N, h.depth), ("v", BLOCK_N, h.width)):
-        block = [1] * len(_batch_of(x, h)) + [rows, ctx.extent(col)]
-        out.append(f"{name}_{x}_block = {block}")
-        out.append(f"{name}_{x}_layout = gl.NVMMASharedLayout.get_default_for({name}_{x}_block, {dtype})")
-    return out

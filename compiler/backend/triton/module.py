@@ -74,7 +74,7 @@ class ModuleBuilder:
         self.ctx.shared_reads = {tensor for tensor, kernels in readers.items() if kernels > 1}
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
-        self.hopper: dict[str, tuple[hopper.HopperFold, hopper.HopperCode]] = {}   # tl kernel -> its Hopper form
+        self.hopper: dict[str, hopper.HopperCode] = {}       # tl kernel name -> its Hopper form
         self.notes: list[str] = []
 
     def _register(self, spec: KernelSchedule) -> None:
@@ -152,7 +152,7 @@ class ModuleBuilder:
                     plan_kernels.append(Kernel(form.name, code.writes, f"{form.why} (the tl kernel {code.name} "
                                                f"where TMA cannot read the operands)", spec.loops))
             buffers += list(spec.buffers)
-        launched = tuple(code.name for code, _ in self.kernels) + tuple(form.name for _, form in self.hopper.values())
+        launched = tuple(code.name for code, _ in self.kernels) + tuple(form.name for form in self.hopper.values())
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched)
 
     def _hopper_form(self, spec: KernelSchedule) -> hopper.HopperCode | None:
@@ -168,7 +168,7 @@ class ModuleBuilder:
             self.ctx.module_names.add(name)
             form = hopper.emit(found, spec, self.ctx, name)
             if isinstance(form, hopper.HopperCode):
-                self.hopper[spec.name] = (found, form)
+                self.hopper[spec.name] = form
                 return form
             found = form
         if any(f.summary.rescaled for f in spec.program_folds):
@@ -248,8 +248,7 @@ class ModuleBuilder:
         for code, n_split in self.kernels:
             lines.append(f"    # {code.name}: {code.why}")
             if code.name in self.hopper:
-                _, form = self.hopper[code.name]
-                lines += form.launch
+                lines += self.hopper[code.name].launch
                 lines.append("    else:                       # TMA cannot read the operands: the tl kernel")
                 lines += ["    " + line for line in self.launch_lines(code, n_split)]
             else:
@@ -267,7 +266,7 @@ class ModuleBuilder:
         if self.hopper:
             parts.append(hopper.PRELUDE.rstrip())
         parts += [HELPERS[h].rstrip() for h in sorted(self.ctx.helpers)]
-        gl_helpers = sorted({h for _, form in self.hopper.values() for h in form.helpers})
+        gl_helpers = sorted({h for form in self.hopper.values() for h in form.helpers})
         parts += [hopper.gl_helper(h).rstrip() for h in gl_helpers]
         parts += [src.rstrip() for _, src in self.ctx.combines.values()]
         if self.tuned:
@@ -276,9 +275,7 @@ class ModuleBuilder:
             parts += [f.source.rstrip() for f in code.functions]
             parts.append((f"{self.tuned[code.name]}\n" if code.name in self.tuned else "") + code.source.rstrip())
             if code.name in self.hopper:
-                found, form = self.hopper[code.name]
-                parts.append("\n".join(hopper.layouts(found, self.ctx, form.name)))
-                parts.append(form.source.rstrip())
+                parts.append(self.hopper[code.name].source.rstrip())
         if any(code.buffers for code, _ in self.kernels):
             parts.append("\n".join(self.scratch()))
         parts.append("\n".join(self.launcher()))
