@@ -224,13 +224,15 @@ def hopper_module(src: str, x: dict):
     return load(text, "test_hopper", interpret=True), program.backend, binding
 
 
-def launched(src: str, x: dict) -> list[str]:
-    """The kernels the generated launcher launches for `x`, recorded, nothing run."""
+def launched(src: str, x: dict, layout=lambda name, t: t) -> list[str]:
+    """The kernels the generated launcher launches for `x`, recorded, nothing run; `layout`
+    lays out each output tensor."""
     from triton.runtime.autotuner import Autotuner
 
     from gpu_compile import recorded
     module, backend, binding = hopper_module(src, x)
-    t = dict(x) | {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in backend._output_specs(binding)}
+    t = dict(x) | {name: layout(name, torch.empty(shape, dtype=dtype))
+                   for name, shape, dtype in backend._output_specs(binding)}
     return [(k.fn if isinstance(k, Autotuner) else k).__name__
             for k, _, _ in recorded(module, t, backend._extents(binding))]
 
@@ -245,6 +247,24 @@ def test_the_launcher_falls_back_to_the_tl_kernel_where_tma_cannot_read():
     assert launched(src, untouchable(x, "K")) == ["einfold_O"]             # the depth strided
     shifted = torch.empty(x["V"].numel() + 1, dtype=x["V"].dtype)[1:].view(x["V"].shape)
     assert launched(src, {**x, "V": shifted.copy_(x["V"])}) == ["einfold_O"]   # 2 bytes off 16
+
+
+def test_the_launcher_stores_aligned_tile_results_only():
+    """The Hopper kernel's tile stores assume TMA's alignment of the results (they give it to
+    the compiler): a result laid out otherwise takes the tl kernel."""
+    src, _ = TAKEN["with its logsumexp"]
+    x = inputs_of(compiler.compile(src), {})
+
+    def shifted(name, t):       # 2 bytes off 16
+        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape) if name == "O" else t
+    assert launched(src, x) == ["einfold_O_hopper"]
+    assert launched(src, x, lambda name, t: t.transpose(1, 2).contiguous().transpose(1, 2)) == ["einfold_O_hopper"]
+    assert launched(src, x, shifted) == ["einfold_O"]
+    assert launched(src, x, lambda name, t: t.transpose(-1, -2).contiguous().transpose(-1, -2)
+                    if name == "O" else t) == ["einfold_O"]        # the values strided
+    # a per-row result is stored one value a row: any layout
+    assert launched(src, x, lambda name, t: t.transpose(-1, -2).contiguous().transpose(-1, -2)
+                    if name == "L" else t) == ["einfold_O_hopper"]
 
 
 # name -> (program, its predicate on (i, m, n_i, n_m))

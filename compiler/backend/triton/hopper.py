@@ -516,6 +516,7 @@ LISTED_PARTITIONS = gl.constexpr("functions_and_args" in inspect.signature(gl.wa
 
 def _tma_ready(*views):
     # TMA reads a view whose last stride is 1 and whose base and other strides are 16-byte multiples
+    # (the stores of tile results assume the same)
     return all(v.stride(-1) == 1 and v.data_ptr() %% 16 == 0 and
                all(s * v.element_size() %% 16 == 0 for s in v.stride()[:-1]) for v in views)
 ''' % ROWS
@@ -617,7 +618,7 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
         WARPS=", ".join(["4"] * (CONSUMERS - 1) + ["1"]),
         REGS=", ".join([str(CONSUMER_REGS)] * (CONSUMERS - 1) + [str(LOADER_REGS)]))
     source = "\n".join(globals_) + "\n\n\n" + "\n\n".join([logits, store, source])
-    launch = _launch_lines(h, name, launch_args)
+    launch = _launch_lines(h, spec, name, launch_args)
     return HopperCode(name, source, launch, why, helpers)
 
 
@@ -716,7 +717,9 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
     lanes = min(32, width // 8)
     lines = ["@gluon.jit", f"def {name}_store(r, l, acc, rows, {extra}):",
              "    # the results from the final states: _gl_natural divides the rounding of the base-2 reference",
-             "    # point out of the fields; tiles are stored from a blocked layout, 8 consecutive values a thread",
+             "    # point out of the fields; tiles are stored from a blocked layout, 8 consecutive values a thread,",
+             "    # their alignment given: a worker partition does not see its arguments' (Triton 3.6 stored one",
+             "    # value an instruction there, 4.5 times the ideal store traffic)",
              "    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)",
              f"    out: gl.constexpr = gl.BlockedLayout([1, 8], [{32 // lanes}, {lanes}], [4, 1], [1, 0])",
              "    l = _gl_natural(l, r)" if h.weight_sum else "",
@@ -745,9 +748,11 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
         if tile:
             value = f"gl.convert_layout({value}, out)"
         pointer, strides = names[("tensor", st.name)]
-        offsets = " + ".join([pointer] + [f"{at[x]}.to(gl.int64) * {s}" for x, s in zip(st.indices, strides)])
+        address = " + ".join([pointer] + [f"{at[x]}.to(gl.int64) * {s}" for x, s in zip(st.indices, strides)])
+        if tile:    # rows 16-byte aligned, values contiguous: the launcher checked (_tma_ready)
+            address = f"gl.max_contiguous(gl.multiple_of({address}, [16, 16]), [1, 8])"
         lines.append(f"    # {st.name}[{', '.join(st.indices)}]")
-        lines.append(f"    gl.store({offsets}, ({value}).to({pointer}.dtype.element_ty), mask={mask})")
+        lines.append(f"    gl.store({address}, ({value}).to({pointer}.dtype.element_ty), mask={mask})")
     lines = [line for line in lines if line]
     # the names no statement reads (a per-row result alone reads no column) are not defined
     for local in ("u", "cols_out", "rows_out", "cols_o", "rows_o"):
@@ -757,19 +762,25 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
     return "\n".join(lines) + "\n"
 
 
-def _launch_lines(h: HopperFold, name: str, launch_args: list[str]) -> list[str]:
-    """The launch through TMA descriptors: each operand viewed as (batch.., rows, inner)."""
+def _view(tensor: str, indices: tuple[str, ...], inner: tuple[str, str]) -> str:
+    """t[tensor] viewed as (batch.., *inner)."""
+    order = [*(i for i in indices if i not in inner), *inner]
+    perm = [indices.index(i) for i in order]
+    return f't["{tensor}"]' + (f".permute({', '.join(map(str, perm))})" if perm != sorted(perm) else "")
+
+
+def _launch_lines(h: HopperFold, spec: KernelSchedule, name: str, launch_args: list[str]) -> list[str]:
+    """The launch through TMA descriptors: each operand viewed as (batch.., rows, inner); the
+    tile results, stored by pointer, must meet TMA's alignment too (their stores assume it)."""
     lines = []
     views = []
     for x, access, inner, _, _ in _operands(h):
-        order = [*(i for i in access.indices if i not in inner), *inner]
-        perm = [access.indices.index(i) for i in order]
         view = f'{name}_{x}'
-        lines.append(f'    {view} = t["{access.tensor}"]' + (f".permute({', '.join(map(str, perm))})"
-                                                            if perm != sorted(perm) else ""))
+        lines.append(f'    {view} = {_view(access.tensor, access.indices, inner)}')
         views.append(view)
+    results = [_view(st.name, st.indices, (h.rows, h.width)) for st in spec.statements if h.width in st.indices]
     grid = " * ".join(f'n["{x}"]' for x in h.batch) or "1"
-    lines.append(f"    if _tma_ready({', '.join(views)}):")
+    lines.append(f"    if _tma_ready({', '.join(views + results)}):")
     lines.append(f"        {name}[(triton.cdiv(n[\"{h.rows}\"], {CONSUMERS * ROWS}), {grid})](")
     descriptors = [f"TensorDescriptor({view}, list({view}.shape), list({view}.stride()), {name}_{x}_block, "
                    f"{name}_{x}_layout)"
