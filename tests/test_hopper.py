@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -285,8 +286,8 @@ def test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask(nam
     """The kernel's prologue (lo, hi, inner_lo, inner_hi), run in Python for every row block,
     against every element of every tile: a tile with a live element lies in [lo, hi), a tile
     in [inner_lo, inner_hi) is live at every element of the block's rows,
-    lo <= inner_lo <= inner_hi <= hi, hi > lo, and the loops of masked tiles the fold
-    leaves out are empty for every block."""
+    lo <= inner_lo <= inner_hi <= hi, hi > lo, and the fold's loops (run in Python too) visit
+    every tile of [lo, hi) once, leaving out the masks only on tiles live at every element."""
     import math
     import types
     src, keep = BOUNDED[name]
@@ -295,6 +296,11 @@ def test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask(nam
     source = program.backend.source_for(program.binder(x), sm_count=132, arch=90)
     kernel = source[source.index("def einfold_O_hopper(q_desc"):]
     prologue = kernel[kernel.index("    row0 = pid_m * BLOCK_M"):kernel.index("    q_smem = ")]
+    fold = source[source.index("def einfold_O_hopper_fold("):source.index("    last = hi - 1 - lo")]
+    # (range, the tile's MASKED argument) of each loop of the fold after its first tile
+    loops = [(header, call.strip().removesuffix(")").rsplit(", ", 1)[1])
+             for header, call in re.findall(r"for t in range\((.+)\):\n.+\n(.+)\n", fold)]
+    assert loops
     gl = types.SimpleNamespace(maximum=max, minimum=min, to_tensor=int)
     i = torch.arange(n_i)[:, None]
     m = torch.arange(n_m)[None, :]
@@ -305,8 +311,12 @@ def test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask(nam
         exec(textwrap.dedent(prologue), env)
         lo, hi, inner_lo, inner_hi = (env[v] for v in ("lo", "hi", "inner_lo", "inner_hi"))
         assert lo <= inner_lo <= inner_hi <= hi and hi > lo
-        assert lo + 1 >= inner_lo or "for t in range(lo + 1, inner_lo)" in source
-        assert max(inner_hi, lo + 1) >= hi or "for t in range(gl.maximum(inner_hi, lo + 1), hi)" in source
+        masked = {lo: True}             # the first tile, before the loops
+        for header, test in loops:
+            for t in range(*eval(f"({header})", {**env, "gl": gl})):
+                assert t not in masked, (pid_m, t, "visited twice")
+                masked[t] = bool(eval(test, {**env, "t": t}))
+        assert sorted(masked) == list(range(lo, hi)), (pid_m, sorted(masked), lo, hi)
         block = live[pid_m * 128:(pid_m + 1) * 128]
         for t in range(tiles):
             tile = block[:, t * 128:(t + 1) * 128]
@@ -314,3 +324,5 @@ def test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask(nam
                 assert lo <= t < hi, (pid_m, t, lo, hi)
             if inner_lo <= t < inner_hi:
                 assert bool(tile.all()) and tile.shape[1] == 128, (pid_m, t, inner_lo, inner_hi)
+            if t in masked and not masked[t]:       # a tile the fold runs without its masks
+                assert bool(tile.all()) and tile.shape[1] == 128, (pid_m, t, "unmasked")

@@ -175,7 +175,7 @@ einfold_O_hopper_v_layout = gl.NVMMASharedLayout.get_default_for(einfold_O_hoppe
 
 
 @gluon.jit
-def einfold_O_hopper_logits(qk, rows, cols, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, MASKED: gl.constexpr):
+def einfold_O_hopper_logits(qk, rows, cols, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, MASKED):
     # the leader's argument x = c * y on one tile from its scores qk = sum[k](K[b, h, m, k] * Q[b, h, i, k]):
     # x = where(i - m < 256 and m <= i, scale * sum[k](K[b, h, m, k] * Q[b, h, i, k]), -inf), c = scale
     if MASKED:     # a tile that may hold masked keys, or keys past the end
@@ -227,9 +227,10 @@ def einfold_O_hopper_weights(y, c, r):
 
 @gluon.jit
 def einfold_O_hopper_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, n, zeros, r, p, l, acc, rows, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2,
-        MASKED: gl.constexpr):
+        MASKED):
     # key tile t (ring position n): its scores go to the tensor cores, then the previous tile's
-    # weights times V; this tile's weights are computed while P V is in flight
+    # weights times V; this tile's weights are computed while P V is in flight (MASKED: a
+    # constant where a loop's tiles are all of one kind, else the tile's test)
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
@@ -256,8 +257,8 @@ def einfold_O_hopper_fold(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
         idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2):
     # the fold over key tiles lo .. hi - 1, rotated: tile lo's weights before the loop, the last
     # P V after it; tiles inner_lo .. inner_hi - 1 hold no masked element and skip the masks
-    # (a loop of masked tiles before them only under a lower bound, after them only where an
-    # upper bound or a partial last tile can mask)
+    # (masked tiles before them only under a lower bound, after them only where an upper bound
+    # or a partial last tile can mask; with both, one loop tests each tile: one copy of its code)
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
@@ -267,15 +268,9 @@ def einfold_O_hopper_fold(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
     y, c = einfold_O_hopper_logits(qk, rows, cols, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, True)
     r, alpha, p = einfold_O_hopper_weights(y, c, gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, qk.type.layout)))
     l = gl.sum(p, 1)
-    for t in range(lo + 1, inner_lo):
+    for t in range(lo + 1, hi):
         r, p, l, acc = einfold_O_hopper_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, t - lo, zeros, r, p, l,
-                                 acc, rows, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, True)
-    for t in range(gl.maximum(inner_lo, lo + 1), inner_hi):
-        r, p, l, acc = einfold_O_hopper_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, t - lo, zeros, r, p, l,
-                                 acc, rows, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, False)
-    for t in range(gl.maximum(inner_hi, lo + 1), hi):
-        r, p, l, acc = einfold_O_hopper_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, t - lo, zeros, r, p, l,
-                                 acc, rows, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, True)
+                                 acc, rows, idx_b, idx_h, n_i, n_m, n_b, n_h, scale_val, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, (t < inner_lo) | (t >= inner_hi))
     last = hi - 1 - lo
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
