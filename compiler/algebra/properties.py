@@ -31,7 +31,6 @@ def _one_field_combine(s: Summary, a: sympy.Expr, b: sympy.Expr) -> sympy.Expr |
 
 
 @lru_cache(maxsize=256)
-@lru_cache(maxsize=256)
 def extremum(s: Summary) -> str | None:
     """"max" or "min" if the merge selects the larger (smaller) state, ties
     included, and the identity is -inf (+inf); else None."""
