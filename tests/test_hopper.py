@@ -51,6 +51,7 @@ TAKEN = {
     "per-row temperature": (attention("Q[b,h,i,k] * K[b,h,m,k] * T[b,h,i]"), {}),
     "relative bias": (attention(SCALED + " + R[h,i,m]"), {}),
     "gated output": ("O[b,h,i,j] = G[b,h,i] * softmax[m](" + SCALED + ") * V[b,h,m,j]", {}),
+    "transposed result": ("O[b,h,j,i] = softmax[m](" + SCALED + ") * V[b,h,m,j]", {}),
 }
 
 # name -> (program, sizes, why not): the tl kernel runs them
@@ -179,6 +180,7 @@ GPU_CASES = {
     "per-row temperature": {"i": 257, "m": 513},
     "relative bias": {"i": 300, "m": 333},
     "gated output": {"i": 300, "m": 333},
+    "transposed result": {"i": 300, "m": 333},
 }
 
 
@@ -263,6 +265,11 @@ def test_the_launcher_stores_aligned_tile_results_only():
     assert launched(src, x, shifted) == ["einfold_O"]
     assert launched(src, x, lambda name, t: t.transpose(-1, -2).contiguous().transpose(-1, -2)
                     if name == "O" else t) == ["einfold_O"]        # the values strided
+    # a result whose values are not its last index states no alignment and needs none
+    transposed = TAKEN["transposed result"][0]
+    assert launched(transposed, x) == launched(transposed, x, lambda name, t: t.transpose(-1, -2).contiguous()
+                                               .transpose(-1, -2)) == ["einfold_O_hopper"]
+    assert "gl.max_contiguous" not in hopper_source(transposed, {})
     # a per-row result is stored one value a row: any layout
     assert launched(src, x, lambda name, t: t.transpose(-1, -2).contiguous().transpose(-1, -2)
                     if name == "L" else t) == ["einfold_O_hopper"]

@@ -750,7 +750,7 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
             value = f"gl.convert_layout({value}, out)"
         pointer, strides = names[("tensor", st.name)]
         address = " + ".join([pointer] + [f"{at[x]}.to(gl.int64) * {s}" for x, s in zip(st.indices, strides)])
-        if tile:    # rows 16-byte aligned, values contiguous: the launcher checked (_tma_ready)
+        if _stored_aligned(st, h):    # rows 16-byte aligned, values contiguous: the launcher checked
             address = f"gl.max_contiguous(gl.multiple_of({address}, [16, 16]), [1, 8])"
         lines.append(f"    # {st.name}[{', '.join(st.indices)}]")
         lines.append(f"    gl.store({address}, ({value}).to({pointer}.dtype.element_ty), mask={mask})")
@@ -761,6 +761,13 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
         if not any(re.search(rf"\b{local}\b", line) for line in lines[definition + 1:]):
             del lines[definition]
     return "\n".join(lines) + "\n"
+
+
+def _stored_aligned(st, h: HopperFold) -> bool:
+    """Whether the tile result `st` is stored with its alignment stated (the launcher checks
+    it): its values' index is its last, as laid out contiguously (a result laid out otherwise,
+    `O[.., j, i]`, is stored without the statement)."""
+    return st.indices[-1] == h.width
 
 
 def _view(tensor: str, indices: tuple[str, ...], inner: tuple[str, str]) -> str:
@@ -779,7 +786,7 @@ def _launch_lines(h: HopperFold, spec: KernelSchedule, name: str, launch_args: l
         view = f'{name}_{x}'
         lines.append(f'    {view} = {_view(access.tensor, access.indices, inner)}')
         views.append(view)
-    results = [_view(st.name, st.indices, (h.rows, h.width)) for st in spec.statements if h.width in st.indices]
+    results = [_view(st.name, st.indices, (h.rows, h.width)) for st in spec.statements if _stored_aligned(st, h)]
     grid = " * ".join(f'n["{x}"]' for x in h.batch) or "1"
     lines.append(f"    if _tma_ready({', '.join(views + results)}):")
     lines.append(f"        {name}[(triton.cdiv(n[\"{h.rows}\"], {CONSUMERS * ROWS}), {grid})](")
