@@ -113,8 +113,8 @@ def flat(text: str) -> str:
     return text
 
 
-VARIANTS = {"one loop": one_loop, "no natural": no_natural, "cheap base2": cheap_base2, "probe's base-2 math": probe_math, "mma-layout store": mma_store,
-            "3-D descriptors": flat}
+VARIANTS = {"one loop": one_loop, "no natural": no_natural, "cheap base2": cheap_base2,
+            "probe's base-2 math": probe_math, "mma-layout store": mma_store, "3-D descriptors": flat}
 
 
 def main() -> None:
@@ -147,8 +147,8 @@ def main() -> None:
             diff = (t["O"].float() - reference.float()).abs().max().item()
             ms = triton.testing.do_bench(lambda: module.launch(t, extents, q.device), warmup=25, rep=300,
                                          return_mode="median")
-            print(f"{name:12s} {vname:20s} {ms:.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s  max diff {diff:.1e}  first launch {build_s:.1f} s",
-                  flush=True)
+            print(f"{name:12s} {vname:20s} {ms:.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s  max diff {diff:.1e}  "
+                  f"first launch {build_s:.1f} s", flush=True)
             if vname == "generated":
                 again = (lambda module, t: lambda: module.launch(t, extents, q.device))(module, t)
                 ms = triton.testing.do_bench(direct(module, t, extents), warmup=25, rep=300, return_mode="median")

@@ -669,15 +669,17 @@ def test_saved_statistics_cost_the_forward_no_kernel_and_the_backward_no_normali
     assert all(_over("m", k.loops) for k in recomputing.kernels if k.name in ("einfold_dK", "einfold_dV"))
 
 
+def _plan_shape(plan):
+    """A plan's kernels with their loops and folds, index names aside."""
+    def loop(x):
+        return len(x.indices), x.folds, tuple(loop(y) for y in x.inner), len(x.bounds)
+    return [(k.name, tuple(loop(x) for x in k.loops)) for k in plan.kernels]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_saved_backward_plan_does_not_depend_on_spelling(causal):
     # renamed indices and commuted factors: the same kernels with the same loops and
     # folds (index names aside), and both read the output for rowsum(dO * O)
-    def shape(plan):
-        def loop(x):
-            return len(x.indices), x.folds, tuple(loop(y) for y in x.inner), len(x.bounds)
-        return [(k.name, tuple(loop(x) for x in k.loops)) for k in plan.kernels]
-
     first = "where(m <= i, Q[i,k] * K[m,k] * scale, -inf)" if causal else "Q[i,k] * K[m,k] * scale"
     second = "where(z <= x, scale * K[z,w] * Q[x,w], -inf)" if causal else "scale * K[z,w] * Q[x,w]"
     sizes = {"Q": randn(7, 4), "K": randn(7, 4), "V": randn(7, 3), "scale": 0.5, "dO": randn(7, 3),
@@ -686,7 +688,7 @@ def test_the_saved_backward_plan_does_not_depend_on_spelling(causal):
     for source in (f"O[i,j] = softmax[m]({first}) * V[m,j]", f"O[x,y] = softmax[z]({second}) * V[z,y]"):
         backward = compiler.grad(source, wrt=("Q", "K", "V"), backend="triton", saved=True)
         assert {"O", "lse_O"} <= set(backward.inputs)
-        plans.append(shape(backward.plan(**sizes)))
+        plans.append(_plan_shape(backward.plan(**sizes)))
     assert plans[0] == plans[1]
 
 
@@ -701,7 +703,7 @@ def test_the_saved_backward_reads_an_output_its_adjoint_reads_whatever_the_spell
               "S": randn(2, seed=4), "scale": 0.7, "dO": randn(2, 5, 4, seed=5)}
     forward = compiler.compile(spellings[0], backend="reference")
     given = {**inputs, "O": forward(**{n: v for n, v in inputs.items() if n != "dO"})}
-    results = []
+    results, plans = [], []
     for source in spellings:
         backward = compiler.grad(source, wrt=("Q", "K", "V", "S"), backend="reference", saved=True)
         assert "O" in backward.inputs and not any(s.name == "O" for s in backward.checked.statements)
@@ -710,8 +712,11 @@ def test_the_saved_backward_reads_an_output_its_adjoint_reads_whatever_the_spell
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
         results.append(got)
+        plan = compiler.grad(source, wrt=("Q", "K", "V", "S"), backend="triton", saved=True).plan(**given)
+        plans.append(_plan_shape(plan))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+    assert plans[0] == plans[1]
 
 
 def _over(index, loops):

@@ -126,8 +126,7 @@ def test_the_gluon_kernels_build_for_sm90(tmp_path):
     the kernels test_gpu_compile builds)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "EINFOLD_CACHE_DIR": str(tmp_path / "einfold"),
            "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    names = ["causal", "grouped query", "alibi", "window", "with its logsumexp", "values of width 64",
-             "padding bias", "per-row temperature", "relative bias", "gated output"]
+    names = list(TAKEN)
     script = ("import json, sys, torch; sys.path.insert(0, 'tests'); import gpu_compile, test_hopper, compiler\n"
               "for name in sys.argv[1:]:\n"
               "    src, sizes = test_hopper.TAKEN[name]\n"

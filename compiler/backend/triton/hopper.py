@@ -606,7 +606,8 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
     loops = "".join(f"    for t in range({start}, {stop}):\n"
                     f"        r, p, l, acc = {name}_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, t, "
                     f"t - lo, zeros, r, p, l,\n"
-                    f"                                 acc, rows, {extra}, {masked})\n" for start, stop, masked in ranges)
+                    f"                                 acc, rows, {extra}, {masked})\n"
+                    for start, stop, masked in ranges)
     why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {CONSUMERS} consumer warpgroups "
            f"of {ROWS} rows, each tile's scores issued before the previous tile's P V")
     source = SKELETON.substitute(
