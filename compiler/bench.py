@@ -496,19 +496,28 @@ ADD_GELU_1D = "Y[i] = gelu(X[i] + B[i])"
 
 
 def _host_us(fn, x, calls: int = 200, rounds: int = 5) -> float:
-    """Microseconds of host time per warm call of fn(x): the median over `rounds` of
-    `calls` calls timed to the last call's return, then synchronized (few enough calls
-    that the launch queue never fills, which would make the host wait for the GPU)."""
-    fn(x)
+    """Microseconds of host time per warm call of fn(x) (see _host_us_side_by_side)."""
+    return _host_us_side_by_side({"fn": fn}, x, calls, rounds)["fn"]
+
+
+def _host_us_side_by_side(fns: dict[str, Callable], x, calls: int = 200, rounds: int = 7) -> dict[str, float]:
+    """Microseconds of host time per warm call of each fn(x): the median over `rounds`
+    of `calls` calls timed to the last call's return, then synchronized (few enough
+    calls that the launch queue never fills, which would make the host wait for the
+    GPU).  The rounds of the functions alternate, so that a busy spell of the host
+    (a compile worker of an earlier case, say) slows all of them alike."""
+    for fn in fns.values():
+        fn(x)
     torch.cuda.synchronize()
-    per_call = []
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            per_call[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def host_cost(compile_) -> list[Row]:
@@ -533,13 +542,13 @@ def host_cost(compile_) -> list[Row]:
                "scale": 1 / math.sqrt(128)}, "sdpa", sdpa)]
     rows = []
     for name, program, x, baseline, fn in cases:
-        ours_us, theirs_us = _host_us(lambda x, p=program: p(**x), x), _host_us(fn, x)
-        extra = {"direct_triton_launch_us": program.backend.launch_overhead_probe(x),
-                 "kernels": len(program.plan(**x).kernels)}       # 2 where the decode is split
         captured = program.capture(**x)
         # a replay reading the capture's own inputs (written in place), and one given the inputs
-        replay_us = _host_us(lambda x: captured(), x)
-        copied_us = _host_us(lambda x: captured(**x), x)
+        us = _host_us_side_by_side({"ours": lambda x, p=program: p(**x), "theirs": fn,
+                                    "replay": lambda x: captured(), "copied": lambda x: captured(**x)}, x)
+        ours_us, theirs_us, replay_us, copied_us = us["ours"], us["theirs"], us["replay"], us["copied"]
+        extra = {"direct_triton_launch_us": program.backend.launch_overhead_probe(x),
+                 "kernels": len(program.plan(**x).kernels)}       # 2 where the decode is split
         rows += [Row("host", name, "einfold", ours_us, float("nan"), "us", 1.0, _error(program(**x), fn(x)),
                      extra=extra),
                  Row("host", name, "einfold captured", replay_us, float("nan"), "us", None,
