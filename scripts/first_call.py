@@ -50,24 +50,41 @@ def one(variant: str, mode: str) -> None:
 def timing_phases() -> dict:
     """Wrap the steps of a first call so that each adds its milliseconds to the dict
     returned: the candidates' parallel compile, the autotuner's timing of each, the
-    final bind (einfold's passes and emission are the rest)."""
+    final bind (einfold's passes and emission are the rest); within them, Triton's
+    own compile stages summed over the kernels compiled (`triton ttgir`, `triton
+    llir` (LLVM), `triton ptx`, `triton cubin` (ptxas); the frontend is the rest of
+    `triton compile`), which run in parallel threads where candidates do, and the
+    build of its C launcher for a new signature."""
+    import triton.compiler
+    import triton.backends.nvidia.driver as nvidia_driver
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.autotuner import Autotuner
     from compiler.backend.triton.launch import DirectLaunch
     phases: dict[str, float] = {}
 
-    def timed(owner, name, phase):
-        inner = getattr(owner, name)
-
+    def timing(inner, phase):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
                 phases[phase] = phases.get(phase, 0.0) + (time.perf_counter() - start) * 1e3
-        setattr(owner, name, wrapper)
+        return wrapper
+
+    def timed(owner, name, phase):
+        setattr(owner, name, timing(getattr(owner, name), phase))
     timed(DirectLaunch, "compile_candidates", "compile candidates")
     timed(Autotuner, "_bench", "autotune timing")
     timed(DirectLaunch, "bind", "bind")
+    timed(triton.compiler, "compile", "triton compile")      # as JITFunction imports it, at first use
+    timed(nvidia_driver, "compile_module_from_src", "C launcher build")
+    add_stages = CUDABackend.add_stages
+
+    def timed_stages(self, stages, options, *rest):
+        add_stages(self, stages, options, *rest)
+        for stage, run in list(stages.items()):
+            stages[stage] = timing(run, f"triton {stage}")
+    CUDABackend.add_stages = timed_stages
     return phases
 
 
