@@ -26,7 +26,7 @@ from compiler.algebra import BUILTINS
 from compiler.backend import outline
 from compiler.check import check
 from compiler.ir import (Access, Assign, Call, Composite, Const, Extent, Index, Reduce, Var, alpha_key, bound_indices,
-                         children, format_program, free_indices, transform, walk, with_children)
+                         children, format_expr, format_program, free_indices, transform, walk, with_children)
 from compiler.ops import FLOAT, INT, OPS
 from compiler.parse import parse
 from compiler.passes import run_pipeline
@@ -319,6 +319,9 @@ EQUIVALENT = {
     "kl_of_softmax_rows": (
         "K[i] = sum[m](softmax[m](X[i,m]) * (log(softmax[m](X[i,m])) - log(softmax[m](Y[i,m]))))",
         "K[i] = sum[m](softmax[m](X[i,m]) * (X[i,m] - Y[i,m])) - logsumexp[m](X[i,m]) + logsumexp[m](Y[i,m])"),
+    # ALiBi under a causal mask: the mask decides the distance's sign (canonicalise rule 6)
+    "causal_distance": ("O[i,j] = softmax[m](where(m <= i, X[i,m] - A[i] * abs(i - m), -inf)) * V[m,j]",
+                        "O[i,j] = softmax[m](where(m <= i, X[i,m] - (i - m) * A[i], -inf)) * V[m,j]"),
 }
 
 
@@ -330,6 +333,25 @@ def test_equivalent_spellings_factorise_alike(name):
     assert len(folds(first)) == 1
     assert not [n for s in first.factorised.statements for n in walk(s.expr)
                 if isinstance(n, Reduce) and n.result is None]
+
+
+def _canonical(source: str) -> str:
+    return format_expr(run_pipeline(check(parse(source)), stop_after="canonicalise").statements[0].expr)
+
+
+def test_a_where_decides_the_sign_of_index_expressions_in_its_branches():
+    # the condition holds in the first branch, and a single comparison fails in the second
+    assert _canonical("Y[i,m] = where(m < i, X[i,m] * abs(m - i), X[i,m] * abs(i - m))") == \
+        "where(m < i, X[i, m] * (i - m), X[i, m] * (m - i))"
+    # max and min, and a window's strict bound: i - m < 8 gives 7 - i + m >= 0
+    assert _canonical("Y[i,m] = where(m <= i and i - m < 8, X[i,m] * max(i - m, 0) + min(m - i, -8), 0.0)") == \
+        "where(i - m < 8 and m <= i, X[i, m] * (i - m) - 8, 0.0)"
+    # undecided: no enclosing where, a bound it does not imply, an index a sum binds anew
+    for source in ("Y[i,m] = X[i,m] * abs(i - m)",
+                   "Y[i,m] = where(m <= i, X[i,m] * abs(i - m - 1), 0.0)",
+                   "Y[i,m] = where(m <= i and X[i,m] > 0, X[i,m], abs(i - m))",
+                   "Y[i,m] = where(m <= i, sum[m](X[i,m] * abs(i - m)), 0.0)"):
+        assert "abs(" in _canonical(source), source
 
 
 def _inputs(program, scale: float, seed: int = 0):

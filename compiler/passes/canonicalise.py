@@ -41,6 +41,15 @@
    sum[v](Y[i,v] * sum[k](H[i,k] * W[v,k])), a contraction (the logits a
    cross-entropy's logsumexp already folds) rather than a fold one v at a time.
 
+6. Inside `where(p, x, y)`, x is read only where p holds (y where it fails, for
+   one comparison p): an absolute value, max or min of integer index
+   expressions whose sign a comparison of p decides is the expression it
+   selects there: where(m <= i, A[h] * abs(i - m), -inf) = where(m <= i,
+   A[h] * (i - m), -inf), as a program that knows the sign would write it.
+   Comparisons are read as integer linear forms (i - m >= 0); a reduction
+   or composite inside binds its own indices, about which the comparisons
+   outside say nothing.
+
 Free (left-hand) indices keep the names the program gives them."""
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ from ..ir import (
     Index,
     Program,
     Reduce,
+    bound_indices,
     children,
     format_expr,
     free_indices,
@@ -356,6 +366,120 @@ def nest_sums(e: Expr, elsewhere: frozenset = frozenset()) -> Expr:
     return nest_sums(Reduce(BUILTINS["sum"], rest, (product([*out_num, inner], out_den),)), elsewhere)
 
 
+# Rule 6: one row per operator a sign decides: (the integer index expression d whose
+# sign decides it, what it is where d >= 0, what it is where d <= 0).
+DECIDED_BY_SIGN: dict[str, tuple] = {
+    "abs": (lambda a: a[0], lambda a: a[0], lambda a: Call("neg", (a[0],))),
+    "maximum": (lambda a: Call("sub", (a[0], a[1])), lambda a: a[0], lambda a: a[1]),
+    "minimum": (lambda a: Call("sub", (a[0], a[1])), lambda a: a[1], lambda a: a[0]),
+}
+
+# A fact: an integer linear form of indices, sum(c * index) + constant >= 0, as
+# (coefficients sorted by index, constant).
+Fact = tuple[tuple[tuple[str, int], ...], int]
+
+
+def _index_form(e: Expr) -> tuple[dict[str, int], int] | None:
+    """`e` as sum(c * index) + constant with integers c and constant, or None."""
+    if isinstance(e, Index):
+        return {e.name: 1}, 0
+    if isinstance(e, Const):
+        return ({}, e.value) if type(e.value) is int else None
+    if isinstance(e, Call) and e.op in ("add", "sub", "neg", "mul"):
+        parts = [_index_form(a) for a in e.args]
+        if None in parts:
+            return None
+        if e.op == "neg":
+            (c, k), = parts
+            return {n: -v for n, v in c.items()}, -k
+        if e.op == "mul":
+            (c0, k0), (c1, k1) = parts
+            if c0 and c1:
+                return None
+            (c, k), f = ((c0, k0), k1) if not c1 else ((c1, k1), k0)
+            return {n: f * v for n, v in c.items()}, f * k
+        (c0, k0), (c1, k1) = parts
+        sign = 1 if e.op == "add" else -1
+        coeffs = dict(c0)
+        for n, v in c1.items():
+            coeffs[n] = coeffs.get(n, 0) + sign * v
+        return {n: v for n, v in coeffs.items() if v}, k0 + sign * k1
+    return None
+
+
+def _fact(coeffs: dict[str, int], constant: int) -> Fact:
+    return tuple(sorted(coeffs.items())), constant
+
+
+def _facts(condition: Expr, holds: bool) -> list[Fact]:
+    """What `condition` says where it holds (each comparison conjunct), or where it
+    fails (a single comparison), as facts d >= 0."""
+    comparisons = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}
+    negated = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le"}
+    if holds and isinstance(condition, Call) and condition.op == "and":
+        return _facts(condition.args[0], True) + _facts(condition.args[1], True)
+    if not (isinstance(condition, Call) and condition.op in comparisons):
+        return []
+    op = condition.op if holds else negated[condition.op]
+    left, right = (_index_form(a) for a in condition.args)
+    if left is None or right is None:
+        return []
+    sign, strict = comparisons[op]          # le: right - left >= 0; lt: right - left - 1 >= 0
+    coeffs = dict(right[0])
+    for n, v in left[0].items():
+        coeffs[n] = coeffs.get(n, 0) - v
+    return [_fact({n: sign * v for n, v in coeffs.items() if v}, sign * (right[1] - left[1]) - strict)]
+
+
+def _sign(d: Expr, facts: frozenset[Fact]) -> bool | None:
+    """True where the facts imply d >= 0, False where d <= 0, else None: d is a fact
+    plus a constant >= 0 (or minus one, for d <= 0)."""
+    form = _index_form(d)
+    if form is None or not facts:
+        return None
+    coeffs, constant = form
+    for sign in (1, -1):
+        key = tuple(sorted((n, sign * v) for n, v in coeffs.items()))
+        for fact_coeffs, fact_constant in facts:
+            if fact_coeffs == key and sign * constant >= fact_constant:
+                return sign > 0
+    return None
+
+
+def decide_signs(e: Expr) -> Expr:
+    """Rule 6 on `e`: every operator of DECIDED_BY_SIGN whose deciding expression the
+    comparisons of an enclosing where's condition decide, replaced by what it selects."""
+    if not any(isinstance(n, Call) and n.op == "where" for n in walk(e)) or \
+            not any(isinstance(n, Call) and n.op in DECIDED_BY_SIGN for n in walk(e)):
+        return e
+    done: list[Expr] = []
+    stack: list[tuple[Expr, frozenset[Fact], bool]] = [(e, frozenset(), False)]
+    while stack:
+        node, facts, expanded = stack.pop()
+        kids = children(node)
+        if not expanded and kids:
+            stack.append((node, facts, True))
+            binds = set(bound_indices(node))
+            inner = frozenset(f for f in facts if not binds & {n for n, _ in f[0]}) if binds else facts
+            if isinstance(node, Call) and node.op == "where":
+                branches = [inner, inner | set(_facts(node.args[0], True)), inner | set(_facts(node.args[0], False))]
+            else:
+                branches = [inner] * len(kids)
+            stack.extend((k, f, False) for k, f in reversed(list(zip(kids, branches))))
+            continue
+        if kids:
+            new = tuple(done[-len(kids):])
+            del done[-len(kids):]
+            node = with_children(node, new)
+        if isinstance(node, Call) and node.op in DECIDED_BY_SIGN:
+            deciding, where_nonneg, where_nonpos = DECIDED_BY_SIGN[node.op]
+            sign = _sign(deciding(node.args), facts)
+            if sign is not None:
+                node = (where_nonneg if sign else where_nonpos)(node.args)
+        done.append(node)
+    return done[0]
+
+
 def _linear_forms(e: Expr, types: ExpressionTypes) -> Expr:
     elsewhere = frozenset(n for n in walk(e) if is_sum(n))
     return order_operands(transform(e, lambda n: merge_sums(nest_sums(n, elsewhere))), types)
@@ -424,8 +548,8 @@ def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
     types = ExpressionTypes({s.name: s.dtype for s in program.statements})
     statements = tuple(
-        replace(s, expr=_linear_forms(order_operands(binders.rename(transform(s.expr, natural_base)), types),
-                                      types))
+        replace(s, expr=_linear_forms(order_operands(decide_signs(binders.rename(transform(s.expr, natural_base))),
+                                                     types), types))
         for s in program.statements)
     named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
         n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}
