@@ -432,8 +432,8 @@ def _facts(condition: Expr, holds: bool) -> list[Fact]:
 
 
 def _sign(d: Expr, facts: frozenset[Fact]) -> bool | None:
-    """True where the facts imply d >= 0, False where d <= 0, else None: d is a fact
-    plus a constant >= 0 (or minus one, for d <= 0)."""
+    """True where the facts imply d >= 0, False where they imply d <= 0, else None:
+    d >= 0 where d = F + c for a fact F >= 0 and a constant c >= 0; d <= 0 where -d is so."""
     form = _index_form(d)
     if form is None or not facts:
         return None
