@@ -47,13 +47,16 @@ def ratio(rows, group, name, baseline) -> float | None:
     return theirs / ours if ours and theirs else None
 
 
+# long sizes in case names, as the figure prints them
+SHORTER = {"S1024": "S1k", "S4096": "S4k", "S16384": "S16k", "L8192": "L8k", "L65536": "L64k", "L262144": "L256k"}
+
+
 def short(name: str) -> str:
     """A case name without the batch and head counts of a full sequence (B16 H16 S1024 d128
     -> S1k d128; a decode's heads stay)."""
     full = any(w[0] == "S" and w[1:].isdigit() for w in name.split())
     words = [w for w in name.split() if not (w[0] in ("BH" if full else "B") and w[1:2].isdigit())]
-    return " ".join(w.replace("S1024", "S1k").replace("S4096", "S4k").replace("S16384", "S16k")
-                    .replace("L8192", "L8k").replace("L65536", "L64k").replace("L262144", "L256k") for w in words)
+    return " ".join(SHORTER.get(w, w) for w in words)
 
 
 def panels(rows: dict, meta: dict) -> list[tuple[str, list[Bar]]]:
@@ -72,18 +75,22 @@ def panels(rows: dict, meta: dict) -> list[tuple[str, list[Bar]]]:
         ours = ms(rows, "compile", f"flex {name} first call", "einfold")
         theirs = ms(rows, "compile", f"flex {name} first call", "flex_attention")
         if ours and theirs:
-            first.append(Bar(f"{short(name)} ({ours / 1e3:.1f} s)", ours / theirs, 2.0, higher_is_better=False))
+            first.append(Bar(f"{short(name)} ({ours / 1e3:.1f} s)", ours / theirs, 2.0,
+                             higher_is_better=False))
     decode = [Bar(short(n), v, 0.9) for n in names("decode")
               if (v := ratio(rows, "decode", n, "sdpa_cudnn_attention")) is not None]
-    matmul = [Bar(short(n), v, 0.9) for n in names("matmul") if (v := ratio(rows, "matmul", n, "torch.matmul"))]
-    memory = [Bar(short(n), v, 1.0) for n in names("memory") if (v := ratio(rows, "memory", n, "torch.compile"))]
+    matmul = [Bar(short(n), v, 0.9) for n in names("matmul")
+              if (v := ratio(rows, "matmul", n, "torch.matmul"))]
+    memory = [Bar(short(n), v, 1.0) for n in names("memory")
+              if (v := ratio(rows, "memory", n, "torch.compile"))]
     copy = meta["copy_bandwidth_GBps"]
-    bandwidth = [Bar(short(n), 100 * rows["memory", n, "einfold"]["rate"] / copy, 90.0) for n in names("memory")
-                 if ("memory", n, "einfold") in rows]
+    bandwidth = [Bar(short(n), 100 * rows["memory", n, "einfold"]["rate"] / copy, 90.0)
+                 for n in names("memory") if ("memory", n, "einfold") in rows]
     host_us, host_ratio = [], []
     for name in names("host"):
         ours = ms(rows, "host", name, "einfold")
-        baseline = next((c for g, n, c in rows if g == "host" and n == name and not c.startswith("einfold")), None)
+        baseline = next((c for g, n, c in rows if g == "host" and n == name and not c.startswith("einfold")),
+                        None)
         if ours and baseline:
             theirs = ms(rows, "host", name, baseline)
             host_us.append(Bar(name, ours, 20.0, higher_is_better=False))
@@ -128,8 +135,8 @@ def main(out: str, paths: list[str]) -> None:
     for title, bars in figure:
         print(title)
         for b in bars:
-            print(f"  {b.label:40} {b.value:8.3f}  target {'>=' if b.higher_is_better else '<='} {b.target:<5} "
-                  f"{'met' if b.met else 'MISSED'}")
+            relation = ">=" if b.higher_is_better else "<="
+            print(f"  {b.label:40} {b.value:8.3f}  target {relation} {b.target:<5} {'met' if b.met else 'MISSED'}")
     plot(figure, meta, out)
 
 
