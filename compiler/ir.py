@@ -340,6 +340,49 @@ def free_indices(e: Expr) -> tuple[str, ...]:
     return e._free
 
 
+def constant(e: Expr) -> float | None:
+    """The value of an expression made of constants only (`-inf` is neg(inf))."""
+    if not all(isinstance(n, Const | Call) for n in walk(e)):
+        return None
+    from .algebra.formula import evaluate
+    return float(evaluate(e, {}))
+
+
+def linear_form(e: Expr) -> tuple[dict[str, int], list[tuple[int, Expr]]] | None:
+    """`e` as sum(c * index) + sum(+-term) with integer c and index-free terms (scalars,
+    extents, constants), or None.  An integer multiple of a form scales its terms as
+    products (`2 * (i - W)` has the term -(2 * W))."""
+    if isinstance(e, Index):
+        return {e.name: 1}, []
+    if not free_indices(e) and not any(isinstance(n, Index | Reduce) for n in walk(e)):
+        return {}, [(1, e)]         # the same everywhere in the kernel: scalars, extents, constants
+    if isinstance(e, Call) and e.op in ("add", "sub"):
+        parts = [linear_form(a) for a in e.args]
+        if None in parts:
+            return None
+        (c0, t0), (c1, t1) = parts
+        k = 1 if e.op == "add" else -1
+        coeffs = dict(c0)
+        for n, c in c1.items():
+            coeffs[n] = coeffs.get(n, 0) + k * c
+        return {n: c for n, c in coeffs.items() if c}, t0 + [(k * s, t) for s, t in t1]
+    if isinstance(e, Call) and e.op == "neg":
+        part = linear_form(e.args[0])
+        return None if part is None else ({n: -c for n, c in part[0].items()}, [(-s, t) for s, t in part[1]])
+    if isinstance(e, Call) and e.op == "mul":
+        for a, b in (e.args, e.args[::-1]):
+            c = constant(a)
+            if c is not None and math.isfinite(c) and c == int(c) and c != 0:
+                part = linear_form(b)
+                if part is None:
+                    return None
+                k = int(c)
+                scaled = [(s if k > 0 else -s, t if abs(k) == 1 else Call("mul", (Const(abs(k)), t)))
+                          for s, t in part[1]]
+                return {n: k * v for n, v in part[0].items()}, scaled
+    return None
+
+
 # ---------------------------------------------------------------- printing
 def _prec(e: Expr) -> int:
     if isinstance(e, Const) and (e.value < 0 or (isinstance(e.value, float) and math.copysign(1, e.value) < 0)):

@@ -354,6 +354,13 @@ def test_a_where_decides_the_sign_of_index_expressions_in_its_branches():
         assert "abs(" in _canonical(source), source
 
 
+@pytest.mark.parametrize("name", sorted(EQUIVALENT))
+def test_equivalent_spellings_schedule_alike(name):
+    from compiler.schedule import schedule
+    first, second = (run_pipeline(check(parse(s))) for s in EQUIVALENT[name])
+    assert str(schedule(first, first.outputs)) == str(schedule(second, second.outputs))
+
+
 def _inputs(program, scale: float, seed: int = 0):
     from compiler.random_inputs import random_inputs
     inputs = random_inputs(program.checked, {}, dtype=torch.float64, seed=seed)
@@ -683,6 +690,8 @@ FIXED_THIS_ROUND = {
     "a constant term of a sum": "R2[i] = sum[k](exp(X[i,k]) + 0.5); B2[i,k] = exp(X[i,k]) - R2[i]",
     "an integral sum beside a float one": "S[i] = sum[j](X[i,j]); C[i] = sum[j](where(X[i,j] > 0, j * 3, 0))",
     "a ninth central moment": "mu[i] = mean[j](X[i,j]); Z[i] = sum[j]((X[i,j] - mu[i])**9)",
+    # the twenty-second session's: the mask decides the sign of the distance (canonicalise rule 6)
+    **{f"causal distance {k}": source for k, source in enumerate(EQUIVALENT["causal_distance"])},
 }
 
 

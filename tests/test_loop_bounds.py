@@ -36,6 +36,7 @@ CASES = {
     "m >= start": ["m >= start"],                                     # no other index
     "m + i < len(m)": ["m < -i + len(m)"],                            # the other index negated
     "2 * m <= i": [],                                                 # not +-1: no bound, still right
+    "m <= 2 * i - i": ["m <= i"],                                     # integer multiples that sum to +-1
 }
 
 

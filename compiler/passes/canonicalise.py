@@ -69,8 +69,10 @@ from ..ir import (
     Reduce,
     bound_indices,
     children,
+    constant,
     format_expr,
     free_indices,
+    linear_form,
     transform,
     walk,
     with_children,
@@ -380,31 +382,19 @@ Fact = tuple[tuple[tuple[str, int], ...], int]
 
 
 def _index_form(e: Expr) -> tuple[dict[str, int], int] | None:
-    """`e` as sum(c * index) + constant with integers c and constant, or None."""
-    if isinstance(e, Index):
-        return {e.name: 1}, 0
-    if isinstance(e, Const):
-        return ({}, e.value) if type(e.value) is int else None
-    if isinstance(e, Call) and e.op in ("add", "sub", "neg", "mul"):
-        parts = [_index_form(a) for a in e.args]
-        if None in parts:
+    """`e` as sum(c * index) + constant with integers c and an integral constant (the
+    index-free terms of its `linear_form` evaluated), or None."""
+    form = linear_form(e)
+    if form is None:
+        return None
+    coeffs, terms = form
+    total = 0
+    for sign, term in terms:
+        value = constant(term)
+        if value is None or not math.isfinite(value) or value != int(value):
             return None
-        if e.op == "neg":
-            (c, k), = parts
-            return {n: -v for n, v in c.items()}, -k
-        if e.op == "mul":
-            (c0, k0), (c1, k1) = parts
-            if c0 and c1:
-                return None
-            (c, k), f = ((c0, k0), k1) if not c1 else ((c1, k1), k0)
-            return {n: f * v for n, v in c.items()}, f * k
-        (c0, k0), (c1, k1) = parts
-        sign = 1 if e.op == "add" else -1
-        coeffs = dict(c0)
-        for n, v in c1.items():
-            coeffs[n] = coeffs.get(n, 0) + sign * v
-        return {n: v for n, v in coeffs.items() if v}, k0 + sign * k1
-    return None
+        total += sign * int(value)
+    return coeffs, total
 
 
 def _fact(coeffs: dict[str, int], constant: int) -> Fact:

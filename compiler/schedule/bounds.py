@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..ir import Access, Call, Const, Expr, Index, Reduce, Var, format_expr, free_indices, reads, transform, walk
+from ..ir import (Call, Const, Expr, Index, Reduce, Var, constant, format_expr, free_indices, linear_form, reads,
+                  transform, walk)
 from ..ops import OPS, PREDICATES
 
 
@@ -26,14 +27,6 @@ def _conjuncts(e: Expr) -> list[Expr]:
     if isinstance(e, Call) and e.op == "and":
         return _conjuncts(e.args[0]) + _conjuncts(e.args[1])
     return [e]
-
-
-def constant(e: Expr) -> float | None:
-    """The value of an expression made of constants only (`-inf` is neg(inf))."""
-    if not all(isinstance(n, Const | Call) for n in walk(e)):
-        return None
-    from ..algebra.formula import evaluate
-    return float(evaluate(e, {}))
 
 
 def acts_as_identity(summary, k: int, value) -> bool:
@@ -100,35 +93,6 @@ class Bound:
         return f"{self.index} {OPS[self.op].symbol} {format_expr(self.side)}"
 
 
-def _linear(e: Expr) -> tuple[dict[str, int], list[tuple[int, Expr]]] | None:
-    """`e` as sum(c * index) + sum(+-term) with integer c and index-free terms, or None."""
-    if isinstance(e, Index):
-        return {e.name: 1}, []
-    if not free_indices(e) and not any(isinstance(n, Index | Reduce) for n in walk(e)):
-        return {}, [(1, e)]         # the same everywhere in the kernel: scalars, extents, constants
-    if isinstance(e, Call) and e.op in ("add", "sub"):
-        parts = [_linear(a) for a in e.args]
-        if None in parts:
-            return None
-        (c0, t0), (c1, t1) = parts
-        k = 1 if e.op == "add" else -1
-        coeffs = dict(c0)
-        for n, c in c1.items():
-            coeffs[n] = coeffs.get(n, 0) + k * c
-        return {n: c for n, c in coeffs.items() if c}, t0 + [(k * s, t) for s, t in t1]
-    if isinstance(e, Call) and e.op == "neg":
-        part = _linear(e.args[0])
-        return None if part is None else ({n: -c for n, c in part[0].items()}, [(-s, t) for s, t in part[1]])
-    if isinstance(e, Call) and e.op == "mul":
-        for a, b in (e.args, e.args[::-1]):
-            c = constant(a)
-            if c in (1, -1):
-                part = _linear(b)
-                return None if part is None else ({n: int(c) * v for n, v in part[0].items()},
-                                                  [(int(c) * s, t) for s, t in part[1]])
-    return None
-
-
 def _sum_of(terms: list[tuple[int, Expr]]) -> Expr:
     out: Expr | None = None
     for sign, t in terms:
@@ -145,7 +109,7 @@ def _bound(c: Expr, index: str, bound: tuple[str, ...]) -> Bound | None:
     `bound` indices), also with coefficient +-1."""
     if not (isinstance(c, Call) and c.op in _FLIP):
         return None
-    left, right = _linear(c.args[0]), _linear(c.args[1])
+    left, right = linear_form(c.args[0]), linear_form(c.args[1])
     if left is None or right is None:
         return None
     coeffs = dict(left[0])                  # left - right  op  0

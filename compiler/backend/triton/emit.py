@@ -38,11 +38,11 @@ import torch
 
 from ...errors import BackendError
 from ...program import positive_number
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, format_expr, walk
+from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, walk
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
-from ...schedule.bounds import assume_relation, constant, index_bounds, tile_tests
+from ...schedule.bounds import assume_relation, index_bounds, tile_tests
 from ...schedule.tiles import (
     STREAM_BLOCK,
     free_tile,

@@ -36,10 +36,10 @@ from string import Template
 
 import torch
 
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, children, format_expr, transform, walk
+from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, children, constant, format_expr, transform, walk
 from ...ops import OPS
 from ...schedule import KernelSchedule
-from ...schedule.bounds import Bound, assume_relation, constant, index_bounds
+from ...schedule.bounds import Bound, assume_relation, index_bounds
 from . import ops as emission
 from .emit import ident
 
