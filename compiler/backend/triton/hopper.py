@@ -43,17 +43,30 @@ from ...schedule.bounds import Bound, assume_relation, index_bounds
 from . import ops as emission
 from .emit import ident
 
-# The tiling the probe measured fastest at d = 128 on the H100 (docs/performance.md,
-# nineteenth session); at d = 64 the form measured no faster than the tl kernel, so the
-# contraction depth must be 128.  Two consumers of ROWS rows, key tiles of BLOCK_N.
+# rows of one consumer warpgroup: the warpgroup MMA's M
 ROWS = 64
-CONSUMERS = 2
-BLOCK_N = 128
-STAGES = 2
-CONSUMER_REGS, LOADER_REGS = 240, 24       # 232 / 40 spilled in the probe
-DEPTHS = (128,)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How one block of the form is cut: `consumers` warpgroups of ROWS rows each, key tiles
+    of `key_tile` rows through a ring of `stages` shared-memory buffers, and the registers a
+    thread each consumer and the loader asks for (warp_specialize's setmaxnreg)."""
+    consumers: int
+    key_tile: int
+    stages: int
+    consumer_regs: int
+    loader_regs: int
+
+    @property
+    def rows(self) -> int:
+        return self.consumers * ROWS
+
+
+# By contraction depth.  d = 128: the tiling the probe measured fastest on the H100
+# (docs/performance.md, nineteenth session; 232 / 40 registers spilled there).
+TILINGS = {128: Tiling(consumers=2, key_tile=128, stages=2, consumer_regs=240, loader_regs=24)}
 WIDTHS = (64, 128)
-MIN_ROWS = 128            # below one full row block the tl kernel's smaller tiles waste less
 OPERAND_DTYPES = {torch.bfloat16: "gl.bfloat16", torch.float16: "gl.float16"}
 # Operators that cost a transcendental or a division a score (their emission calls tl.exp, tl.log,
 # ... or a helper, or divides; a division by a literal power of two is exact and cheap).  With one
@@ -83,6 +96,7 @@ class HopperFold:
     weight_sum: str | None
     weighted: str
     dtype: torch.dtype           # of A, B, V
+    tiling: Tiling
 
 
 def gluon_available() -> bool:
@@ -153,10 +167,13 @@ def match(spec: KernelSchedule, ctx) -> HopperFold | str:
     dtypes = {ctx.tensors[x.tensor].dtype for x in (a, b, v) if x.tensor in ctx.tensors}
     if len(dtypes) != 1 or next(iter(dtypes)) not in OPERAND_DTYPES or {a.tensor, b.tensor, v.tensor} - ctx.input_names:
         return "the operands are not inputs of one 16-bit dtype"
-    if ctx.extent(depth) not in DEPTHS or ctx.extent(width) not in WIDTHS:
-        return f"contraction depth {ctx.extent(depth)} / value width {ctx.extent(width)} outside {DEPTHS} / {WIDTHS}"
-    if ctx.extent(rows) < MIN_ROWS or any(ctx.extent(x) < 1 for x in (keys, *batch)):
-        return f"fewer than {MIN_ROWS} rows or an empty index"
+    tiling = TILINGS.get(ctx.extent(depth))
+    if tiling is None or ctx.extent(width) not in WIDTHS:
+        return (f"contraction depth {ctx.extent(depth)} / value width {ctx.extent(width)} outside "
+                f"{tuple(TILINGS)} / {WIDTHS}")
+    # below one full row block the tl kernel's smaller tiles waste less
+    if ctx.extent(rows) < tiling.rows or any(ctx.extent(x) < 1 for x in (keys, *batch)):
+        return f"fewer than {tiling.rows} rows or an empty index"
     bounds = tuple(index_bounds(fold).get(keys, ()))
     for bound in bounds:
         if bound.other not in (rows, None, *batch) or not _integral(bound.offset):
@@ -180,7 +197,7 @@ def match(spec: KernelSchedule, ctx) -> HopperFold | str:
             elif not _elementwise(leaf, set(st.indices), ctx):
                 return f"statement {st.name} reads {format_expr(leaf)}"
     return HopperFold(fold, rows, keys, depth, width, batch, a, b, v, contraction, bounds, rs.leader,
-                      weight_sum, weighted, next(iter(dtypes)))
+                      weight_sum, weighted, next(iter(dtypes)), tiling)
 
 
 def _power_of_two(e: Expr) -> bool:
@@ -588,15 +605,17 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
         # each operand's TMA block and its shared-memory layout, module globals of the launcher
         globals_.append(f"{name}_{x}_block = {[1] * len(batch) + [height, ctx.extent(inner[1])]}")
         globals_.append(f"{name}_{x}_layout = gl.NVMMASharedLayout.get_default_for({name}_{x}_block, {dtype})")
-    workers = [f"{name}_part{n}" for n in range(1, CONSUMERS + 1)]
+    tiling = h.tiling
+    consumers = tiling.consumers
+    workers = [f"{name}_part{n}" for n in range(1, consumers + 1)]
     partitions = "".join(PARTITION.substitute(
         K=name, N=n, EXTRA=extra,
         CALL=(f"{name}_consumer({n}, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, row0, lo, "
-              f"hi, inner_lo, inner_hi, {extra})" if n < CONSUMERS else
+              f"hi, inner_lo, inner_hi, {extra})" if n < consumers else
               f"{name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, "
-              f"v_empty, row0, lo, hi, {extra})")) for n in range(CONSUMERS + 1))
+              f"v_empty, row0, lo, hi, {extra})")) for n in range(consumers + 1))
     before = any(not b.upper for b in h.bounds)
-    after = any(b.upper for b in h.bounds) or ctx.extent(h.keys) % BLOCK_N != 0
+    after = any(b.upper for b in h.bounds) or ctx.extent(h.keys) % tiling.key_tile != 0
     # (start, stop, MASKED) of each loop after the first tile: masked tiles on both sides share one
     # loop that tests each tile (the window: built in 4.2 s instead of 7.4 s on the H100, as fast);
     # one masked side keeps its own loop (causal: one loop measured 2-4% slower)
@@ -608,17 +627,17 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
                     f"t - lo, zeros, r, p, l,\n"
                     f"                                 acc, rows, {extra}, {masked})\n"
                     for start, stop, masked in ranges)
-    why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {CONSUMERS} consumer warpgroups "
+    why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {consumers} consumer warpgroups "
            f"of {ROWS} rows, each tile's scores issued before the previous tile's P V")
     source = SKELETON.substitute(
         K=name, EXTRA=extra, PARAMS=", ".join(params), WHY=why, LOOPS=loops,
-        CONSUMERS=CONSUMERS, COORDS="\n".join(coord_lines),
+        CONSUMERS=consumers, COORDS="\n".join(coord_lines),
         N_ROWS=n_rows, N_KEYS=n_keys, BOUNDS="\n".join(bounds), DTYPE=dtype, DEPTH=ctx.extent(h.depth),
         WIDTH=ctx.extent(h.width), A_AT=at["a"], B_AT=at["b"], V_AT=at["v"], A_BLOCK=block["a"],
         B_BLOCK=block["b"], V_BLOCK=block["v"], PARTITIONS=partitions.rstrip() + "\n",
         LISTED=", ".join(f"({w}, args)" for w in [f"{name}_part0", *workers]), WORKERS=", ".join(workers),
-        WARPS=", ".join(["4"] * (CONSUMERS - 1) + ["1"]),
-        REGS=", ".join([str(CONSUMER_REGS)] * (CONSUMERS - 1) + [str(LOADER_REGS)]))
+        WARPS=", ".join(["4"] * (consumers - 1) + ["1"]),
+        REGS=", ".join([str(tiling.consumer_regs)] * (consumers - 1) + [str(tiling.loader_regs)]))
     source = "\n".join(globals_) + "\n\n\n" + "\n\n".join([logits, store, source])
     launch = _launch_lines(h, spec, name, launch_args)
     return HopperCode(name, source, launch, why, helpers)
@@ -631,8 +650,9 @@ class _Clash(Exception):
 def _operands(h: HopperFold):
     """(role, access, its (row, inner) indices, the rows of its TMA block by name and by value)
     of each operand the loader copies."""
-    return (("a", h.a, (h.rows, h.depth), "ROWS", ROWS), ("b", h.b, (h.keys, h.depth), "BLOCK_N", BLOCK_N),
-            ("v", h.v, (h.keys, h.width), "BLOCK_N", BLOCK_N))
+    key_tile = h.tiling.key_tile
+    return (("a", h.a, (h.rows, h.depth), "ROWS", ROWS), ("b", h.b, (h.keys, h.depth), "BLOCK_N", key_tile),
+            ("v", h.v, (h.keys, h.width), "BLOCK_N", key_tile))
 
 
 def _coordinates(h: HopperFold, names) -> list[str]:
@@ -790,10 +810,10 @@ def _launch_lines(h: HopperFold, spec: KernelSchedule, name: str, launch_args: l
     results = [_view(st.name, st.indices, (h.rows, h.width)) for st in spec.statements if _stored_aligned(st, h)]
     grid = " * ".join(f'n["{x}"]' for x in h.batch) or "1"
     lines.append(f"    if _tma_ready({', '.join(views + results)}):")
-    lines.append(f"        {name}[(triton.cdiv(n[\"{h.rows}\"], {CONSUMERS * ROWS}), {grid})](")
+    lines.append(f"        {name}[(triton.cdiv(n[\"{h.rows}\"], {h.tiling.rows}), {grid})](")
     descriptors = [f"TensorDescriptor({view}, list({view}.shape), list({view}.stride()), {name}_{x}_block, "
                    f"{name}_{x}_layout)"
                    for view, x in zip(views, "abv")]
     lines.append("            " + ", ".join(descriptors) + ",")
-    lines.append("            " + ", ".join(launch_args) + f", BLOCK_N={BLOCK_N}, STAGES={STAGES}, num_warps=4)")
+    lines.append("            " + ", ".join(launch_args) + f", BLOCK_N={h.tiling.key_tile}, STAGES={h.tiling.stages}, num_warps=4)")
     return lines
