@@ -88,10 +88,11 @@ def test_every_kernel_of_the_differential_corpus_builds_for_hopper(caches):
 
 
 # The backward of test_grad's "sink" (attention with a per-head sink in the normaliser) is
-# left out of the build below: two of its contractions have three factors (no tl.dot), whose
-# broadcast products are 64 x 64 x 64-element tiles, and LLVM lowers them for many minutes
-# (docs/reliability.md, known gaps). The test after it pins that: once those tiles are
-# bounded the backward builds in seconds, that test fails, and "sink" returns here.
+# left out of the build below: its dQ kernel's fold over m weights a value over (i, m, k)
+# as a broadcast product of 64 x 64 x 64-element tiles, which LLVM lowers for minutes
+# (docs/reliability.md, known gaps; its dK and dV build in seconds since the twenty-third
+# session). The test after it pins that: once the backward builds in time, that test
+# fails, and "sink" returns here.
 TOO_SLOW_TO_BUILD = "grad-sink"
 
 

@@ -653,20 +653,23 @@ def test_saved_statistics_cost_the_forward_no_kernel_and_the_backward_no_normali
         assert len(program._saving.plan(**inputs).kernels) == len(program.plan(**inputs).kernels) == 1, case
     lse = compiler.compile(CORPUS["output_and_lse"][0], backend="triton")
     assert len(lse._saving.plan(**sizes).kernels) == len(lse.plan(**sizes).kernels)
-    # the recomputing backward folds row i's normaliser over m inside the loops over i of dK and dV
+    # the recomputing backward no longer folds row i's normaliser over m inside the loops over
+    # i of dK and dV (cubic work): they read its (r, l), which dQ's fold streams once a row and
+    # stores (twenty-third session)
     do, row = randn(70, 8), randn(70)
     recomputing = compiler.grad(CORPUS["attention"][0], backend="triton").plan(**sizes, dO=do)
-    assert {k.name for k in recomputing.kernels if _normalisers_in_loops(k.loops)} == {"einfold_dK", "einfold_dV"}
+    assert not any(_normalisers_in_loops(k.loops) for k in recomputing.kernels)
+    assert all("stored by einfold_dQ" in k.why for k in recomputing.kernels if k.name in ("einfold_dK", "einfold_dV"))
     saving = compiler.grad(CORPUS["attention"][0], backend="triton", saved=True).plan(**sizes, dO=do, lse_O=row,
                                                                                    O=randn(70, 8))
     assert [k.name for k in saving.kernels] == ["einfold_dQ", "einfold_dK", "einfold_dV"]
     assert not any(_normalisers_in_loops(k.loops) for k in saving.kernels)
     assert not any("_l_" in f or f.endswith("_l") for k in saving.kernels for f in _all_folds(k.loops))
     # FlashAttention's D = rowsum(dO * O) read from the output: dK and dV fold nothing over m
-    # inside their loop over i (the recomputing backward refolds row i over m there)
+    # inside their loop over i, nor does the recomputing backward now
     assert "sum[j](dO[i, j] * O[i, j])" in compiler.grad(CORPUS["attention"][0], saved=True).text
-    assert not any(_over("m", k.loops) for k in saving.kernels if k.name in ("einfold_dK", "einfold_dV"))
-    assert all(_over("m", k.loops) for k in recomputing.kernels if k.name in ("einfold_dK", "einfold_dV"))
+    assert not any(_over("m", k.loops) for k in (*saving.kernels, *recomputing.kernels)
+                   if k.name in ("einfold_dK", "einfold_dV"))
 
 
 def _plan_shape(plan):
@@ -956,6 +959,29 @@ def test_a_fold_an_earlier_kernel_streams_is_read_not_recomputed():
     layernorm = compiler.grad(CORPUS["layernorm"][0], backend="triton", saved=True)
     why = [k.why for k in layernorm.plan(X=randn(9, 70), G=randn(70), dY=randn(9, 70)).kernels]
     assert len(why) == 2 and "stored by einfold_dX" in why[1]
+
+
+def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl_dot():
+    # D[h,i] = sum[m](exp(x)) + exp(S[h]) has no softmax statistic to save.  dQ's kernel
+    # streams its (r, l) per row beside fields over k; dK and dV read them stored (one fold
+    # over m a row, where each refolded them for every i of every program: cubic), keep of
+    # their own fold over i only the running max they read, and take the row normaliser
+    # 1 / D[i] into a tl.dot operand (sum[i](P[m,i] * dO[i,j] / D[i]) was a broadcast
+    # product over 3-D tiles, which LLVM lowered for minutes)
+    source = CORPUS["sink"][0]
+    plan = compiler.grad(source, backend="triton", saved=True).plan(
+        Q=randn(2, 70, 16), K=randn(2, 90, 16), V=randn(2, 90, 8), S=randn(2), scale=0.25,
+        dO=randn(2, 70, 8), O=randn(2, 70, 8))
+    dq, dk, dv = plan.kernels[:3]
+    assert "stored by einfold_dQ" in dk.why and "stored by einfold_dQ" in dv.why
+    schedule = compiler.grad(source, backend="triton", saved=True).schedule
+    for kernel in schedule.kernels[1:3]:
+        assert "loop m" not in str(kernel), str(kernel)
+        assert all(f.summary.field_names == ("r",) for f in kernel.program_folds if f.summary.rescaled)
+    kernels = _kernels(_gpu_module(source, {"Q": (2, S, D), "K": (2, S, D), "V": (2, S, D), "S": (2,),
+                                            "dO": (2, S, D), "O": (2, S, D)}, scale=0.125))
+    for name in ("einfold_dK", "einfold_dV"):
+        assert "tl.dot(op" in kernels[name] and ", None, :]" not in kernels[name], kernels[name]
 
 
 def test_column_sums_tile_the_columns_and_every_tiling_fits_triton():

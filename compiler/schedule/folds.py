@@ -9,11 +9,13 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from ..algebra.properties import additive
+from ..algebra.summary import Summary
 from ..errors import BackendError
 from ..ir import (
     Access,
     Assign,
     Call,
+    Const,
     Expr,
     Extent,
     Index,
@@ -25,6 +27,7 @@ from ..ir import (
     with_children,
 )
 from ..passes.fuse import rename_indices
+from ..passes.stabilise import factors as quotient_factors, product
 
 
 @cache
@@ -100,6 +103,28 @@ def restrict(fold: Reduce, available: frozenset) -> Reduce | None:
         return fold
     if not keep:
         return None
+    return restrict_fields(fold, keep)
+
+
+def fields_read(s: Summary, name: str) -> list[str]:
+    """The fields whose states field `name` of `s` needs: itself and, transitively, those
+    its combine reads (a rescaled weight sum reads its running max), in field order."""
+    needed, todo = set(), [name]
+    while todo:
+        f = todo.pop()
+        if f not in needed:
+            needed.add(f)
+            combine = s.combine[s.field_names.index(f)]
+            todo += [v.name.split(".", 1)[1] for v in walk(combine) if isinstance(v, Var) and "." in v.name]
+    return [f for f in s.field_names if f in needed]
+
+
+def restrict_fields(fold: Reduce, keep: list[str]) -> Reduce:
+    """`fold` folding only the fields `keep` (closed under what their combines read), with
+    just the arguments those fields read."""
+    s = fold.summary
+    if len(keep) == len(s.field_names):
+        return replace(fold, result=None)
     used = sorted(set().union(*(s.arguments_of(f) for f in keep)))
     xs = {f"x{k}": Var(f"x{j}") for j, k in enumerate(used)}
     index = {f: s.field_names.index(f) for f in keep}
@@ -172,6 +197,27 @@ def flatten_mul(e: Expr) -> list[Expr]:
     return [e]
 
 
+def summed_factors(e: Expr, reduced: frozenset) -> list[Expr]:
+    """The factors of a summed product over `reduced`: flatten_mul's, except that a
+    quotient of a matrix product by a divisor over the reduced index and indices every
+    factor shares (`sum[i](P[m,i] * dO[i,j] / D[i])`, a row normaliser) gives its
+    numerator's factors and the divisor's reciprocal, which tl.dot takes into an operand
+    instead of a broadcast product of all three."""
+    out: list[Expr] = []
+    for part in flatten_mul(e):
+        numerator, denominator = quotient_factors(part)
+        inner = [set(free(f)) for f in numerator if set(free(f)) & reduced]
+        if denominator and len(inner) >= 2:
+            shared = set.intersection(*inner) - reduced
+            sides = set().union(*inner) - shared - reduced
+            divisor = product(denominator, [])
+            if len(sides) >= 2 and set(free(divisor)) - reduced <= shared:
+                out += numerator + [Call("div", (Const(1.0), divisor))]
+                continue
+        out.append(part)
+    return out
+
+
 @dataclass(frozen=True)
 class Contraction:
     """A matrix-product-like fold: a sum over one index of a product, or a rescaled
@@ -198,7 +244,7 @@ def contractions(e: Expr) -> list[Contraction]:
     def visit(n: Expr, bound: frozenset) -> None:
         parts = None
         if isinstance(n, Reduce) and additive(n.summary) and len(n.indices) == 1:
-            parts = flatten_mul(n.args[0])
+            parts = summed_factors(n.args[0], frozenset(n.indices))
         elif isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) and value_only_names(n):
             parts = list(n.args)
         if parts is not None:

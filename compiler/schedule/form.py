@@ -26,18 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError
-from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, alpha_key, children, format_expr, reads, walk,
-                  with_children)
+from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr, reads,
+                  walk, with_children)
 from ..passes.lower import lower
 from .bounds import index_bounds, tile_tests
 from .folds import (
     contraction_names,
     contractions,
     dot_batch_names,
+    fields_read,
     free,
     inline,
     narrow_projections,
     replace_folds,
+    restrict_fields,
     top_folds,
     value_only_names,
 )
@@ -208,26 +210,37 @@ class Former:
         """Folds nested in `expr` that miss one of its grid indices are recomputed by
         every program along that index (the backward's D = rowsum(dO * O) inside the
         dK loop, a layernorm's row statistics inside a column sum).  Where an earlier
-        kernel streams the same fold once per program (a program fold: one value per
-        row of its grid, so never a score-sized buffer), that kernel also stores it
-        into a float32 buffer (even where it stores the same value as an output: in
-        the output's dtype, a bf16 S would make Y less accurate than recomputing it
-        does) and `expr` reads the buffer instead (`exclude`: the
-        kernel `expr` joins, which cannot read what its own programs store)."""
+        kernel streams the same fold once per program (one value per row of its grid,
+        so never a score-sized buffer), that kernel also stores it into a float32
+        buffer (even where it stores the same value as an output: in the output's
+        dtype, a bf16 S would make Y less accurate than recomputing it does) and `expr`
+        reads the buffer instead (`exclude`: the kernel `expr` joins, which cannot read
+        what its own programs store).
+
+        A projection (`f.r`) needs only the fields it reads (`fields_read`): it is the
+        same value as that projection of any fold whose restriction to those fields is
+        its own, up to index and summary names.  So the row statistics (r, l) of a
+        sink's normaliser, which the dK kernel of its backward would refold over m for
+        every i, are stored by the dQ kernel, whose fold (r, l, u, ...) streams them
+        once per row beside fields over another index."""
         grid = set(_grid_of(expr, lhs)[0])
         table: dict[Reduce, Access] = {}
         notes: dict[str, list[str]] = {}         # what, by whom -> buffers
         for node in walk(expr):
             if not isinstance(node, Reduce) or node in table or grid <= free(node):
                 continue
-            key, order = alpha_key(node.fold)
+            wanted = _read_part(node)
+            key, order = _stored_key(wanted)
             for k in self.kernels:
-                match = None if k is exclude else next((f for f in k.program_folds if alpha_key(f)[0] == key), None)
+                match = None if k is exclude else next(
+                    ((f, part) for f in _storable(k, node) for part in [_read_part(replace(f, result=node.result))]
+                     if _stored_key(part)[0] == key), None)
                 if match is None:
                     continue
-                theirs = dict(zip(alpha_key(match)[1], order))          # k's names -> expr's names
-                indices = tuple(g for g in k.grid if g in free(match))
-                projection = replace(match, result=node.result)
+                fold, part = match
+                theirs = dict(zip(_stored_key(part)[1], order))          # k's names -> expr's names
+                indices = tuple(g for g in k.grid if g in free(part))
+                projection = replace(fold, result=node.result)
                 name = self.stored.get((k.name, projection))
                 if name is None:
                     name = self.stored[(k.name, projection)] = self._buffer_name()
@@ -278,7 +291,35 @@ class Former:
         return replace(s, expr=replace_folds(s.expr, table))
 
 
+def _unread_fields_dropped(k: _Draft) -> _Draft:
+    """`k` with each fold restricted to the fields some projection in the kernel reads
+    (`restrict_fields`): a fold the stabiliser gave fields that no statement reads (the
+    sink backward's dK reads only the running max r of a fold with three weighted sums
+    over 3-D values) would compute them all the same."""
+    read: dict[Reduce, set[str]] = {}
+    for st in k.statements:
+        for n in walk(st.expr):
+            if isinstance(n, Reduce):
+                read.setdefault(n.fold, set()).update(
+                    n.summary.field_names if n.result is None else fields_read(n.summary, n.result))
+    restricted: dict[Reduce, Reduce] = {}
+
+    def rewrite(e: Expr) -> Expr:
+        if isinstance(e, Reduce) and e.result is not None and len(read[e.fold]) < len(e.summary.field_names):
+            fold = restricted.setdefault(e.fold, restrict_fields(
+                e.fold, [f for f in e.summary.field_names if f in read[e.fold]]))
+            e = replace(fold, result=e.result)
+        return with_children(e, tuple(rewrite(c) for c in children(e)))
+
+    statements = tuple(replace(st, expr=rewrite(st.expr)) for st in k.statements)
+    if not restricted:
+        return k
+    program_folds = tuple(rewrite(restricted.get(f, f)) for f in k.program_folds)
+    return replace(k, statements=statements, program_folds=program_folds, dependent=_dependent(program_folds))
+
+
 def _frozen(k: _Draft) -> KernelSchedule:
+    k = _unread_fields_dropped(k)
     exprs = [s.expr for s in k.statements]
     return KernelSchedule(
         k.name, k.statements, k.grid, k.epilogue, k.why, loops(k), k.buffers, k.program_folds, k.dependent,
@@ -286,6 +327,37 @@ def _frozen(k: _Draft) -> KernelSchedule:
         dot_indices=frozenset().union(*(contraction_names(e) for e in exprs)),
         batch_indices=frozenset().union(*(dot_batch_names(e) for e in exprs)),
         value_only=frozenset().union(*(value_only_names(e) for e in exprs)))
+
+
+def _read_part(node: Reduce) -> Reduce:
+    """The fold a node reads: a projection's fold restricted to the fields it reads
+    (with its projection), else the fold itself."""
+    if node.result is None:
+        return node.fold
+    return replace(restrict_fields(node.fold, fields_read(node.summary, node.result)), result=node.result)
+
+
+def _stored_key(node: Reduce) -> tuple[Expr, tuple[str, ...]]:
+    """`node` up to index names (`alpha_key`) and, where it projects one field, up to its
+    summary's name and finalize, which a projection does not read."""
+    if node.result is not None:
+        node = replace(node, summary=replace(node.summary, name="", finalize=Var(node.result)))
+    return alpha_key(node)
+
+
+def _storable(k: _Draft, node: Reduce) -> list[Reduce]:
+    """Folds of kernel `k` that can store what `node` reads once per program: its program
+    folds and, for a projection, its top folds whose part read by that projection varies
+    over exactly k's grid."""
+    if node.result is None:
+        return list(k.program_folds)
+    found = [f for f in k.program_folds if node.result in f.summary.field_names]
+    for s in k.statements:
+        for f in top_folds(s.expr, s.indices):
+            if f not in found and node.result in f.summary.field_names and \
+                    free(_read_part(replace(f, result=node.result))) == set(k.grid):
+                found.append(f)
+    return found
 
 
 def _sub_folds(f: Reduce) -> set[Reduce]:

@@ -57,9 +57,9 @@ from ...schedule.tiles import (
 )
 from ...schedule.folds import (
     dot_batch_names,
-    flatten_mul,
     free,
     restrict,
+    summed_factors,
 )
 
 TL_DTYPES = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
@@ -1363,7 +1363,7 @@ class KernelEmitter:
     # sum: contraction-aware
     def sum_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         (field_name,) = fold.summary.field_names
-        factors = [self.value(f, body) for f in flatten_mul(fold.args[0])]
+        factors = [self.value(f, body) for f in summed_factors(fold.args[0], frozenset(fold.indices))]
         # an integer sum folds exactly: int64 products and state, never a float tl.dot
         exact = all(f.kind == "int" for f in factors)
         if not exact:
