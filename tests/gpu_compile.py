@@ -2,8 +2,9 @@
 
     TRITON_INTERPRET=0 python3 tests/gpu_compile.py [--dtypes bfloat16,float32] NAME...
 
-NAME: a program of test_differential.CORPUS, or grad-NAME: the backward program that
-autograd runs (compiler.grad(..., saved=True)) of test_grad.CORPUS's NAME.  For each
+NAME: a program of test_differential.CORPUS, grad-NAME: the backward program that
+autograd runs (compiler.grad(..., saved=True)) of test_grad.CORPUS's NAME, or
+recomputed-NAME: its backward that recomputes the forward's statistics (saved=False).  For each
 program, in each dtype (bfloat16 and float32 unless --dtypes says) at test_differential's
 large GPU sizes: the
 module the backend would run on a Hopper GPU (132 SMs: splits as there), its kernels'
@@ -128,9 +129,10 @@ def check(name: str, program: compiler.Program, dtype: torch.dtype, sizes: dict,
 def program_of(name: str) -> compiler.Program:
     from test_differential import CORPUS
     from test_grad import CORPUS as GRADIENTS
-    if name.startswith("grad-"):
-        source, _, _, wrt = GRADIENTS[name.removeprefix("grad-")]
-        return compiler.grad(source, wrt=wrt, backend="triton", saved=True)
+    for prefix, saved in (("grad-", True), ("recomputed-", False)):
+        if name.startswith(prefix):
+            source, _, _, wrt = GRADIENTS[name.removeprefix(prefix)]
+            return compiler.grad(source, wrt=wrt, backend="triton", saved=saved)
     return compiler.compile(CORPUS[name], backend="triton")
 
 

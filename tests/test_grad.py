@@ -172,6 +172,29 @@ def test_corpus_gradients_match_torch(case, backend):
     check_gradients(source, reference, make(), wrt, backend)
 
 
+RECOMPUTED = ["attention", "softcap", "bias", "alibi", "gqa", "sink", "output_and_lse", "cross_entropy"]
+
+
+@pytest.mark.parametrize("case", RECOMPUTED)
+def test_the_recomputing_backward_on_triton_matches_float64(case):
+    # compiler.grad's default recomputes the forward's statistics; its kernels read the row
+    # states dQ stores and contract split values with tl.dot (twenty-third session)
+    source, _, make, wrt = CORPUS[case]
+    inputs = make()
+    forward = compiler.compile(source, backend="reference")
+    out = forward(**inputs)
+    out = out if isinstance(out, tuple) else (out,)
+    upstream = {f"d{name}": randn(*o.shape, seed=7 + k) for k, (name, o) in enumerate(zip(forward.outputs, out))}
+    ours = compiler.grad(source, wrt=wrt, backend="triton")
+    oracle = compiler.grad(source, wrt=wrt, backend="reference")
+    given = {**inputs, **upstream}
+    want = oracle(**{n: v for n, v in given.items() if n in oracle.inputs})
+    got = ours(**{n: (v.to(DEVICE["triton"], torch.float32) if isinstance(v, torch.Tensor) else v)
+                  for n, v in given.items() if n in ours.inputs})
+    for name, g, w in zip(wrt, got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g.double().cpu(), w, **TOL["triton"], msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients_on_triton(dtype):
     # storage in half precision, folds in float32: errors of the order of the inputs' rounding
@@ -967,7 +990,8 @@ def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl
     # over m a row, where each refolded them for every i of every program: cubic), keep of
     # their own fold over i only the running max they read, and take the row normaliser
     # 1 / D[i] into a tl.dot operand (sum[i](P[m,i] * dO[i,j] / D[i]) was a broadcast
-    # product over 3-D tiles, which LLVM lowered for minutes)
+    # product over 3-D tiles, which LLVM lowered for minutes); dQ's fold weights the value
+    # K[m,k] * dP[i,m] as one tl.dot of P * dP and K, not a 3-D product either
     source = CORPUS["sink"][0]
     plan = compiler.grad(source, backend="triton", saved=True).plan(
         Q=randn(2, 70, 16), K=randn(2, 90, 16), V=randn(2, 90, 8), S=randn(2), scale=0.25,
@@ -980,7 +1004,7 @@ def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl
         assert all(f.summary.field_names == ("r",) for f in kernel.program_folds if f.summary.rescaled)
     kernels = _kernels(_gpu_module(source, {"Q": (2, S, D), "K": (2, S, D), "V": (2, S, D), "S": (2,),
                                             "dO": (2, S, D), "O": (2, S, D)}, scale=0.125))
-    for name in ("einfold_dK", "einfold_dV"):
+    for name in ("einfold_dQ", "einfold_dK", "einfold_dV"):
         assert "tl.dot(op" in kernels[name] and ", None, :]" not in kernels[name], kernels[name]
 
 

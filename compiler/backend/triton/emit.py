@@ -38,7 +38,7 @@ import torch
 
 from ...errors import BackendError
 from ...program import positive_number
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, walk
+from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform, walk
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
@@ -1509,7 +1509,9 @@ class KernelEmitter:
             code = f"({self.masked([c], target, product, '0.0')}).to({want})"
         if dims(target)[0] is not rows:
             flipped = self.transposed_load(fs[0], body) if len(fs) == 1 and code == fs[0].raw else None
-            code = flipped or f"tl.trans({code})"
+            # a load already laid out for another tl.dot reads as tl.trans(x): here it is x
+            untrans = re.fullmatch(r"tl\.trans\(([A-Za-z_]\w*)\)", code)
+            code = flipped or (untrans.group(1) if untrans else f"tl.trans({code})")
         if re.fullmatch(r"(tl\.trans\()?[A-Za-z_]\w*(\.to\(tl\.\w+\))?\)?", code):
             return code
         name = self.temp("op")
@@ -1571,7 +1573,8 @@ class KernelEmitter:
     def rescaled_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
         s = fold.summary
         cdt = self.ctx.cdt
-        xs = self.fold_arguments(fold, body)
+        split, unread = self.split_values(fold)
+        xs = self.fold_arguments(fold, body, skip=unread)
         state: dict[str, Value] = {}
         updates: list[str] = []
         for rs in s.rescaled:
@@ -1642,9 +1645,23 @@ class KernelEmitter:
             shifts = self.shifts(rs, r_val, r_use, lit, body)
             shift_at = len(body.lines)          # the shifts read the weight sum before its update
             for fname, v_expr in rs.values:
-                v = self.as_float(self.formula(v_expr, {**xs, "r": r_use}, body))
-                factors = [p] if v.const == 1.0 else [p, v]
-                dot = self.dot_plan(factors, dims(RA))
+                if split:
+                    # a split value's tl.dot may have laid its operand loads out anew: the
+                    # arguments as the scopes now remember them
+                    xs = {x: self.as_float(self.value(fold.args[int(x[1:])], body)) for x in xs}
+                dot = None
+                if fname in split:
+                    # the value's own factors beside the weights: a matrix product where the value
+                    # as a whole spans both sides of it (a 3-D broadcast product)
+                    parts = summed_factors(split[fname], frozenset(fold.indices))
+                    factors = [p] + [self.as_float(self.value(f, body)) for f in parts]
+                    dot = self.dot_plan(factors, dims(RA))
+                    if dot is None:
+                        xs.update({x: self.fold_arguments(fold, body, only=x) for x in unread if x not in xs})
+                if dot is None:
+                    v = self.as_float(self.formula(v_expr, {**xs, "r": r_use}, body))
+                    factors = [p] if v.const == 1.0 else [p, v]
+                    dot = self.dot_plan(factors, dims(RA))
                 FT = self.accumulator_axes(dot, RA)
                 in_place = FT is not None and set(alpha.axes) <= set(FT)
                 t = self.state_var(prefix, fname, role="acc" if in_place else None)
@@ -1684,6 +1701,9 @@ class KernelEmitter:
         body.lines.extend(updates)
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
+            if split:      # generic_fold reads every argument's kind
+                xs = {x: self.as_float(self.value(fold.args[int(x[1:])], body)) for x in xs}
+                xs.update({x: self.fold_arguments(fold, body, only=x) for x in unread if x not in xs})
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, finish, fields=rest, xs=xs))
         return state
 
@@ -1721,11 +1741,44 @@ class KernelEmitter:
         r_old = self.stand_in(r, lit, body, "r_old")
         return {f: (self.formula(s_k, {"r": r_old, "r_new": r_new}, body), total) for f, s_k, total in rs.shifts}
 
-    def fold_arguments(self, fold: Reduce, body: Scope, exact: bool = False) -> dict[str, Value]:
+    def fold_arguments(self, fold: Reduce, body: Scope, exact: bool = False, skip: frozenset = frozenset(),
+                       only: str | None = None):
         """The fold's arguments on the tile, named as the derivation names them (x0, x1, ...);
-        `exact`: integer arguments stay integers (for the fields that fold them exactly)."""
-        xs = {f"x{k}": self.renamed(self.value(a, body), f"x{k}", body) for k, a in enumerate(fold.args)}
-        return {x: v if exact and v.kind == "int" else self.as_float(v) for x, v in xs.items()}
+        `exact`: integer arguments stay integers (for the fields that fold them exactly);
+        `skip`: names not computed here (split_values'); `only`: that one argument's value."""
+        xs = {f"x{k}": self.renamed(self.value(a, body), f"x{k}", body) for k, a in enumerate(fold.args)
+              if f"x{k}" not in skip and only in (None, f"x{k}")}
+        xs = {x: v if exact and v.kind == "int" else self.as_float(v) for x, v in xs.items()}
+        return xs[only] if only is not None else xs
+
+    def split_values(self, fold: Reduce) -> tuple[dict[str, Expr], frozenset]:
+        """({field: its value over the fold's arguments} for the rescaled fields whose value
+        spans two sides of a matrix product with the weights while none of its factors does
+        (`K[m,k] * dP[i,m]` beside weights over (i, m): one tl.dot of P * dP and K, where the
+        whole value is a 3-D tile), the arguments only those values read)."""
+        s = fold.summary
+        reduced = frozenset(fold.indices)
+        args = {f"x{k}": a for k, a in enumerate(fold.args)}
+        weights = {i for rs in s.rescaled for n in walk(rs.leader_arg) if isinstance(n, Var) and n.name in args
+                   for i in free(args[n.name])}
+        out: dict[str, Expr] = {}
+        for rs in s.rescaled:
+            for fname, v in rs.values:
+                names = {n.name for n in walk(v) if isinstance(n, Var)}
+                if not names or not names <= set(args):
+                    continue
+                value = transform(v, lambda n: args[n.name] if isinstance(n, Var) else n)
+                parts = [set(free(f)) for f in summed_factors(value, reduced)]
+                inner = [weights] + [f for f in parts if f & reduced]
+                shared = set.intersection(*inner) - reduced
+                if len(set(free(value)) - shared - reduced) > 1 and \
+                        all(len(f - shared - reduced) <= 1 for f in inner):
+                    out[fname] = value
+        kept = [e for rs in s.rescaled for e in (rs.leader_arg, rs.weight, *(v for f, v in rs.values if f not in out))]
+        valued = {f for rs in s.rescaled for f, _ in rs.values} | {rs.leader for rs in s.rescaled}
+        kept += [lift for f, lift in zip(s.field_names, s.lift) if f not in valued]
+        read = {n.name for e in kept for n in walk(e) if isinstance(n, Var)}
+        return out, frozenset(args) - read
 
     def field_kinds(self, s, xs: dict[str, Value]) -> dict[str, str]:
         """Each field's kind on these arguments (Summary.field_types): int where it folds
