@@ -322,6 +322,14 @@ EQUIVALENT = {
     # ALiBi under a causal mask: the mask decides the distance's sign (canonicalise rule 6)
     "causal_distance": ("O[i,j] = softmax[m](where(m <= i, X[i,m] - A[i] * abs(i - m), -inf)) * V[m,j]",
                         "O[i,j] = softmax[m](where(m <= i, X[i,m] - (i - m) * A[i], -inf)) * V[m,j]"),
+    # a mask by what it excludes, or negated: one orientation (canonicalise rule 7), whose
+    # loop bounds cut the tiles no row reads (both ran every tile before)
+    "causal_by_exclusion": ("O[i,j] = softmax[m](where(m > i, -inf, X[i,m])) * V[m,j]",
+                            "O[i,j] = softmax[m](where(m <= i, X[i,m], -inf)) * V[m,j]"),
+    "causal_negated": ("O[i,j] = softmax[m](where(not (m > i), X[i,m], -inf)) * V[m,j]",
+                       "O[i,j] = softmax[m](where(m <= i, X[i,m], -inf)) * V[m,j]"),
+    "window_by_exclusion": ("O[i,j] = softmax[m](where(m > i or i - m >= 8, -inf, X[i,m])) * V[m,j]",
+                            "O[i,j] = softmax[m](where(m <= i and i - m < 8, X[i,m], -inf)) * V[m,j]"),
 }
 
 
@@ -352,6 +360,26 @@ def test_a_where_decides_the_sign_of_index_expressions_in_its_branches():
                    "Y[i,m] = where(m <= i and X[i,m] > 0, X[i,m], abs(i - m))",
                    "Y[i,m] = where(m <= i, sum[m](X[i,m] * abs(i - m)), 0.0)"):
         assert "abs(" in _canonical(source), source
+
+
+def test_a_mask_has_one_orientation():
+    # the constant branch last; not pushed inward through and / or, into == / != and into
+    # ordered comparisons of integers, never of floats (NaN fails both x > 0 and x <= 0)
+    assert _canonical("Y[i,m] = where(m > i or i - m >= 8, 0.0, X[i,m])") == \
+        "where(i - m < 8 and m <= i, X[i, m], 0.0)"
+    assert _canonical("Y[i,m] = where(not (X[i,m] > 0.0), -inf, X[i,m])") == "where(X[i, m] > 0.0, X[i, m], -inf)"
+    assert _canonical("Y[i,m] = where(not (X[i,m] > 0.0), X[i,m], -inf)") == \
+        "where(not X[i, m] > 0.0, X[i, m], -inf)"
+    assert _canonical("Y[i,m] = where(not (D[i] != D[m]), X[i,m], -inf)") == _canonical(
+        "Y[i,m] = where(D[i] == D[m], X[i,m], -inf)")
+    assert _canonical("Y[i,m] = where(not not (m <= i), X[i,m], 0.0)") == "where(m <= i, X[i, m], 0.0)"
+    # two constant branches, or none, keep their order
+    assert "where(m > i, 0.0, 1.0)" in _canonical("Y[i,m] = where(m > i, 0.0, 1.0) * X[i,m]")
+    # the loop of every causal spelling is bounded
+    from compiler.schedule import schedule
+    for source in (*EQUIVALENT["causal_by_exclusion"], EQUIVALENT["causal_negated"][0]):
+        program = run_pipeline(check(parse(source)))
+        assert "loop m [bounds: m <= i]" in str(schedule(program, program.outputs)), source
 
 
 @pytest.mark.parametrize("name", sorted(EQUIVALENT))
@@ -692,6 +720,8 @@ FIXED_THIS_ROUND = {
     "a ninth central moment": "mu[i] = mean[j](X[i,j]); Z[i] = sum[j]((X[i,j] - mu[i])**9)",
     # the twenty-second session's: the mask decides the sign of the distance (canonicalise rule 6)
     **{f"causal distance {k}": source for k, source in enumerate(EQUIVALENT["causal_distance"])},
+    # the twenty-third session's: a mask by what it excludes (canonicalise rule 7)
+    **{f"window by exclusion {k}": source for k, source in enumerate(EQUIVALENT["window_by_exclusion"])},
 }
 
 

@@ -50,6 +50,15 @@
    or composite inside binds its own indices, about which the comparisons
    outside say nothing.
 
+7. A mask has one orientation: `where(p, c, x)` with a constant c and a
+   non-constant x is where(not p, x, c), the constant last, as a bound reads
+   it; and `not` is pushed inward: not (a and b) = not a or not b (and dually),
+   not not p = p, not (a == b) = a != b (and back), and the complement of an
+   ordered comparison of integers, not (m > i) = m <= i.  An ordered comparison
+   of floats keeps its `not`: NaN fails both x < y and x >= y.  So
+   where(m > i or i - m >= W, -inf, s) is where(m <= i and i - m < W, s, -inf),
+   whose loop the bounds of the window cut.
+
 Free (left-hand) indices keep the names the program gives them."""
 from __future__ import annotations
 
@@ -470,6 +479,38 @@ def decide_signs(e: Expr) -> Expr:
     return done[0]
 
 
+COMPLEMENT = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}
+ORDERED = frozenset({"le", "lt", "ge", "gt"})
+
+
+def negation(p: Expr, types: ExpressionTypes) -> Expr:
+    """`not p` with the `not` pushed inward (rule 7)."""
+    if isinstance(p, Const) and isinstance(p.value, bool):
+        return Const(not p.value)
+    if isinstance(p, Call):
+        if p.op == "not":
+            return p.args[0]
+        if p.op in ("and", "or"):
+            return Call("or" if p.op == "and" else "and", tuple(negation(a, types) for a in p.args))
+        if p.op in COMPLEMENT and (p.op not in ORDERED or all(types(a) == INT for a in p.args)):
+            return Call(COMPLEMENT[p.op], p.args)
+    return Call("not", (p,))
+
+
+def orient_masks(e: Expr, types: ExpressionTypes) -> Expr:
+    """Rule 7 on `e`: constant branches of a where last, `not` pushed inward."""
+    def orient(n: Expr) -> Expr:
+        if isinstance(n, Call) and n.op == "not":
+            return negation(n.args[0], types)
+        if isinstance(n, Call) and n.op == "where" and constant(n.args[1]) is not None and \
+                constant(n.args[2]) is None:
+            return Call("where", (negation(n.args[0], types), n.args[2], n.args[1]))
+        return n
+    if not any(isinstance(n, Call) and n.op in ("not", "where") for n in walk(e)):
+        return e
+    return transform(e, orient)
+
+
 def _linear_forms(e: Expr, types: ExpressionTypes) -> Expr:
     elsewhere = frozenset(n for n in walk(e) if is_sum(n))
     return order_operands(transform(e, lambda n: merge_sums(nest_sums(n, elsewhere))), types)
@@ -538,8 +579,8 @@ def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
     types = ExpressionTypes({s.name: s.dtype for s in program.statements})
     statements = tuple(
-        replace(s, expr=_linear_forms(order_operands(decide_signs(binders.rename(transform(s.expr, natural_base))),
-                                                     types), types))
+        replace(s, expr=_linear_forms(order_operands(decide_signs(orient_masks(
+            binders.rename(transform(s.expr, natural_base)), types)), types), types))
         for s in program.statements)
     named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
         n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}
