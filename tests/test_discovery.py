@@ -373,13 +373,28 @@ def test_a_mask_has_one_orientation():
     assert _canonical("Y[i,m] = where(not (D[i] != D[m]), X[i,m], -inf)") == _canonical(
         "Y[i,m] = where(D[i] == D[m], X[i,m], -inf)")
     assert _canonical("Y[i,m] = where(not not (m <= i), X[i,m], 0.0)") == "where(m <= i, X[i, m], 0.0)"
-    # two constant branches, or none, keep their order
-    assert "where(m > i, 0.0, 1.0)" in _canonical("Y[i,m] = where(m > i, 0.0, 1.0) * X[i,m]")
+    # between two constants, the one a mask sets where it excludes goes last: a non-finite
+    # one, else 0; two of one kind, and two non-constants, keep their order
+    assert "where(m <= i, 1.0, 0.0)" in _canonical("Y[i,m] = where(m > i, 0.0, 1.0) * X[i,m]")
+    assert "where(m <= i, 0.0, inf)" in _canonical("Y[i,m] = X[i,m] - where(m > i, inf, 0.0)")
+    assert "where(m > i, 2.0, 1.0)" in _canonical("Y[i,m] = where(m > i, 2.0, 1.0) * X[i,m]")
+    assert "where(m > i, X[i, m], 2 * X[i, m])" in _canonical("Y[i,m] = where(m > i, X[i,m], 2 * X[i,m])")
     # the loop of every causal spelling is bounded
     from compiler.schedule import schedule
-    for source in (*EQUIVALENT["causal_by_exclusion"], EQUIVALENT["causal_negated"][0]):
+    for source in (*EQUIVALENT["causal_by_exclusion"], EQUIVALENT["causal_negated"][0],
+                   "O[i,j] = softmax[m](X[i,m] - where(m > i, inf, 0.0)) * V[m,j]",
+                   "O[i,j] = softmax[m](X[i,m] + where(m > i, -inf, 0.0)) * V[m,j]",
+                   "Y[i] = sum[m](X[i,m] * where(m > i, 0.0, 1.0))"):
         program = run_pipeline(check(parse(source)))
         assert "loop m [bounds: m <= i]" in str(schedule(program, program.outputs)), source
+    # and computes the causal program (the Triton kernels on CPU, against torch in float64)
+    x, v = torch.randn(7, 9, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    keep = torch.arange(9)[None, :] <= torch.arange(7)[:, None]
+    want = torch.softmax(x.masked_fill(~keep, -math.inf), 1) @ v
+    for source in ("O[i,j] = softmax[m](X[i,m] - where(m > i, inf, 0.0)) * V[m,j]",
+                   "O[i,j] = softmax[m](where(not (m > i), X[i,m], -inf)) * V[m,j]"):
+        got = compiler.compile(source, backend="triton")(X=x.float().to(DEVICE), V=v.float().to(DEVICE))
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(EQUIVALENT))

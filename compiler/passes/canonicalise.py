@@ -52,7 +52,9 @@
 
 7. A mask has one orientation: `where(p, c, x)` with a constant c and a
    non-constant x is where(not p, x, c), the constant last, as a bound reads
-   it; and `not` is pushed inward: not (a and b) = not a or not b (and dually),
+   it; between two constants the one a mask sets where it excludes goes last
+   (a non-finite one, else 0: where(m > i, inf, 0) is where(m <= i, 0, inf));
+   and `not` is pushed inward: not (a and b) = not a or not b (and dually),
    not not p = p, not (a == b) = a != b (and back), and the complement of an
    ordered comparison of integers, not (m > i) = m <= i.  An ordered comparison
    of floats keeps its `not`: NaN fails both x < y and x >= y.  So
@@ -497,13 +499,25 @@ def negation(p: Expr, types: ExpressionTypes) -> Expr:
     return Call("not", (p,))
 
 
+def _excluding(first: Expr, second: Expr) -> bool:
+    """Whether `first` reads as the value a mask sets where it excludes, and `second` does
+    not: a constant beside a non-constant; between constants, a non-finite one (a logit's
+    -inf, a subtracted inf) before a finite one, and 0 (a factor's) before a non-zero."""
+    a, b = constant(first), constant(second)
+    if a is None:
+        return False
+    if b is None:
+        return True
+    rank = [2 if not math.isfinite(v) else 1 if v == 0 else 0 for v in (a, b)]
+    return rank[0] > rank[1]
+
+
 def orient_masks(e: Expr, types: ExpressionTypes) -> Expr:
     """Rule 7 on `e`: constant branches of a where last, `not` pushed inward."""
     def orient(n: Expr) -> Expr:
         if isinstance(n, Call) and n.op == "not":
             return negation(n.args[0], types)
-        if isinstance(n, Call) and n.op == "where" and constant(n.args[1]) is not None and \
-                constant(n.args[2]) is None:
+        if isinstance(n, Call) and n.op == "where" and _excluding(n.args[1], n.args[2]):
             return Call("where", (negation(n.args[0], types), n.args[2], n.args[1]))
         return n
     if not any(isinstance(n, Call) and n.op in ("not", "where") for n in walk(e)):
