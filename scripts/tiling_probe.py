@@ -67,7 +67,8 @@ def main(names: list[str]) -> None:
         b, h = 16384 // s, 2048 // DEPTH
         for causal in (False, True):
             g = torch.Generator(device="cuda").manual_seed(0)
-            x = {n: torch.randn(b, h, s, DEPTH, device="cuda", dtype=torch.bfloat16, generator=g) for n in "QKV"}
+            x = {n: torch.randn(b, h, s, DEPTH, device="cuda", dtype=torch.bfloat16, generator=g)
+                 for n in "QKV"}
             x["scale"] = 1 / math.sqrt(DEPTH)
             baseline = sdpa_cudnn(causal)
             want = baseline(x).float()
@@ -80,8 +81,8 @@ def main(names: list[str]) -> None:
                                                             return_mode="median"))
             ms = {n: statistics.median(t) for n, t in times.items()}
             flops = 4 * b * h * s * s * DEPTH / (2 if causal else 1)
-            row = {"case": f"B{b} H{h} S{s} d{DEPTH}{' causal' if causal else ''}", "ms": ms, "max_abs_err": errors,
-                   "tflops": {n: flops / t / 1e9 for n, t in ms.items()}}
+            row = {"case": f"B{b} H{h} S{s} d{DEPTH}{' causal' if causal else ''}", "ms": ms,
+                   "max_abs_err": errors, "tflops": {n: flops / t / 1e9 for n, t in ms.items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = os.environ.get("OUT")

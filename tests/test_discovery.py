@@ -367,7 +367,8 @@ def test_a_mask_has_one_orientation():
     # ordered comparisons of integers, never of floats (NaN fails both x > 0 and x <= 0)
     assert _canonical("Y[i,m] = where(m > i or i - m >= 8, 0.0, X[i,m])") == \
         "where(i - m < 8 and m <= i, X[i, m], 0.0)"
-    assert _canonical("Y[i,m] = where(not (X[i,m] > 0.0), -inf, X[i,m])") == "where(X[i, m] > 0.0, X[i, m], -inf)"
+    assert _canonical("Y[i,m] = where(not (X[i,m] > 0.0), -inf, X[i,m])") == \
+        "where(X[i, m] > 0.0, X[i, m], -inf)"
     assert _canonical("Y[i,m] = where(not (X[i,m] > 0.0), X[i,m], -inf)") == \
         "where(not X[i, m] > 0.0, X[i, m], -inf)"
     assert _canonical("Y[i,m] = where(not (D[i] != D[m]), X[i,m], -inf)") == _canonical(
@@ -736,7 +737,10 @@ FIXED_THIS_ROUND = {
     # the twenty-second session's: the mask decides the sign of the distance (canonicalise rule 6)
     **{f"causal distance {k}": source for k, source in enumerate(EQUIVALENT["causal_distance"])},
     # the twenty-third session's: a mask by what it excludes (canonicalise rule 7)
-    **{f"window by exclusion {k}": source for k, source in enumerate(EQUIVALENT["window_by_exclusion"])},
+    **{f"{name.replace('_', ' ')} {k}": source for name in ("causal_by_exclusion", "causal_negated",
+                                                           "window_by_exclusion")
+       for k, source in enumerate(EQUIVALENT[name])},
+    "causal by a subtracted inf": "O[i,j] = softmax[m](X[i,m] - where(m > i, inf, 0.0)) * V[m,j]",
 }
 
 

@@ -4,8 +4,9 @@ Every program of the differential corpus (test_differential.CORPUS: the pass lib
 the equivalent spellings, the discovery table, the first round's GPU-only crashes, the
 empty and launch cases), in bfloat16 and float32, the backward that autograd runs
 for each program of the gradient corpus (test_grad.CORPUS), in bfloat16, and the
-recomputing backward of two of them, is specialised to large sizes. Each kernel launch, with every autotuning candidate, is then built by Triton's
-compiler for Hopper (sm_90): the frontend, the GPU passes and ptxas, with the argument
+recomputing backward of two of them, is specialised to large sizes. Each kernel
+launch, with every autotuning candidate, is then built by Triton's compiler for
+Hopper (sm_90): the frontend, the GPU passes and ptxas, with the argument
 specialisation Triton's launcher would give.
 
 The interpreter never runs that compiler. A kernel that would fail only on the GPU

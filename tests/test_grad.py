@@ -184,14 +184,16 @@ def test_the_recomputing_backward_on_triton_matches_float64(case):
     forward = compiler.compile(source, backend="reference")
     out = forward(**inputs)
     out = out if isinstance(out, tuple) else (out,)
-    upstream = {f"d{name}": randn(*o.shape, seed=7 + k) for k, (name, o) in enumerate(zip(forward.outputs, out))}
+    upstream = {f"d{name}": randn(*o.shape, seed=7 + k)
+                for k, (name, o) in enumerate(zip(forward.outputs, out))}
     ours = compiler.grad(source, wrt=wrt, backend="triton")
     oracle = compiler.grad(source, wrt=wrt, backend="reference")
     given = {**inputs, **upstream}
     want = oracle(**{n: v for n, v in given.items() if n in oracle.inputs})
     got = ours(**{n: (v.to(DEVICE["triton"], torch.float32) if isinstance(v, torch.Tensor) else v)
                   for n, v in given.items() if n in ours.inputs})
-    for name, g, w in zip(wrt, got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+    got, want = (r if isinstance(r, tuple) else (r,) for r in (got, want))
+    for name, g, w in zip(wrt, got, want, strict=True):
         torch.testing.assert_close(g.double().cpu(), w, **TOL["triton"], msg=name)
 
 
@@ -682,7 +684,8 @@ def test_saved_statistics_cost_the_forward_no_kernel_and_the_backward_no_normali
     do, row = randn(70, 8), randn(70)
     recomputing = compiler.grad(CORPUS["attention"][0], backend="triton").plan(**sizes, dO=do)
     assert not any(_normalisers_in_loops(k.loops) for k in recomputing.kernels)
-    assert all("stored by einfold_dQ" in k.why for k in recomputing.kernels if k.name in ("einfold_dK", "einfold_dV"))
+    assert all("stored by einfold_dQ" in k.why for k in recomputing.kernels
+               if k.name in ("einfold_dK", "einfold_dV"))
     saving = compiler.grad(CORPUS["attention"][0], backend="triton", saved=True).plan(**sizes, dO=do, lse_O=row,
                                                                                    O=randn(70, 8))
     assert [k.name for k in saving.kernels] == ["einfold_dQ", "einfold_dK", "einfold_dV"]
@@ -739,7 +742,9 @@ def test_the_saved_backward_reads_an_output_its_adjoint_reads_whatever_the_spell
             torch.testing.assert_close(g, w)
         results.append(got)
         plan = compiler.grad(source, wrt=("Q", "K", "V", "S"), backend="triton", saved=True).plan(**given)
-        plans.append(_plan_shape(plan))
+        # and the recomputing backward, which reads the normaliser's (r, l) from dQ's buffers
+        recomputing = compiler.grad(source, wrt=("Q", "K", "V", "S"), backend="triton").plan(**inputs)
+        plans.append((_plan_shape(plan), _plan_shape(recomputing)))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
     assert plans[0] == plans[1]
@@ -996,7 +1001,7 @@ def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl
     plan = compiler.grad(source, backend="triton", saved=True).plan(
         Q=randn(2, 70, 16), K=randn(2, 90, 16), V=randn(2, 90, 8), S=randn(2), scale=0.25,
         dO=randn(2, 70, 8), O=randn(2, 70, 8))
-    dq, dk, dv = plan.kernels[:3]
+    _, dk, dv = plan.kernels[:3]
     assert "stored by einfold_dQ" in dk.why and "stored by einfold_dQ" in dv.why
     schedule = compiler.grad(source, backend="triton", saved=True).schedule
     for kernel in schedule.kernels[1:3]:

@@ -408,6 +408,11 @@ def _index_form(e: Expr) -> tuple[dict[str, int], int] | None:
     return coeffs, total
 
 
+# the comparison that holds exactly where one fails (for an ordered one, where no side is NaN)
+COMPLEMENT = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}
+ORDERED = frozenset({"le", "lt", "ge", "gt"})
+
+
 def _fact(coeffs: dict[str, int], constant: int) -> Fact:
     return tuple(sorted(coeffs.items())), constant
 
@@ -416,12 +421,11 @@ def _facts(condition: Expr, holds: bool) -> list[Fact]:
     """What `condition` says where it holds (each comparison conjunct), or where it
     fails (a single comparison), as facts d >= 0."""
     comparisons = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}
-    negated = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le"}
     if holds and isinstance(condition, Call) and condition.op == "and":
         return _facts(condition.args[0], True) + _facts(condition.args[1], True)
     if not (isinstance(condition, Call) and condition.op in comparisons):
         return []
-    op = condition.op if holds else negated[condition.op]
+    op = condition.op if holds else COMPLEMENT[condition.op]
     left, right = (_index_form(a) for a in condition.args)
     if left is None or right is None:
         return []
@@ -479,10 +483,6 @@ def decide_signs(e: Expr) -> Expr:
                 node = (where_nonneg if sign else where_nonpos)(node.args)
         done.append(node)
     return done[0]
-
-
-COMPLEMENT = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}
-ORDERED = frozenset({"le", "lt", "ge", "gt"})
 
 
 def negation(p: Expr, types: ExpressionTypes) -> Expr:

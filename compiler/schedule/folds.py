@@ -197,6 +197,13 @@ def flatten_mul(e: Expr) -> list[Expr]:
     return [e]
 
 
+def contraction_sides(factors: list[frozenset], reduced: frozenset) -> tuple[frozenset, frozenset]:
+    """(batch, sides) of a product over `reduced` whose factors reading it vary over these
+    indices: the indices every such factor reads, and the others (tl.dot's rows and columns)."""
+    batch = frozenset.intersection(*factors) - reduced
+    return batch, frozenset().union(*factors) - batch - reduced
+
+
 def summed_factors(e: Expr, reduced: frozenset) -> list[Expr]:
     """The factors of a summed product over `reduced`: flatten_mul's, except that a
     quotient of a matrix product by a divisor over the reduced index and indices every
@@ -206,12 +213,11 @@ def summed_factors(e: Expr, reduced: frozenset) -> list[Expr]:
     out: list[Expr] = []
     for part in flatten_mul(e):
         numerator, denominator = quotient_factors(part)
-        inner = [set(free(f)) for f in numerator if set(free(f)) & reduced]
+        inner = [free(f) for f in numerator if free(f) & reduced]
         if denominator and len(inner) >= 2:
-            shared = set.intersection(*inner) - reduced
-            sides = set().union(*inner) - shared - reduced
+            shared, sides = contraction_sides(inner, reduced)
             divisor = product(denominator, [])
-            if len(sides) >= 2 and set(free(divisor)) - reduced <= shared:
+            if len(sides) >= 2 and free(divisor) - reduced <= shared:
                 out += numerator + [Call("div", (Const(1.0), divisor))]
                 continue
         out.append(part)
@@ -251,8 +257,7 @@ def contractions(e: Expr) -> list[Contraction]:
             reduced = frozenset(n.indices)
             factors = tuple(f for f in (frozenset(free_indices(p)) for p in parts) if f & reduced)
             if factors:
-                batch = frozenset.intersection(*factors) - reduced
-                sides = frozenset().union(*factors) - batch - reduced
+                batch, sides = contraction_sides(list(factors), reduced)
                 if sides:
                     out.append(Contraction(reduced, sides, batch, factors, bound))
         inner = bound | set(n.indices) if isinstance(n, Reduce) else bound

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError
-from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr, reads,
-                  walk, with_children)
+from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr,
+                  reads, walk, with_children)
 from ..passes.lower import lower
 from .bounds import index_bounds, tile_tests
 from .folds import (
@@ -232,9 +232,9 @@ class Former:
             wanted = _read_part(node)
             key, order = _stored_key(wanted)
             for k in self.kernels:
-                match = None if k is exclude else next(
-                    ((f, part) for f in _storable(k, node) for part in [_read_part(replace(f, result=node.result))]
-                     if _stored_key(part)[0] == key), None)
+                parts = [] if k is exclude else [(f, _read_part(replace(f, result=node.result)))
+                                                 for f in _storable(k, node)]
+                match = next(((f, part) for f, part in parts if _stored_key(part)[0] == key), None)
                 if match is None:
                     continue
                 fold, part = match
@@ -306,9 +306,10 @@ def _unread_fields_dropped(k: _Draft) -> _Draft:
 
     def rewrite(e: Expr) -> Expr:
         if isinstance(e, Reduce) and e.result is not None and len(read[e.fold]) < len(e.summary.field_names):
-            fold = restricted.setdefault(e.fold, restrict_fields(
-                e.fold, [f for f in e.summary.field_names if f in read[e.fold]]))
-            e = replace(fold, result=e.result)
+            if e.fold not in restricted:
+                keep = [f for f in e.summary.field_names if f in read[e.fold]]
+                restricted[e.fold] = restrict_fields(e.fold, keep)
+            e = replace(restricted[e.fold], result=e.result)
         return with_children(e, tuple(rewrite(c) for c in children(e)))
 
     statements = tuple(replace(st, expr=rewrite(st.expr)) for st in k.statements)

@@ -38,7 +38,8 @@ import torch
 
 from ...errors import BackendError
 from ...program import positive_number
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform, walk
+from ...ir import (Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform,
+                  walk)
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum
 from ...schedule import KernelSchedule
@@ -56,6 +57,7 @@ from ...schedule.tiles import (
     whole_tile,
 )
 from ...schedule.folds import (
+    contraction_sides,
     dot_batch_names,
     free,
     restrict,
@@ -1575,6 +1577,12 @@ class KernelEmitter:
         cdt = self.ctx.cdt
         split, unread = self.split_values(fold)
         xs = self.fold_arguments(fold, body, skip=unread)
+
+        def remembered(complete: bool) -> dict[str, Value]:
+            # a split value's tl.dot may have laid its operand loads out anew: the arguments as the
+            # scopes now remember them, and (complete) those it left unread
+            now = {x: self.as_float(self.value(fold.args[int(x[1:])], body)) for x in xs}
+            return {**now, **self.fold_arguments(fold, body, skip=frozenset(now))} if complete else now
         state: dict[str, Value] = {}
         updates: list[str] = []
         for rs in s.rescaled:
@@ -1646,9 +1654,7 @@ class KernelEmitter:
             shift_at = len(body.lines)          # the shifts read the weight sum before its update
             for fname, v_expr in rs.values:
                 if split:
-                    # a split value's tl.dot may have laid its operand loads out anew: the
-                    # arguments as the scopes now remember them
-                    xs = {x: self.as_float(self.value(fold.args[int(x[1:])], body)) for x in xs}
+                    xs = remembered(complete=False)
                 dot = None
                 if fname in split:
                     # the value's own factors beside the weights: a matrix product where the value
@@ -1657,7 +1663,7 @@ class KernelEmitter:
                     factors = [p] + [self.as_float(self.value(f, body)) for f in parts]
                     dot = self.dot_plan(factors, dims(RA))
                     if dot is None:
-                        xs.update({x: self.fold_arguments(fold, body, only=x) for x in unread if x not in xs})
+                        xs = remembered(complete=True)
                 if dot is None:
                     v = self.as_float(self.formula(v_expr, {**xs, "r": r_use}, body))
                     factors = [p] if v.const == 1.0 else [p, v]
@@ -1702,8 +1708,7 @@ class KernelEmitter:
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
             if split:      # generic_fold reads every argument's kind
-                xs = {x: self.as_float(self.value(fold.args[int(x[1:])], body)) for x in xs}
-                xs.update({x: self.fold_arguments(fold, body, only=x) for x in unread if x not in xs})
+                xs = remembered(complete=True)
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, finish, fields=rest, xs=xs))
         return state
 
@@ -1741,15 +1746,14 @@ class KernelEmitter:
         r_old = self.stand_in(r, lit, body, "r_old")
         return {f: (self.formula(s_k, {"r": r_old, "r_new": r_new}, body), total) for f, s_k, total in rs.shifts}
 
-    def fold_arguments(self, fold: Reduce, body: Scope, exact: bool = False, skip: frozenset = frozenset(),
-                       only: str | None = None):
+    def fold_arguments(self, fold: Reduce, body: Scope, exact: bool = False,
+                       skip: frozenset = frozenset()) -> dict[str, Value]:
         """The fold's arguments on the tile, named as the derivation names them (x0, x1, ...);
         `exact`: integer arguments stay integers (for the fields that fold them exactly);
-        `skip`: names not computed here (split_values'); `only`: that one argument's value."""
+        `skip`: names not computed here (split_values')."""
         xs = {f"x{k}": self.renamed(self.value(a, body), f"x{k}", body) for k, a in enumerate(fold.args)
-              if f"x{k}" not in skip and only in (None, f"x{k}")}
-        xs = {x: v if exact and v.kind == "int" else self.as_float(v) for x, v in xs.items()}
-        return xs[only] if only is not None else xs
+              if f"x{k}" not in skip}
+        return {x: v if exact and v.kind == "int" else self.as_float(v) for x, v in xs.items()}
 
     def split_values(self, fold: Reduce) -> tuple[dict[str, Expr], frozenset]:
         """({field: its value over the fold's arguments} for the rescaled fields whose value
@@ -1759,8 +1763,8 @@ class KernelEmitter:
         s = fold.summary
         reduced = frozenset(fold.indices)
         args = {f"x{k}": a for k, a in enumerate(fold.args)}
-        weights = {i for rs in s.rescaled for n in walk(rs.leader_arg) if isinstance(n, Var) and n.name in args
-                   for i in free(args[n.name])}
+        weights = frozenset(i for rs in s.rescaled for n in walk(rs.leader_arg)
+                            if isinstance(n, Var) and n.name in args for i in free(args[n.name]))
         out: dict[str, Expr] = {}
         for rs in s.rescaled:
             for fname, v in rs.values:
@@ -1768,13 +1772,13 @@ class KernelEmitter:
                 if not names or not names <= set(args):
                     continue
                 value = transform(v, lambda n: args[n.name] if isinstance(n, Var) else n)
-                parts = [set(free(f)) for f in summed_factors(value, reduced)]
-                inner = [weights] + [f for f in parts if f & reduced]
-                shared = set.intersection(*inner) - reduced
-                if len(set(free(value)) - shared - reduced) > 1 and \
-                        all(len(f - shared - reduced) <= 1 for f in inner):
+                inner = [weights] + [free(f) for f in summed_factors(value, reduced) if free(f) & reduced]
+                shared, _ = contraction_sides(inner, reduced)
+                spans = len(free(value) - shared - reduced)
+                if spans > 1 and all(len(f - shared - reduced) <= 1 for f in inner):
                     out[fname] = value
-        kept = [e for rs in s.rescaled for e in (rs.leader_arg, rs.weight, *(v for f, v in rs.values if f not in out))]
+        kept = [e for rs in s.rescaled
+                for e in (rs.leader_arg, rs.weight, *(v for f, v in rs.values if f not in out))]
         valued = {f for rs in s.rescaled for f, _ in rs.values} | {rs.leader for rs in s.rescaled}
         kept += [lift for f, lift in zip(s.field_names, s.lift) if f not in valued]
         read = {n.name for e in kept for n in walk(e) if isinstance(n, Var)}

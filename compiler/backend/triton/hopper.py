@@ -627,8 +627,8 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
                     f"t - lo, zeros, r, p, l,\n"
                     f"                                 acc, rows, {extra}, {masked})\n"
                     for start, stop, masked in ranges)
-    why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {consumers} consumer warpgroups "
-           f"of {ROWS} rows, each tile's scores issued before the previous tile's P V")
+    why = (f"{spec.why}; on sm_90 in the Hopper form (Gluon): a TMA loader warp and {consumers} consumer "
+           f"warpgroups of {ROWS} rows, each tile's scores issued before the previous tile's P V")
     source = SKELETON.substitute(
         K=name, EXTRA=extra, PARAMS=", ".join(params), WHY=why, LOOPS=loops,
         CONSUMERS=consumers, COORDS="\n".join(coord_lines),
@@ -815,5 +815,6 @@ def _launch_lines(h: HopperFold, spec: KernelSchedule, name: str, launch_args: l
                    f"{name}_{x}_layout)"
                    for view, x in zip(views, "abv")]
     lines.append("            " + ", ".join(descriptors) + ",")
-    lines.append("            " + ", ".join(launch_args) + f", BLOCK_N={h.tiling.key_tile}, STAGES={h.tiling.stages}, num_warps=4)")
+    lines.append("            " + ", ".join(launch_args) +
+                 f", BLOCK_N={h.tiling.key_tile}, STAGES={h.tiling.stages}, num_warps=4)")
     return lines
