@@ -34,6 +34,8 @@ import pytest
 from test_differential import CORPUS
 from test_grad import CORPUS as GRADIENTS
 
+pytestmark = pytest.mark.build      # minutes of ptxas: its own CI step (pyproject.toml)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 H100_BLOCK_SHARED = 232448      # bytes of shared memory one block may use on an H100 (227 KiB)
 
