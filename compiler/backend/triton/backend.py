@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -52,18 +53,29 @@ def _interpreter_ready() -> bool:
     return isinstance(tl.standard.cdiv, InterpretedFunction)
 
 
-def _quiet(launch):
-    """`launch` with numpy's floating-point warnings silenced.  Under the interpreter
-    tiles are numpy arrays, and identity padding computes 0/0, exp(-inf - -inf) and
-    the like by design (masked away afterwards): numpy would print a RuntimeWarning
-    for each.  Only interpreted launches are wrapped; compiled kernels are untouched."""
+# Triton's interpreter runs one launch at a time in a process: it patches triton.language's
+# functions for the kernel it runs (restoring them after) and keeps the grid in one global
+# builder, so launches from two threads at once fail ("Did you forget to add @triton.jit").
+_INTERPRETER = threading.Lock()
+
+# Generating and loading a module (once per signature, not per call) happen under one lock:
+# threads at a first call of one signature load it once; codegen holds the GIL anyway.
+_BUILDING = threading.RLock()
+
+
+def _interpreted(launch):
+    """`launch` run under Triton's interpreter: one launch at a time (_INTERPRETER), with
+    numpy's floating-point warnings silenced.  Under the interpreter tiles are numpy
+    arrays, and identity padding computes 0/0, exp(-inf - -inf) and the like by design
+    (masked away afterwards): numpy would print a RuntimeWarning for each.  Only
+    interpreted launches are wrapped; compiled kernels are untouched."""
     import functools
 
     import numpy
 
     @functools.wraps(launch)        # still names its module: a program's modules are found from it
     def run(t, n, device):
-        with numpy.errstate(all="ignore"):
+        with _INTERPRETER, numpy.errstate(all="ignore"):
             return launch(t, n, device)
     return run
 
@@ -114,9 +126,25 @@ class TritonBackend:
         self.outputs = schedule.outputs
         self.split = split
         self.float32_outputs = tuple(float32_outputs)
+        self._last: Built | None = None
+        self._forget_modules()
+
+    def _forget_modules(self) -> None:
+        """Empty the per-process caches: generated sources and loaded launchers, made
+        again on the next call."""
         self._sources: dict[Signature, Built] = {}                  # generated once per signature
         self._built: dict[Signature, tuple[Built, object]] = {}     # ... and its loaded launcher
-        self._last: Built | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickled without the loaded modules (their functions live in this process
+        only) nor the sources (made again from the schedule where needed)."""
+        state = dict(self.__dict__)
+        del state["_sources"], state["_built"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._forget_modules()
 
     @classmethod
     def for_program(cls, program) -> TritonBackend:
@@ -154,10 +182,11 @@ class TritonBackend:
                                   l2_bytes=l2_bytes, arch=arch)).source
 
     def build(self, signature: Signature) -> Built:
-        built = self._sources.get(signature)
-        if built is None:
-            built = ModuleBuilder(self.schedule, signature, _pass_names()).build()
-            self._sources[signature] = built
+        with _BUILDING:
+            built = self._sources.get(signature)
+            if built is None:
+                built = ModuleBuilder(self.schedule, signature, _pass_names()).build()
+                self._sources[signature] = built
         self._last = built
         return built
 
@@ -169,18 +198,23 @@ class TritonBackend:
                 f"the inputs are on {binding.device.type}: the triton backend runs CUDA tensors, or CPU tensors "
                 f"under Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first "
                 f"imported; move the inputs to the GPU, set that variable, or use backend='reference'")
-        entry = self._built.get(sig)
-        if entry is None:
-            built = self.build(sig)
-            options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
-            module = load(built.source, options, interpret)
-            if not interpret and direct_launch_supported():
-                bind_directly(module, built.launched)
-            entry = (built, _quiet(module.launch) if interpret else module.launch, getattr(module, "scratch", None))
-            self._built[sig] = entry
+        with _BUILDING:
+            entry = self._built.get(sig)
+            if entry is None:
+                entry = self._built[sig] = self._load(sig)
         if interpret:
             _note_interpreter()
         return entry
+
+    def _load(self, sig: Signature):
+        """(the built module, its launcher, its scratch maker or None) for `sig`."""
+        built = self.build(sig)
+        options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
+        module = load(built.source, options, sig.interpret)
+        if not sig.interpret and direct_launch_supported():
+            bind_directly(module, built.launched)
+        launch = _interpreted(module.launch) if sig.interpret else module.launch
+        return built, launch, getattr(module, "scratch", None)
 
     def _extents(self, binding: Binding) -> dict[str, int]:
         """Every index name's extent: the passes and the schedule introduce names

@@ -15,6 +15,7 @@ what Triton compiles either.
 
 Writes are atomic (temporary file + os.replace), so processes compiling the
 same module at once are safe; an existing file with the right bytes is reused.
+Within a process, loads (write, run) take one lock, so threads are safe too.
 
 The folder.  EINFOLD_CACHE_DIR is created if missing; if it is set but cannot be
 used (a file, no permission), that is a BackendError naming it.  The default
@@ -167,13 +168,24 @@ def _interpreter(on: bool):
             os.environ["TRITON_INTERPRET"] = before
 
 
+# Loads run one at a time: a module is in sys.modules (where Triton looks its kernels'
+# source up) from before it runs, and TRITON_INTERPRET is set around it; under the lock
+# a module found there has run to the end.
+_loading = threading.Lock()
+
+
 def load(source: str, key: str, interpret: bool) -> ModuleType:
     """Write (once) and run the module from `source` itself; interpreted and
-    compiled instances of one source are separate modules."""
+    compiled instances of one source are separate modules.  Safe from several threads."""
     source = safe_source(source)
     name = f"einfold_{digest(source, key)}" + ("_interpreted" if interpret else "")
-    if name in sys.modules:                     # run before by this process: no file system work
-        return sys.modules[name]
+    with _loading:
+        # run before by this process: no file system work
+        return sys.modules.get(name) or _run(source, key, name, interpret)
+
+
+def _run(source: str, key: str, name: str, interpret: bool) -> ModuleType:
+    """Write `source` to the cache and run it as the module `name`."""
     path = str(write(source, key))
     code = compile(source, path, "exec", dont_inherit=True)
     # What inspect (and so Triton) reads for this path: the verified text, in an

@@ -19,9 +19,15 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+# First launches (tuning, compiling, binding) run one at a time: Triton's autotuner keeps
+# the launch in progress on itself and AsyncCompileMode is process-wide, so two threads'
+# first launches at once fail; bound launches take no lock.
+_BINDING = threading.Lock()
 
 
 def direct_launch_supported() -> bool:
@@ -81,11 +87,14 @@ class DirectLaunch:
         key = self.guard(args, device)
         found = self.bound.get(key)
         if found is None:
-            if self.tuned:
-                self.compile_candidates(grid, args, constexprs)
-            self.kernel[grid](*args, **constexprs)        # tunes and compiles where needed
-            self.bound[key] = self.bind(grid, args, constexprs)
-            return
+            with _BINDING:
+                found = self.bound.get(key)         # bound by another thread meanwhile?
+                if found is None:
+                    if self.tuned:
+                        self.compile_candidates(grid, args, constexprs)
+                    self.kernel[grid](*args, **constexprs)        # tunes and compiles where needed
+                    self.bound[key] = self.bind(grid, args, constexprs)
+                    return
         compiled, grid3, tail = found
         stream = self.current_stream(device)
         full = (*args, *tail)

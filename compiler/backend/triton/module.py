@@ -55,6 +55,31 @@ def packed_strides(args: list[str]) -> list[str]:
     return out
 
 
+def tile_count(index: str, block: int | str | None, optional: bool) -> str:
+    """The launcher's count of programs along one grid index: its extent where each
+    value is a program (`block` None or 1), else a ceil-division by the tile (a value,
+    or the name of one) in plain integer arithmetic (triton.cdiv costs microseconds
+    per host call), parenthesised so that it stays one factor of a product; an
+    optional index launches at least one."""
+    extent = f'n["{index}"]'
+    if block in (None, 1):
+        return f"max({extent}, 1)" if optional else extent
+    rounded_up = f"{extent} + {block - 1}" if isinstance(block, int) else f"{extent} + {block} - 1"
+    count = f"({rounded_up}) // {block}"
+    return f"max({count}, 1)" if optional else f"({count})"
+
+
+def program_count(code: KernelCode, block_of) -> str:
+    """The launcher's expression for the number of programs along grid axis 0 of
+    `code`: the product of one tile count per grid index (code.grid_blocks), exact
+    whatever the factors' order.  `block_of(name)` gives a tile constexpr: its value
+    in an untuned launch, `META["BLOCK_x"]` in the autotuner's grid.  Every launch
+    of a tl kernel and the size of its arrival counters use it."""
+    factors = [tile_count(index, None if block is None else block_of(block), index in code.optional)
+               for index, block in code.grid_blocks]
+    return " * ".join(factors) or "1"
+
+
 class ModuleBuilder:
     def __init__(self, schedule: Schedule, signature: Signature, passes: tuple[str, ...]):
         self.program = schedule.program
@@ -205,7 +230,10 @@ class ModuleBuilder:
         for code, n_split in self.kernels:
             for name, shape, dtype in code.buffers:
                 allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
-                size = ", ".join(str(n_split) if s == "n_split" else s for s in shape)
+                if name in code.zeroed:     # arrival counters: one per program of grid axis 0
+                    size = program_count(code, code.constexprs.__getitem__)
+                else:
+                    size = ", ".join(str(n_split) if s == "n_split" else s for s in shape)
                 lines.append(f'        "{name}": {allocate}(({size},), dtype={dtype}, device=device),')
         lines.append("    }")
         return lines
@@ -218,18 +246,17 @@ class ModuleBuilder:
         args = packed_strides([expr for _, expr in code.params])
         if code.name in self.tuned:
             # the autotuner binds every tile (each candidate is complete): the grid follows its choice
-            factors = [(f'max(triton.cdiv(n["{g}"], META["{b}"]), 1)' if g in code.optional else
-                        f'triton.cdiv(n["{g}"], META["{b}"])') if b is not None else f
-                       for (g, b), f in zip(code.grid_blocks, code.grid)]
+            grid = program_count(code, lambda block: f'META["{block}"]')
             sizes = " and ".join(f'n["{g}"] > 0' for g, _ in code.grid_blocks if g not in code.optional) or "True"
             second = " n_split" if code.split_axis else ""
-            lines.append(f"    grid = lambda META: ({' * '.join(factors) or '1'},{second})")
+            lines.append(f"    grid = lambda META: ({grid},{second})")
             lines.append(f"    if {sizes}:                       # an empty output launches nothing")
             lines.append(f"        {code.name}[grid](")
         else:
             # every constexpr, as each autotune candidate would bind it (tuning.binding)
-            args += [f"{k}={v}" for k, v in binding(code).items()]
-            grid = " * ".join(code.grid) if code.grid else "1"
+            blocks = binding(code)
+            args += [f"{k}={v}" for k, v in blocks.items()]
+            grid = program_count(code, blocks.__getitem__)
             dims = "grid, n_split" if code.split_axis else "grid,"
             lines.append(f"    grid = {grid}")
             lines.append("    if grid > 0:                       # an empty output launches nothing")
