@@ -28,7 +28,14 @@ softmax (`compiler.grad(..., saved=True)`).  A backward that builds a graph
 op: the statistic is a constant to the gradient program, and the second
 derivative has to see that it depends on x.
 
-A plain call (no grad needed, not compiling) does not go through the op.
+Under functorch (torch.func.grad, vjp, vmap) a call runs the op through an
+autograd.Function with the same setup_context and backward (functorch needs
+setup_context apart from forward) and a vmap rule that moves the batch into the
+program as a leading index (`Program._batched`): one run, no loop.  torch.jit.trace
+records the op.  Forward-mode AD (forward_ad dual tensors, torch.func.jvp) would
+pass through the op with no tangent: it is refused with a TransformError.
+
+A plain call (no grad needed, not compiling, no transform) does not go through the op.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from .errors import TransformError  # noqa: E402
 from .ops import BOOL, FLOAT, INT  # noqa: E402
 from .program import LIVE, _number  # noqa: E402
 
@@ -58,14 +66,40 @@ def call_op(program, inputs: dict):
         program.binder(inputs)           # names what is wrong (a BindError)
     args = tuple(v if isinstance(v, torch.Tensor) else _number(program.checked, n, v)
                  for n, v in ((n, inputs[n]) for n in names))
-    kinds = tuple("Tensor" if isinstance(a, torch.Tensor) else "float" for a in args)
-    qualified, saved = _op_name(program._key, kinds)
-    namespace, _, name = qualified.partition("::")
-    results = getattr(getattr(torch.ops, namespace), name)(*args)   # a tensor, or a tuple for several
+    _refuse_forward_mode(names, args)
+    results, saved = _apply(program, args)
     if not saved:
         return results
     shown = results[:-saved]                                         # the saved statistics stay inside
     return shown[0] if len(shown) == 1 else shown
+
+
+def _apply(program, args: tuple) -> tuple[object, int]:
+    """(the results of `program`'s op on `args`: its outputs, then the statistics it
+    saves; how many statistics)."""
+    kinds = tuple("Tensor" if isinstance(a, torch.Tensor) else "float" for a in args)
+    qualified, saved = _op_name(program._key, kinds)
+    if torch._C._functorch.maybe_current_level() is not None:
+        # functorch (func.grad, vmap) transforms autograd.Functions that set up their
+        # context apart from forward; the op's own autograd does not
+        return _MADE[qualified].transformable.apply(*args), saved
+    namespace, _, name = qualified.partition("::")
+    return getattr(getattr(torch.ops, namespace), name)(*args), saved   # a tensor, or a tuple for several
+
+
+def _refuse_forward_mode(names: tuple[str, ...], args: tuple) -> None:
+    """Forward-mode AD (a dual tensor of torch.autograd.forward_ad, torch.func.jvp)
+    would pass through the op with no tangent: the output would claim not to depend
+    on its inputs.  einfold derives reverse-mode gradients only, so it refuses."""
+    from torch.autograd import forward_ad
+    if forward_ad._current_level < 0:
+        return
+    dual = [n for n, a in zip(names, args)
+            if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None]
+    if dual:
+        raise TransformError(f"forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported: "
+                             f"{', '.join(dual)} carr{'y' if len(dual) > 1 else 'ies'} a tangent; einfold "
+                             f"derives reverse-mode gradients (backward(), torch.func.grad, torch.func.vjp)")
 
 
 def _fits(value) -> bool:
@@ -123,9 +157,8 @@ def _make_ops(program, kinds: tuple[str, ...]):
     results = "Tensor" if len(outputs) == 1 else f"({', '.join('Tensor' for _ in outputs)})"
 
     def implementation(*args):
-        results = forward._run(dict(zip(names, args)))
-        results = _unaliased(results if isinstance(results, tuple) else (results,), args)
-        return results[0] if len(results) == 1 else results
+        # no output aliases an input: each backend returns memory of its own (an op must)
+        return forward._run(dict(zip(names, args)))
 
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=(),
                                  schema=f"({params}) -> {results}")
@@ -155,7 +188,7 @@ def _make_ops(program, kinds: tuple[str, ...]):
         gradient = program._gradient(wrt, saved=bool(statistics))
         results = gradient._run(gradient_inputs(gradient, inputs, statistics, produced, upstream))
         results = results if isinstance(results, tuple) else (results,)
-        return list(_unaliased(tuple(r.to(inputs[n].dtype) for n, r in zip(wrt, results)), args))
+        return [r.to(inputs[n].dtype) for n, r in zip(wrt, results)]
 
     # the backward of a call that keeps no graph: the gradient program, reading the saved statistics
     backward_op = torch.library.custom_op(
@@ -164,8 +197,10 @@ def _make_ops(program, kinds: tuple[str, ...]):
 
     @backward_op.register_fake
     def _(*args):
+        # as `gradients` makes them: the gradient program's outputs, contiguous whatever
+        # the inputs' strides (a transposed view's gradient is not a transposed view)
         *values, _, _, _, needs = args
-        return [torch.empty_like(v) for v, needed in zip(values, needs) if needed]
+        return [torch.empty(v.shape, dtype=v.dtype, device=v.device) for v, needed in zip(values, needs) if needed]
 
     def setup_context(ctx, inputs, output):
         ctx.numbers = {n: v for n, v in zip(names, inputs) if not isinstance(v, torch.Tensor)}
@@ -203,13 +238,22 @@ def _make_ops(program, kinds: tuple[str, ...]):
         return tuple(next(results) if needed else None for needed in needs)
 
     op.register_autograd(backward, setup_context=setup_context)
+
+    def batched(info, in_dims, *args):
+        """torch.vmap's rule: the batch becomes a leading index of the program
+        (Program._batched), run once; an output that reads no batched input has none."""
+        wide, index = program._batched(tuple(n for n, d in zip(names, in_dims) if d is not None))
+        moved = tuple(a if d is None else a.movedim(d, 0) for a, d in zip(args, in_dims))
+        results, _ = _apply(wide, moved)
+        statements = {s.name: s for s in wide._saving.checked.statements}
+        dims = tuple(0 if index in statements[o].indices else None for o in wide._saving.outputs)
+        return (results, dims) if len(dims) > 1 else (results, dims[0])
+
+    # the op with the same autograd as an autograd.Function, for functorch (func.grad,
+    # vmap), which needs setup_context apart from forward, and vmap's rule
+    op.transformable = type(f"{name}_function", (torch.autograd.Function,), {
+        "forward": staticmethod(lambda *args: op(*args)), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward), "vmap": staticmethod(batched)})
     _MADE[op._qualname] = op
     return op
 
-
-def _unaliased(results: tuple, args: tuple) -> tuple:
-    """`results` with every tensor that shares storage with an argument copied: an
-    op's outputs may not alias its inputs (an output that is an input, unchanged)."""
-    tensors = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
-    stored = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
-    return tuple(r.clone() if r.numel() and r.untyped_storage().data_ptr() in stored else r for r in results)

@@ -5,6 +5,9 @@ shape disagrees."""
 from __future__ import annotations
 
 import difflib
+import functools
+import math
+import os
 from dataclasses import dataclass
 from numbers import Real
 from typing import Mapping
@@ -13,9 +16,39 @@ import torch
 
 from .errors import BindError
 from .ir import Access, Program, walk
+from .ops import BOOL, INT
 
 SUPPORTED_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 _CPU = torch.device("cpu")
+_BYTES = {INT: 8, BOOL: 1}          # an output's bytes per element, where its dtype is not the float one
+
+
+def readable(value: torch.Tensor) -> torch.Tensor:
+    """`value` with its memory holding its values.  torch keeps a negation lazily, as
+    a bit beside the memory (`x.conj().imag`, `torch._neg_view(x)`); kernels read the
+    memory, so such a view is materialised (a conjugate bit needs a complex tensor,
+    which the binder refuses).  A call resolves each of its tensors the same way
+    (Program._key_of): a runner is reused for any later tensor of the same shape."""
+    return value.resolve_neg() if value.is_neg() else value
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_of(device: torch.device) -> int | None:
+    """The bytes of memory `device` has (None where unknown): no output larger fits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+_UNITS = (("EiB", 2 ** 60), ("PiB", 2 ** 50), ("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20),
+          ("KiB", 2 ** 10))
+
+
+def _bytes_text(n: int) -> str:
+    unit, size = next(((u, size) for u, size in _UNITS if n >= size), ("bytes", 1))
+    return f"{n / size:.1f} {unit}" if size > 1 else f"{n} bytes"
 
 
 @dataclass(frozen=True)
@@ -55,8 +88,8 @@ class Binder:
                        for d, ix in enumerate(node.indices)]
         # every index of `extents_of` (a later stage's program, whose passes may add
         # fresh indices sharing an extent symbol) -> the symbol that sizes it
-        target = extents_of if extents_of is not None else program
-        self.sized = [(ix, symbol) for ix, symbol in target.extents]
+        self.target = extents_of if extents_of is not None else program
+        self.sized = [(ix, symbol) for ix, symbol in self.target.extents]
 
     def __call__(self, inputs: Mapping[str, object]) -> Binding:
         if inputs.keys() != self.declared.keys():
@@ -66,9 +99,11 @@ class Binder:
         for name, decl in self.declared.items():
             value = inputs[name]
             if isinstance(value, torch.Tensor):
+                if value.layout is not torch.strided:
+                    raise BindError(f"input '{name}' is a {str(value.layout).removeprefix('torch.')} tensor; "
+                                    f"einfold reads dense tensors: pass {name}.to_dense()", src, decl.span)
                 if value.dtype not in SUPPORTED_DTYPES:
-                    raise BindError(f"input '{name}' has dtype {value.dtype}; einfold takes "
-                                    f"float16, bfloat16, float32 or float64 tensors", src, decl.span)
+                    raise BindError(_dtype_message(name, value.dtype), src, decl.span)
                 if value.device.type == "meta":
                     raise BindError(f"input '{name}' is a meta tensor (a shape without data); pass a "
                                     f"tensor on the CPU or a GPU", src, decl.span)
@@ -111,7 +146,28 @@ class Binder:
             if t is not dtype:
                 dtype = torch.promote_types(dtype, t)
         device = devices.pop() if devices else _CPU
-        return Binding(dict(inputs), extents, dtype, device)
+        self._check_output_sizes(extents, dtype, device)
+        values = {name: readable(v) if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
+        return Binding(values, extents, dtype, device)
+
+    def _check_output_sizes(self, extents: dict, dtype: torch.dtype, device: torch.device) -> None:
+        """Outputs that together need more memory than `device` has are refused before
+        anything is allocated (torch would fail inside the backend, naming no tensor).
+        Symbolic extents (torch.compile's dynamic shapes) allocate nothing: unchecked."""
+        memory = _memory_of(device)
+        if memory is None or not all(type(n) is int for n in extents.values()):
+            return
+        statements = {name: self.target.statement(name) for name in self.target.outputs}
+        sizes = {name: math.prod(extents[i] for i in st.indices) * _BYTES.get(st.dtype, dtype.itemsize)
+                 for name, st in statements.items()}
+        if sum(sizes.values()) > memory:
+            largest = max(sizes, key=sizes.get)
+            shape = ", ".join(str(extents[i]) for i in statements[largest].indices)
+            span = next((s.span for s in self.program.statements if s.name == largest), None)
+            raise BindError(f"the outputs would take {_bytes_text(sum(sizes.values()))} but the {device.type} "
+                            f"device has {_bytes_text(memory)} of memory: output '{largest}' alone has shape "
+                            f"[{shape}] ({_bytes_text(sizes[largest])}); check the inputs' extents",
+                            self.program.source, span)
 
     def _names_error(self, inputs: Mapping[str, object]) -> None:
         declared = self.declared
@@ -125,6 +181,12 @@ class Binder:
         for decl in declared.values():
             if decl.name not in inputs:
                 raise BindError(f"missing input '{decl.name}'", self.program.source, decl.span)
+
+
+def _dtype_message(name: str, dtype: torch.dtype) -> str:
+    hint = (f" (complex values are not supported: pass the real and imaginary parts, {name}.real and "
+            f"{name}.imag, as two inputs)" if dtype.is_complex else "")
+    return f"input '{name}' has dtype {dtype}; einfold takes float16, bfloat16, float32 or float64 tensors{hint}"
 
 
 def bind(program: Program, inputs: Mapping[str, object]) -> Binding:

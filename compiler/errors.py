@@ -98,3 +98,10 @@ class LimitError(EinfoldError):
     (compiler/config.py: the limit is named in the message)."""
 
     kind = "limit error"
+
+
+class TransformError(EinfoldError):
+    """A torch transform or tracer that einfold does not support was applied to a
+    program (forward-mode AD, TorchScript); the message names it."""
+
+    kind = "unsupported transform"

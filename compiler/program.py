@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import weakref
 from functools import cached_property
 from collections.abc import Iterable
@@ -14,7 +16,7 @@ from . import backend as backends
 from .algebra import Summary
 from .check import check
 from .config import deep
-from .errors import BackendError, BindError, CheckError, EinfoldError, ParseError
+from .errors import BackendError, BindError, CheckError, EinfoldError, ParseError, TransformError
 from .ir import Program as IRProgram
 from .parse import deepest_statement, parse
 from .passes import run_pipeline
@@ -86,12 +88,37 @@ class Program:
         self._options = dict(self.schedule_options)
         if summaries:
             self._options["summaries"] = tuple(summaries.values())
+        if self.backend_name == "triton":
+            _choose_triton_interpreter()
         self._start_runtime()
+
+    # What a process makes for itself, never pickled: runners (loaded kernels), compiled
+    # gradient programs, custom ops, the key torch.compile names the program by, and what
+    # the cached properties made on first use; an unpickled program makes them again.
+    _PER_PROCESS = frozenset(("_runners", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
+                              "_saving"))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.backend_name == "triton":
+            _choose_triton_interpreter()
+        self._start_runtime()
+
+    def __prepare_scriptable__(self):
+        """What torch.jit.script asks of an object before compiling it: TorchScript
+        cannot compile a program (keyword inputs, kernels launched from Python)."""
+        raise TransformError("torch.jit.script cannot compile an einfold program (its inputs are keywords and "
+                             "its kernels launch from Python); use torch.compile, or torch.jit.trace over a "
+                             "function that calls the program (it records the program's custom op)")
 
     def _start_runtime(self) -> None:
         self._runners: dict[tuple, object] = {}
         # (wrt, saved statistics read or recomputed) -> compiled gradient program
         self._gradients: dict[tuple[tuple[str, ...], bool], Program] = {}
+        self._batches: dict[tuple[str, ...], tuple[Program, str]] = {}     # see _batched()
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
         self._key = f"program_{next(_keys)}"
         LIVE[self._key] = self
@@ -156,8 +183,11 @@ class Program:
         if args:
             self._positional_error(args)
         import torch
+        if torch.compiler.is_compiling():       # traced: no per-call bookkeeping (the op does it when it runs)
+            from .autograd import call_op
+            return call_op(self, inputs)
         key, requires_grad = self._key_of(inputs)
-        if requires_grad and torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if requires_grad and torch.is_grad_enabled() or _transformed(torch):
             from .autograd import call_op
             return call_op(self, inputs)
         return self._run(inputs, key)
@@ -165,17 +195,22 @@ class Program:
     def _key_of(self, inputs: dict) -> tuple[tuple, bool]:
         """(the runner key of `inputs`: each tensor's shape, dtype and device, each
         number's type; whether a tensor requires grad), in one pass over them: a
-        cached call's host time is mostly such bookkeeping.  The key is flat (name,
-        shape, dtype, device, name, ...): Python hashes a tuple's items on every
-        lookup, and tuples nested in it again (on the CPU here 4.4 -> 2.5 us for
-        attention's key and its lookup).  Numbers are converted to the float64
+        cached call's host time is mostly such bookkeeping.  Each tensor is made
+        readable in `inputs` (bind.readable: a lazily negated view is resolved), and
+        its layout keys the runner (a sparse tensor goes to the binder, which refuses
+        it).  The key is flat (name, shape, dtype, device, layout, name, ...): Python
+        hashes a tuple's items on every lookup, and tuples nested in it again (on
+        the CPU here 4.4 -> 2.5 us for attention's key and its lookup; resolving and
+        the layout add about 0.4 us).  Numbers are converted to the float64
         scalars they run as, in `inputs`; a number's key is whether it is a
         positive factor (positive_number: kernels are specialised on that)."""
         import torch
         key, requires_grad = [], False
         for name, v in inputs.items():
             if isinstance(v, torch.Tensor):
-                key += (name, v.shape, v.dtype, v.device)
+                if v.is_neg():          # bind.readable, inline (a call's host time)
+                    v = inputs[name] = v.resolve_neg()
+                key += (name, v.shape, v.dtype, v.device, v.layout)
                 requires_grad = requires_grad or v.requires_grad
             else:
                 if type(v) is not float:            # numbers run as float64 scalars
@@ -208,6 +243,20 @@ class Program:
             program = self._gradients[wrt, saved] = grad(self.text, wrt=wrt, outputs=self.outputs,
                                                          backend=self.backend_name, saved=saved, **self._options)
         return program
+
+    def _batched(self, inputs: tuple[str, ...]) -> tuple[Program, str]:
+        """This program with a leading batch index on the tensor `inputs` and on every
+        statement that reads one, directly or through another statement (compiled on
+        first use, then kept), and the batch index's name: torch.vmap's rule runs it
+        once for the whole batch (compiler/autograd.py), no loop over its items."""
+        found = self._batches.get(inputs)
+        if found is None:
+            from .ir import format_program
+            ir, index = _with_batch_index(self.checked, frozenset(inputs))
+            program = Program(deep(lambda: format_program(ir), what="the program", source=self.text),
+                              outputs=self.outputs, backend=self.backend_name, **self._options)
+            found = self._batches[inputs] = (program, index)
+        return found
 
     @cached_property
     def _saving(self) -> Program:
@@ -306,6 +355,52 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<einfold.Program {self.outputs} backend={self.backend_name}>"
+
+
+def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram, str]:
+    """`ir` with a fresh leading index on every access of the tensors `batched` and on
+    every statement that reads one (its accesses by later statements with it), and
+    that index's name."""
+    from dataclasses import replace
+
+    from .ir import Access, reads, transform, unused_name
+    index = unused_name("batch", {i for i, _ in ir.extents} | {i.name for i in ir.inputs}
+                        | {s.name for s in ir.statements})
+    wide = set(batched)
+
+    def widen(e):
+        return replace(e, indices=(index, *e.indices)) if isinstance(e, Access) and e.tensor in wide else e
+
+    statements = []
+    for st in ir.statements:
+        if reads(st.expr) & wide:
+            st = replace(st, indices=(index, *st.indices), expr=transform(st.expr, widen))
+            wide.add(st.name)
+        statements.append(st)
+    return replace(ir, statements=tuple(statements)), index
+
+
+def _transformed(torch) -> bool:
+    """Whether a torch transform or tracer sees this call: functorch (vmap, func.grad,
+    func.jvp), a forward-mode AD dual level, torch.jit.trace.  Such a call goes through
+    the program's custom op (compiler/autograd.py): torch transforms that, or einfold
+    refuses naming the transform, where running the kernels on the wrapped tensors
+    would fail or lose the transform."""
+    return (torch._C._functorch.maybe_current_level() is not None or torch._C._is_tracing()
+            or torch.autograd.forward_ad._current_level >= 0)
+
+
+def _choose_triton_interpreter() -> None:
+    """Without CUDA the triton backend runs under Triton's interpreter, which must be
+    chosen (TRITON_INTERPRET=1) before triton.language is first imported.  torch.compile
+    imports it (through torch._dynamo) before a program it traces first runs, so where
+    torch is loaded the choice is made when einfold is imported or a program is made,
+    not at the first call.  Where torch is not loaded, nothing has imported Triton
+    either, and the CLI's parse, ir and explain must not load torch: the backend
+    chooses at its own import."""
+    torch = sys.modules.get("torch")
+    if torch is not None and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _check_options(options: dict) -> None:
@@ -431,5 +526,7 @@ def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str =
     """
     return Program(source, outputs=outputs, backend=backend, **options)
 
+
+_choose_triton_interpreter()
 
 __all__ = ["Program", "compile", "Summary"]

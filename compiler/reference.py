@@ -5,9 +5,15 @@ Values are *labelled tensors*: a torch tensor plus the index name of each of its
 dimensions.  Elementwise operators align labels (broadcasting); reductions fold
 labelled dimensions with the summary's own combine, pairwise, so one mechanism
 serves every summary, user-defined and non-commutative ones included.
+
+Semantics are torch's: integers are int64 and wrap around (an integral field of a
+fold stays int64, never a float64 that would round past 2**53 and saturate past
+2**63), and a NaN is the extreme of an extremum (max propagates it, argmax gives
+the first NaN's position).
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -18,7 +24,8 @@ import torch
 from .algebra import COMPOSITES
 from .config import deep
 from .algebra.formula import evaluate as evaluate_formula
-from .ir import Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, free_indices
+from .ir import (Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, Var, free_indices,
+                 transform)
 from .ops import BOOL, FLOAT, INT, OPS
 
 
@@ -120,8 +127,12 @@ class _Evaluator:
         dims = tuple(dict.fromkeys((*_union(args), *e.indices)))
         kept = tuple(d for d in dims if d not in e.indices)
         shape = [self.extents[d] for d in dims]
-        env = {f"x{k}": a.aligned(dims).to(torch.float64).expand(shape) for k, a in enumerate(args)}
-        fields = [evaluate_formula(f, env).expand(shape) for f in s.lift]
+        arg_types = tuple(FLOAT if a.tensor.is_floating_point() else INT for a in args)
+        env = {f"x{k}": _as_type(a.aligned(dims), t).expand(shape)
+               for k, (a, t) in enumerate(zip(args, arg_types))}
+        types = s.field_types(arg_types)        # integral fields fold in int64, as the kernels do
+        fields = [_as_type(evaluate_formula(f, env), types[n]).expand(shape)
+                  for f, n in zip(s.lift, s.field_names)]
         # Bring the reduced dimensions last and flatten them into one, in index order
         # (row-major), so that a non-commutative summary folds in that order.
         perm = [dims.index(d) for d in kept] + [dims.index(i) for i in e.indices]
@@ -137,18 +148,20 @@ class _Evaluator:
 def fold(summary, fields: list[torch.Tensor]) -> list[torch.Tensor]:
     """Fold the last dimension of each field tensor with `summary.combine`,
     pairing neighbours so that order is kept; an odd tail is padded with the
-    identity.  Returns field tensors without that dimension."""
+    identity.  Returns field tensors without that dimension, each in its own
+    dtype (float64, or int64 for an integral field)."""
     names = summary.field_names
     while fields[0].shape[-1] > 1:
         if fields[0].shape[-1] % 2:
-            fields = [torch.cat([f, torch.full_like(f[..., :1], float(c.value))], dim=-1)
+            fields = [torch.cat([f, torch.full_like(f[..., :1], _identity(c, f.dtype))], dim=-1)
                       for f, c in zip(fields, summary.identity)]
         env = {**{f"a.{n}": f[..., 0::2] for n, f in zip(names, fields)},
                **{f"b.{n}": f[..., 1::2] for n, f in zip(names, fields)}}
         shape = fields[0][..., 0::2].shape
-        fields = [evaluate_formula(c, env).expand(shape) for c in summary.combine]
+        fields = [evaluate_formula(c, env).to(f.dtype).expand(shape)
+                  for c, f in zip(_combine(summary), fields)]
     if fields[0].shape[-1] == 0:
-        return [torch.full(f.shape[:-1], float(c.value), dtype=torch.float64)
+        return [torch.full(f.shape[:-1], _identity(c, f.dtype), dtype=f.dtype)
                 for f, c in zip(fields, summary.identity)]
     return [f[..., 0] for f in fields]
 
@@ -158,7 +171,61 @@ def merge(summary, a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.T
     env = {**{f"a.{n}": t for n, t in zip(summary.field_names, a)},
            **{f"b.{n}": t for n, t in zip(summary.field_names, b)}}
     shape = torch.broadcast_shapes(a[0].shape, b[0].shape)
-    return [evaluate_formula(c, env).expand(shape) for c in summary.combine]
+    return [evaluate_formula(c, env).to(t.dtype).expand(shape) for c, t in zip(_combine(summary), a)]
+
+
+_INT64 = torch.iinfo(torch.int64)
+_SATURATED = {math.inf: _INT64.max, -math.inf: _INT64.min}
+_RESULT_DTYPES = {BOOL: torch.bool, INT: torch.int64}
+
+
+def _identity(c: Const, dtype: torch.dtype) -> int | float:
+    """An identity constant in a field's dtype: an integral max's -inf is the least
+    int64 (the kernels' identity: an empty integral max saturates)."""
+    if dtype.is_floating_point:
+        return float(c.value)
+    return _SATURATED[c.value] if c.value in _SATURATED else int(c.value)
+
+
+def _as_type(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """`t` as the oracle holds values of `kind`: floats in float64; integers in int64,
+    where a float's infinities saturate at the int64 extremes (an empty integral max
+    or min is the kernels' identity) and finite values truncate."""
+    if kind != INT or not t.is_floating_point():
+        return t.to(_RESULT_DTYPES.get(kind, torch.float64))
+    whole = torch.where(torch.isinf(t), 0.0, t).to(torch.int64)
+    return torch.where(t == math.inf, _INT64.max, torch.where(t == -math.inf, _INT64.min, whole))
+
+
+# Comparisons that select one of two states (b.m > a.m); see _combine.
+_SELECTIONS = frozenset({"gt", "lt", "ge", "le"})
+
+
+@functools.lru_cache(maxsize=None)
+def _combine(summary) -> tuple[Expr, ...]:
+    """The summary's combine as the oracle evaluates it, with torch's extremum
+    semantics: a comparison of one field of the two states treats a NaN as beyond
+    every number in the compared direction (a NaN state wins over a number's; of
+    two NaNs the comparison stays false, so argmax's left state: the first NaN).
+    argmax and argmin then give the first NaN's position, as torch.argmax does, and
+    a max that selects its state propagates NaN, as torch.maximum does."""
+    return tuple(transform(c, _nan_is_extreme) for c in summary.combine)
+
+
+def _nan_is_extreme(e: Expr) -> Expr:
+    """cmp(u, v) as cmp(u, v) or (u is NaN and v is not), where u and v are states' fields."""
+    if not (isinstance(e, Call) and e.op in _SELECTIONS and _compares_states(*e.args)):
+        return e
+    u, v = e.args
+    return Call("or", (e, Call("and", (Call("ne", (u, u)), Call("eq", (v, v))))))
+
+
+def _compares_states(u: Expr, v: Expr) -> bool:
+    """Whether `u` and `v` are one field of the two states (a.m and b.m)."""
+    if not (isinstance(u, Var) and isinstance(v, Var)):
+        return False
+    (side_u, _, field_u), (side_v, _, field_v) = u.name.partition("."), v.name.partition(".")
+    return field_u == field_v != "" and {side_u, side_v} == {"a", "b"}
 
 
 def fold_in_chunks(summary, fields: list[torch.Tensor], rng: random.Random) -> list[torch.Tensor]:
@@ -176,9 +243,6 @@ def fold_in_chunks(summary, fields: list[torch.Tensor], rng: random.Random) -> l
         k = rng.randrange(len(states) - 1)
         states[k:k + 2] = [merge(summary, states[k], states[k + 1])]
     return states[0]
-
-
-_RESULT_DTYPES = {BOOL: torch.bool, INT: torch.int64}
 
 
 def run(program: Program, inputs: Mapping[str, torch.Tensor | float], extents: Mapping[str, int],
@@ -204,14 +268,23 @@ def _run(program, inputs, extents, outputs, chunking):
     for st in program.statements:
         v = evaluator(st.expr)
         shape = [extents[i] for i in st.indices]
-        t = v.aligned(st.indices).expand(shape).contiguous()
-        if st.dtype == INT and t.is_floating_point():
-            # an empty integral max or min saturates at the int64 extremes (the kernels' identities)
-            limits = torch.iinfo(torch.int64)
-            whole = torch.where(torch.isinf(t), 0.0, t).to(torch.int64)
-            t = torch.where(t == math.inf, limits.max, torch.where(t == -math.inf, limits.min, whole))
-        t = t.to(_RESULT_DTYPES.get(st.dtype, torch.float64))
+        t = _as_type(v.aligned(st.indices).expand(shape).contiguous(), st.dtype)
         evaluator.values[st.name] = Labelled(t, ())
         results[st.name] = t
     wanted = outputs if outputs is not None else program.outputs
-    return {name: results[name] for name in wanted}
+    return _unshared({name: results[name] for name in wanted}, [v.tensor for v in values.values()])
+
+
+def _unshared(results: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`results`, each in memory of its own: a statement that reads a float64 CPU
+    input unchanged (Y[i,j] = X[i,j]) is that input's memory, and one that reads
+    another statement unchanged is that one's; outputs are the caller's to change
+    in place."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    own = {}
+    for name, t in results.items():
+        if t.numel() and t.untyped_storage().data_ptr() in taken:
+            t = t.clone()
+        taken.add(t.untyped_storage().data_ptr())
+        own[name] = t
+    return own
