@@ -14,7 +14,7 @@ Folds follow the summary's algebra, never the operator's name:
 
 - sum of a product over one index: a contraction, `tl.dot` when both operands
   are 2-D tiles at least 16 wide, else a broadcast product and `tl.sum`;
-- max / min: `tl.max` / `tl.min` of the identity-padded tile;
+- max / min: a NaN-keeping max / min (ops.EXTREMA) of the identity-padded tile;
 - a summary with `rescaled` structure streams FlashAttention-style: running
   leader r, repair factor h(r, r_new) on the carried fields (a field held
   centred on the leader first moves by its shift times the weight sum),
@@ -38,6 +38,9 @@ import torch
 
 from ...errors import BackendError
 from ...program import positive_number
+# the combine as the oracle evaluates it: a NaN state wins a comparison that selects one of two
+# states (argmax gives the first NaN's position, as torch does)
+from ...reference import _combine as selecting_combine
 from ...ir import (Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform,
                   walk)
 from . import ops as emission
@@ -140,6 +143,13 @@ class Axis:
 
 def sort_axes(axes) -> tuple[Axis, ...]:
     return tuple(sorted(set(axes), key=lambda a: a.id))
+
+
+def without_reduced(axes, reduced, keep=()) -> tuple[Axis, ...]:
+    """The axes of a tile reduced over `reduced` but `keep`: an index a loop folds one value at a
+    time (a scalar axis) is reduced by the loop, so the tile's reduction does not vary over it
+    (the state it joins exists outside the loop)."""
+    return sort_axes(a for a in axes if a not in reduced or a in keep)
 
 
 def dims(axes) -> tuple[Axis, ...]:
@@ -268,7 +278,7 @@ class ModuleContext:
         # names of the module's globals (kernels, combine functions, helpers), every kernel-local
         # name given out so far, and the names of the program (tensors, statements, buffers)
         self.module_names: set[str] = ({"launch", "torch", "triton", "tl", "_time_candidate"}
-                                       | {f"_{h}" for h in emission.HELPERS})
+                                       | emission.HELPER_FUNCTIONS)
         self.local_names: set[str] = set()
         self.reserved: set[str] = set()
 
@@ -304,7 +314,8 @@ class ModuleContext:
             b = {f: f"b_{ident(f)}" for f in fields}
             names = {f"a.{f}": a[f] for f in fields} | {f"b.{f}": b[f] for f in fields}
             params = ", ".join([a[f] for f in fields] + [b[f] for f in fields])
-            results = [inline_formula(summary.combine[index[f]], names, self.helpers) for f in fields]
+            combine = selecting_combine(summary)
+            results = [inline_formula(combine[index[f]], names, self.helpers) for f in fields]
             lines = ["@triton.jit", f"def {name}({params}):",
                      f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})"]
             if guarded:
@@ -717,6 +728,12 @@ class KernelEmitter:
             # int32 index arithmetic would wrap: compute this operation in 64 bits
             codes = [f"{c}.to(tl.int64)" if a.kind == "int" and a.const is None and
                      (a.bounds is None or max(map(abs, a.bounds)) < 2 ** 31) else c
+                     for c, a in zip(codes, args)]
+        if op in emission.LOGICAL:
+            # a scalar truth value (a comparison of a kernel argument or of a 0-d load) is compared
+            # with 0 first: Triton's interpreter types it wrongly in & and | (a float64 & that numpy
+            # rejects), and the comparison costs nothing compiled
+            codes = [f"({c} != 0)" if a.const is None and not dims(a.axes) else c
                      for c, a in zip(codes, args)]
         code = emission.emit(op, codes, self.ctx.helpers)
         origin = (op, tuple(args))
@@ -1311,19 +1328,19 @@ class KernelEmitter:
 
     def reduce_padded(self, v: Value, RA, fn: str, identity: str, body: Scope, stem: str = "t",
                       keep=()) -> Value:
-        """`fn` (tl.sum / tl.max / tl.min) of `v` over the RA axes but `keep`, padding at
+        """`fn` (tl.sum, or a max / min of ops.EXTREMA) of `v` over the RA axes but `keep`, padding at
         `identity`; an int `v` is reduced in 64 bits."""
         U = sort_axes(list(v.axes) + list(RA))
         padded = self.masked(RA, U, self.expand(self.to_kind(v, "int") if v.kind == "int" else v, U), identity)
         if dims(U) != dims(v.axes) or v.const is not None:
             padded = self.broadcast(padded, U, self.state_dtype(v.kind))
         if not set(dims(RA)) - set(keep):
-            return self.assign(padded, U, body, v.kind, stem=stem)
+            return self.assign(padded, without_reduced(U, RA, keep), body, v.kind, stem=stem)
         return self.reduce_axes(padded, U, [a for a in RA if a not in keep], fn, body, stem, v.kind)
 
     def reduce_axes(self, code: str, axes, reduced, fn: str, body: Scope, stem: str = "t",
                     kind: str = "float") -> Value:
-        """Reduce `code` (a tile over `axes`) over the `reduced` axes with tl.sum / tl.max / tl.min."""
+        """Reduce `code` (a tile over `axes`) over the `reduced` axes with `fn` (tl.sum, tl.max, ...)."""
         self.tile(axes)
         current = list(dims(axes))
         for ax in sorted(dims(reduced), key=lambda a: -current.index(a)):
@@ -1444,7 +1461,7 @@ class KernelEmitter:
         if mask and not padded:
             product = f"tl.where({mask}, {product}, {'0' if exact else '0.0'})"
         if not set(ra_dims) - set(keep):
-            return self.assign(product, U, body, kind)
+            return self.assign(product, without_reduced(U, RA, keep), body, kind)
         return self.reduce_axes(product, U, [a for a in RA if a not in keep], "tl.sum", body, kind=kind)
 
     def dot_plan(self, factors, ra_dims):
@@ -1562,14 +1579,16 @@ class KernelEmitter:
         x = self.value(fold.args[0], body)
         if x.kind != "int" or x.const is not None:
             x = self.as_float(x)
-        fn, combine = ("tl.max", "tl.maximum") if extremum(s) == "max" else ("tl.min", "tl.minimum")
+        helper, fn, op = emission.EXTREMA[extremum(s)]
+        self.ctx.helpers.add(helper)          # NaN propagates, as in torch
         identity = self.identity_literal(s, field_name, x.kind)
         tile = self.reduce_padded(x, RA, fn, identity, body, keep=self.lanes(RA) if looped else ())
         if not looped:
             return {field_name: tile}
+        join = emission.emit(op, ["{var}", "{tile}"], self.ctx.helpers)
         return {field_name: self.running(prefix, field_name, tile, RA,
                                          f"tl.full({{shape}}, {identity}, {self.state_dtype(x.kind)})",
-                                         f"{{var}} = {combine}({{var}}, {{tile}})", fn, body, init, finish)}
+                                         f"{{var}} = {join}", fn, body, init, finish)}
 
     # rescaled (FlashAttention-style)
     def rescaled_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
@@ -1579,13 +1598,15 @@ class KernelEmitter:
         xs = self.fold_arguments(fold, body, skip=unread)
 
         def remembered(complete: bool) -> dict[str, Value]:
-            # a split value's tl.dot may have laid its operand loads out anew: the arguments as the
-            # scopes now remember them, and (complete) those it left unread
+            # a tl.dot (of an earlier value or structure) may have laid an argument's load out anew
+            # (transposed_load): the arguments as the scopes now remember them, and (complete) those
+            # a split value left unread
             now = {x: self.as_float(self.value(fold.args[int(x[1:])], body)) for x in xs}
             return {**now, **self.fold_arguments(fold, body, skip=frozenset(now))} if complete else now
         state: dict[str, Value] = {}
         updates: list[str] = []
         for rs in s.rescaled:
+            xs = remembered(complete=False)
             ident_r = s.identity[s.field_names.index(rs.leader)].value
             lit = emission.literal(ident_r)
             fn, comb = ("tl.max", "tl.maximum") if rs.leader_monoid == "max" else ("tl.min", "tl.minimum")
@@ -1594,16 +1615,16 @@ class KernelEmitter:
             variables = {}
             base2 = rs.base2
             la = self.formula(rs.leader_arg, xs, body)
-            # in base 2, a positive factor c of the leader's argument x = c y leaves the tile:
-            # max(c y) = c max(y) exactly (rounding is monotone), and the weights take c a
+            # in base 2, a positive factor c of the leader's argument x = c y leaves the tile: the
+            # running leader is the max of y, and c times it the max of x (exactly: rounding is
+            # monotone); the weights take c into their factor (_base2)
             factor, y = self.positive_factor(la, body) if base2 else (None, la)
             tile = self.reduce_padded(y, RA, fn, lit, body)
-            if factor is not None:
-                tile = self.assign(f"{factor.code} * {tile.code}", tile.axes, body)
             r = self.state_var(prefix, rs.leader)
             FR = tile.axes
             init.append(f"{r} = tl.full({self.shape(FR)}, {lit}, {cdt})")
-            r_val = Value(r, FR)
+            r_val = Value(r, FR) if factor is None else Value(f"{factor.code} * {r}", FR)   # the max of x
+            with_factor = "" if factor is None else f", {factor.code}"
             r_new = self.assign(f"{comb}({r}, {tile.code})", FR, body, stem="r_new")
             body.lines.append("# a leader still at the identity has no mass yet: use the finite stand-in 0")
             r_use = self.stand_in(r_new, lit, body, "r_use")
@@ -1613,24 +1634,25 @@ class KernelEmitter:
                 alpha = self.renamed(self.formula(rs.repair, {"r": r_val, "r_new": r_use}, body), "alpha", body)
                 w = self.renamed(self.formula(rs.weight, {**xs, "r": r_use}, body), "w", body)
             else:
-                # exp(x - r) in base 2 at one fma per element: w = exp2(fma(x, a, -r2)) with a = log2(e)
-                # and r2 = r a rounded.  The product x a is not rounded, so every weight of a row errs
-                # by the same factor exp2(r a - r2); _natural divides it out of the final fields.  The
-                # leader stays the max of x itself (exact), so r, r + log(l) and x - r - log(l) are as
-                # exact as torch's at any logit size.  A row whose max is beyond FLT_MAX / log2(e)
-                # (where r a would overflow) takes a = 1: float32 values that large are 2**104 apart,
-                # so exp(x - r) is exactly 1 at the max and 0 elsewhere, and so is exp2(x - r).
+                # exp(x - r) in base 2 at one fma per element: w = exp2(fma(y, a, -r2)) for x = c y, with
+                # a = c log2(e) and r2 = r a rounded (r: the max of y).  The product y a is not rounded,
+                # so every weight of a row errs by the same factor exp2(r a - r2); _natural divides it
+                # out of the final fields.  The leader stays the max of y itself (exact), so c r,
+                # c r + log(l) and x - c r - log(l) are as exact as torch's.  r2 errs by up to half an
+                # ulp of r a, so a row whose max is large (|c r| >= 2**30 in float32) takes a factor
+                # a that keeps r a small (_base2): the floats there lie 64 or more apart, so the
+                # weights are 1 at the max and below the dtype's precision elsewhere, in either base.
                 self.ctx.helpers.add("base2")
                 # The repair is exp2(r2_old - r2): the weights so far erred by exp2(r_old a - r2_old)
-                # and from here by exp2(r_new a - r2), so both rounded r2 enter exactly (_scaled).
-                a = self.assign(f"_base2({r_use.code})", FR, body, stem="a")
-                r2 = self.assign(f"_scaled({r_use.code})", FR, body, stem="r2")
-                alpha = self.assign(f"tl.exp2(_scaled({r}) - {r2.code})", FR, body, stem="alpha")
+                # and from here by exp2(r_new a - r2), so both rounded r2 enter exactly (_repair;
+                # 0 where a changed with the leader).
+                a = self.assign(f"_base2({r_use.code}{with_factor})", FR, body, stem="a")
+                r2 = self.assign(f"_scaled({r_use.code}{with_factor})", FR, body, stem="r2")
+                alpha = self.assign(f"_repair({r}, {r_use.code}{with_factor})", FR, body, stem="alpha")
                 WU = sort_axes(list(y.axes) + list(FR))
                 # the weights are the p of the update unless padding must be masked out of them
                 stem = "w" if self.mask_code(RA, sort_axes(list(WU) + list(RA))) else "p"
-                scale = a if factor is None else Value(f"{factor.code} * {a.code}", FR)
-                w = self.assign(f"tl.exp2(tl.fma({self.expand(y, WU)}, {self.expand(scale, WU)}, "
+                w = self.assign(f"tl.exp2(tl.fma({self.expand(y, WU)}, {self.expand(a, WU)}, "
                                 f"-{self.expand(r2, WU)}))", WU, body, stem=stem)
                 x = la.code if la.code.isidentifier() else "x"
                 if factor is None:
@@ -1639,9 +1661,9 @@ class KernelEmitter:
                 else:
                     c = factor.code
                     body.lines[header + 1:header + 1] = [
-                        f"# base 2, {x} = {c} * {y.code}: {w.code} = exp2({y.code} * ({c} * a) - r2), a = log2(e), "
-                        f"r2 = {r} * a;",
-                        f"# {r}, the max of {x}, is {c} times the max of {y.code} ({c} > 0)"]
+                        f"# base 2, {x} = {c} * {y.code}: {w.code} = exp2({y.code} * a - r2), "
+                        f"a = {c} * log2(e), r2 = {r} * a;",
+                        f"# {r} is the max of {y.code}, {c} * {r} the max of {x} ({c} > 0)"]
             PU = sort_axes(list(w.axes) + list(RA))
             p_code = self.masked(RA, PU, self.expand(w, PU), "0.0")
             if dims(PU) != dims(w.axes):
@@ -1653,8 +1675,7 @@ class KernelEmitter:
             shifts = self.shifts(rs, r_val, r_use, lit, body)
             shift_at = len(body.lines)          # the shifts read the weight sum before its update
             for fname, v_expr in rs.values:
-                if split:
-                    xs = remembered(complete=False)
+                xs = remembered(complete=False)
                 dot = None
                 if fname in split:
                     # the value's own factors beside the weights: a matrix product where the value
@@ -1689,7 +1710,7 @@ class KernelEmitter:
                 if base2:
                     self.ctx.helpers.add("natural")
                     state[fname] = Value(f"_natural({self.expand(Value(t, FT), FT)}, "
-                                         f"{self.expand(r_val, FT)})", FT)
+                                         f"{self.expand(Value(r, FR), FT)}{with_factor})", FT)
                 else:
                     state[fname] = Value(t, FT)
             body.lines[shift_at:shift_at] = [
@@ -1707,8 +1728,8 @@ class KernelEmitter:
         body.lines.extend(updates)
         rest = tuple(f for f in s.field_names if f not in state)
         if rest:
-            if split:      # generic_fold reads every argument's kind
-                xs = remembered(complete=True)
+            # generic_fold reads every argument's kind: those a split value left unread too
+            xs = remembered(complete=bool(split))
             state.update(self.generic_fold(fold, prefix, body, RA, True, init, finish, fields=rest, xs=xs))
         return state
 
@@ -1828,7 +1849,7 @@ class KernelEmitter:
                 body.lines.append(f"{', '.join(outs)} = tl.reduce({tuple_in}, {pos}, {combine})")
             else:
                 # tl.reduce may reorder operands; a scan keeps order and its last element is the fold
-                scans = [self.temp(f"scan_{ident(f)}") for f in fields]
+                scans = [self.temp(f"scan_{ident(f)}") for f in folded]
                 body.lines.append(f"{', '.join(scans)} = tl.associative_scan({tuple_in}, {pos}, {combine})")
                 last_axes = [a for a in current]
                 last = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {ax.block_name} - 1)", (ax,), "bool"),
@@ -1854,7 +1875,8 @@ class KernelEmitter:
                     for i, f in enumerate(s.field_names) if f not in fields})
         body.lines.append(f"# merge the tile into the running state with the combine of '{s.name}'")
         cse: dict = {}
-        new = {f: self.formula(s.combine[index[f]], env, body, cse) for f in fields}
+        combine = selecting_combine(s)
+        new = {f: self.formula(combine[index[f]], env, body, cse) for f in fields}
         new = self.guard_identity(s, fields, state, tile_vals, new, body)
         for f in fields:
             # to_kind: int32 index arithmetic joins the int64 state
@@ -2391,7 +2413,7 @@ class MergeEmitter(KernelEmitter):
             env = {f"a.{f}": state[f] for f in s.field_names} | {f"b.{f}": loaded[f] for f in s.field_names}
             cse: dict = {}
             for f in rest:
-                new[f] = self.formula(s.combine[s.field_names.index(f)], env, body, cse)
+                new[f] = self.formula(selecting_combine(s)[s.field_names.index(f)], env, body, cse)
             new.update(self.guard_identity(s, rest, state, loaded, {f: new[f] for f in rest}, body))
         for f in s.field_names:
             body.lines.append(f"{state[f].code} = {self.full_shape(new[f], state[f].axes)}")
@@ -2446,7 +2468,7 @@ def rescaled_lowering(s) -> bool:
 # built-in one.
 FOLD_LOWERINGS = (
     ("sum: a contraction (tl.dot) or tl.sum", additive, "sum_fold"),
-    ("max / min: tl.max / tl.min", lambda s: extremum(s) is not None, "extremum_fold"),
+    ("max / min: a NaN-keeping tile max / min", lambda s: extremum(s) is not None, "extremum_fold"),
     ("rescaled: running leader, repaired fields (FlashAttention)", rescaled_lowering, "rescaled_fold"),
     ("any summary: tl.reduce with its combine (ordered: tl.associative_scan)", lambda s: True, "generic_fold"),
 )

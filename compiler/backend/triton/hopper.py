@@ -235,21 +235,29 @@ def _elementwise(e: Expr, indices: set, ctx) -> bool:
 GL_HELPERS = {
     "base2": '''\
 @gluon.jit
-def _gl_base2(r):
-    # _base2 in gl (float32 states): log2(e), or 1 where r * log2(e) would overflow
-    return gl.where(gl.abs(r) < 2.35e38, 1.4426950408889634, 1.0)
+def _gl_base2(r, c=1.0):
+    # _base2 in gl (float32 states): the factor a of the weights exp2(y * a - r2) of x = c * y,
+    # c * log2(e) while |c * r| < 2**30, else 1.4 * 2**30 / |r| (r2 then errs by 64 at most)
+    return gl.where(gl.abs(c * r) < 1073741824.0, c * 1.4426950408889634, 1503238553.6 / gl.abs(r))
 
 
 @gluon.jit
-def _gl_scaled(r):
+def _gl_scaled(r, c=1.0):
     # _scaled in gl: r2 = r * a rounded once, as an fma
-    return gl.fma(r, _gl_base2(r), 0.0)
+    return gl.fma(r, _gl_base2(r, c), 0.0)
 
 
 @gluon.jit
-def _gl_natural(t, r):
+def _gl_repair(r, r_new, c=1.0):
+    # _repair in gl: exp2(r2 - r2_new) while a stays, else 0 (the leader moved by 32 or more)
+    same = _gl_base2(r, c) == _gl_base2(r_new, c)
+    return gl.where(same, gl.exp2(_gl_scaled(r, c) - _gl_scaled(r_new, c)), 0.0)
+
+
+@gluon.jit
+def _gl_natural(t, r, c=1.0):
     # _natural in gl: divide the factor exp2(r * a - r2) of every base-2 weight out of t
-    return t * gl.exp2(gl.where(r == -float("inf"), 0.0, -gl.fma(r, _gl_base2(r), -_gl_scaled(r))))
+    return t * gl.exp2(gl.where(r == -float("inf"), 0.0, -gl.fma(r, _gl_base2(r, c), -_gl_scaled(r, c))))
 ''',
     "sigmoid": '''\
 @gluon.jit
@@ -357,14 +365,14 @@ def ${K}_scores(q, k_smem, k_ready, n, zeros):
 
 @gluon.jit
 def ${K}_weights(y, c, r):
-    # the leader r, the max of x = c * y (c > 0: c times the max of y), moved by the tile; its
-    # stand-in 0 while no key has mass; the repair alpha = exp(r - r_new) and the weights
-    # p = exp(x - r_new), in base 2 at one fma a score (r2 = r * log2(e) rounded: _gl_scaled)
-    r_new = gl.maximum(r, gl.max(y, 1) * c)
+    # the leader r, the max of y (x = c * y, c > 0: c * r is the max of x), moved by the tile; its
+    # stand-in 0 while no key has mass; the repair alpha = exp(c * (r - r_new)) and the weights
+    # p = exp(x - c * r_new), in base 2 at one fma a score (r2 = r * a rounded: _gl_scaled)
+    r_new = gl.maximum(r, gl.max(y, 1))
     r_use = gl.where(r_new == -float("inf"), 0.0, r_new)
-    r2 = _gl_scaled(r_use)
-    alpha = gl.exp2(_gl_scaled(r) - r2)
-    p = gl.exp2(gl.fma(y, (c * _gl_base2(r_use))[:, None], -r2[:, None]))
+    r2 = _gl_scaled(r_use, c)
+    alpha = _gl_repair(r, r_use, c)
+    p = gl.exp2(gl.fma(y, _gl_base2(r_use, c)[:, None], -r2[:, None]))
     return r_new, alpha, p
 
 
@@ -706,20 +714,27 @@ def _bound_lines(h: HopperFold, names, helpers: set[str], n_rows: str) -> list[s
     return lines
 
 
+def _leader_factor(h: HopperFold, ctx) -> tuple[Expr | None, Expr, Expr]:
+    """(c, y on tiles where a mask may bite, y on interior tiles): the leader's argument x = c * y
+    with its positive scalar factor c split off, shared by both kinds of tile (else None)."""
+    x0 = h.fold.args[0]
+    interior = h.fold
+    for b in h.bounds:
+        interior = assume_relation(interior, b)
+    c, y_masked = positive_split(x0, set(ctx.positive))
+    c_inner, y_inner = positive_split(interior.args[0], set(ctx.positive))
+    if c != c_inner:        # both kinds of tile must share the factor: none
+        return None, x0, interior.args[0]
+    return c, y_masked, y_inner
+
+
 def _logits_function(h: HopperFold, ctx, names, helpers, name: str, extra: str) -> str:
-    positive = set(ctx.positive)
     indices = {x: names[("coord", x)] for x in h.batch} | {h.rows: "rows[:, None]", h.keys: "cols[None, :]"}
     masks = {h.rows: f"(rows[:, None] < {names[('extent', h.rows)]})",
              h.keys: f"(cols[None, :] < {names[('extent', h.keys)]})"}
     printer = Printer(ctx, names, indices, masks, {h.contraction: "qk"}, helpers)
     x0 = h.fold.args[0]
-    interior = h.fold
-    for b in h.bounds:
-        interior = assume_relation(interior, b)
-    c, y_masked = positive_split(x0, positive)
-    c_inner, y_inner = positive_split(interior.args[0], positive)
-    if c != c_inner:        # both kinds of tile must share the factor: none
-        c, y_masked, y_inner = None, x0, interior.args[0]
+    c, y_masked, y_inner = _leader_factor(h, ctx)
     factor = "1.0" if c is None else printer.code(c)[0]
     lines = ["@gluon.jit", f"def {name}_logits(qk, rows, cols, {extra}, MASKED):",
              f"    # the leader's argument x = c * y on one tile from its scores qk = {format_expr(h.contraction)}:",
@@ -737,6 +752,9 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
     n_rows = names[("extent", h.rows)]
     width = ctx.extent(h.width)
     lanes = min(32, width // 8)
+    c, _, _ = _leader_factor(h, ctx)
+    factor = None if c is None else Printer(ctx, names, {}, {}, {}, helpers).code(c)[0]
+    with_factor = "" if factor is None else f", {factor}"
     lines = ["@gluon.jit", f"def {name}_store(r, l, acc, rows, {extra}):",
              "    # the results from the final states: _gl_natural divides the rounding of the base-2 reference",
              "    # point out of the fields; tiles are stored from a blocked layout, 8 consecutive values a thread,",
@@ -744,12 +762,14 @@ def _store_function(h: HopperFold, spec, ctx, names, helpers, name: str, extra: 
              "    # value an instruction there, 4.5 times the ideal store traffic)",
              "    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)",
              f"    out: gl.constexpr = gl.BlockedLayout([1, 8], [{32 // lanes}, {lanes}], [4, 1], [1, 0])",
-             "    l = _gl_natural(l, r)" if h.weight_sum else "",
+             f"    l = _gl_natural(l, r{with_factor})" if h.weight_sum else "",
              "    rows_o = gl.convert_layout(rows, o_rows)",
              "    cols_o = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))",
              "    rows_out = gl.convert_layout(rows, gl.SliceLayout(1, out))",
              "    cols_out = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, out))",
-             "    u = _gl_natural(acc, gl.convert_layout(r, o_rows)[:, None])"]
+             f"    u = _gl_natural(acc, gl.convert_layout(r, o_rows)[:, None]{with_factor})",
+             # the fold's leader is the max of y; the statements read the max of x = c * y
+             f"    r = {factor} * r" if factor is not None else ""]
     by_field = {h.leader: "r", h.weighted: "u"} | ({h.weight_sum: "l"} if h.weight_sum else {})
     batch = {x: names[("coord", x)] for x in h.batch}
     for st in spec.statements:

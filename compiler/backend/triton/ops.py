@@ -5,12 +5,13 @@ Triton expression.  Operands that the language types as int are converted to
 the compute dtype first where the operator computes in floating point."""
 from __future__ import annotations
 
+import ast
 import math
 
 from ...ops import BOOL, FLOAT, INT, OPS
 
-# Helper functions emitted into the generated module when an operator needs more
-# than one expression (each is small, readable and uses core tl ops only).
+# Helper functions emitted into the generated module when an operator or a fold needs
+# more than one expression (each is small, readable and uses core tl ops only).
 HELPERS = {
     "tanh": '''\
 @triton.jit
@@ -25,27 +26,68 @@ def _tanh(x):
 ''',
     "base2": '''\
 @triton.jit
-def _base2(r):
-    # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
-    # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
+def _base2(r, c=1.0):
+    # the factor a of the base-2 weights exp2(y * a - r2) of x = c * y (c > 0; r the max of y,
+    # r2 = r * a rounded: _scaled).  The weights share the factor exp2(r * a - r2), half an ulp of
+    # r * a at most, which _natural divides out; a keeps it below 2**64 (2**512 in float64):
+    # c * log2(e) while |c * r| < limit (r * a < 2**31, 2**61); beyond it the floats near c * r lie
+    # 64 (128) or more apart, so every weight but the leader's is below the dtype's precision in
+    # either base, and a = reach / |r| keeps r * a near reach, the other exponents 44 (358) or more
+    # below the leader's
+    if r.dtype == tl.float64:
+        limit, reach = 1.152921504606847e18, 6.456542290346556e18     # 2**60, 1.4 * 2**62
+    else:
+        limit, reach = 1073741824.0, 1503238553.6                    # 2**30, 1.4 * 2**30
     # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
-    return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
+    natural = c * tl.full(r.shape, 1.4426950408889634, r.dtype)
+    return tl.where(tl.abs(c * r) < limit, natural, reach / tl.abs(r))
 
 
 @triton.jit
-def _scaled(r):
-    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+def _scaled(r, c=1.0):
+    # r2 = r * a rounded once (a = _base2(r, c)), written as an fma: a plain product may be fused
     # into the subtraction that reads it (fp contraction on the GPU), and the repair
     # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
-    return tl.fma(r, _base2(r), 0.0)
+    return tl.fma(r, _base2(r, c), 0.0)
+
+
+@triton.jit
+def _repair(r, r_new, c=1.0):
+    # the repair of weights taken against _scaled(r), from here against _scaled(r_new): exp2 of the
+    # difference of the very references while a stays; where a changed (the leader crossed the
+    # limit of _base2, or moved beyond it) the leader moved by 32 or more: exp(c * (r - r_new)) is 0
+    same = _base2(r, c) == _base2(r_new, c)
+    return tl.where(same, tl.exp2(_scaled(r, c) - _scaled(r_new, c)), 0.0)
 ''',
     "natural": '''\
 @triton.jit
-def _natural(t, r):
-    # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
-    # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
+def _natural(t, r, c=1.0):
+    # t summed with weights exp2(y * a - r2), r2 = r * a rounded (a = _base2(r, c)): each weight
+    # is exp(c * (y - r)) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r, c), -_scaled(r, c))))
+''',
+    # a max or min reduction that keeps NaN, as torch's: tl.max and tl.min drop it (their combine
+    # is tl.maximum's default, the hardware's fmax); same cost (max.NaN is one instruction too)
+    "max_nan": '''\
+@triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _maximum_nan)
+''',
+    "min_nan": '''\
+@triton.jit
+def _minimum_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _minimum_nan)
 ''',
     "pow": '''\
 @triton.jit
@@ -60,6 +102,10 @@ def _pow(x, y):
 ''',
 }
 
+# every function the helpers define (a module global: no kernel-local name may shadow one)
+HELPER_FUNCTIONS = frozenset(node.name for source in HELPERS.values() for node in ast.parse(source).body
+                             if isinstance(node, ast.FunctionDef))
+
 # op -> (Triton template over operands {0}, {1}, {2}; helper it needs, if any)
 TEMPLATES: dict[str, tuple[str, str | None]] = {
     **{op: (f"({{0}} {sym} {{1}})", None) for op, sym in {
@@ -69,7 +115,8 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {
         "exp": "tl.exp", "exp2": "tl.exp2", "log": "tl.log", "log2": "tl.log2", "sqrt": "tl.sqrt",
         "rsqrt": "tl.rsqrt", "erf": "tl.erf", "sigmoid": "tl.sigmoid", "abs": "tl.abs"}.items()},
     "neg": ("(-{0})", None),
-    "not": ("(~{0})", None),
+    # not as a comparison: ~ of a plain bool (a scalar truth value under the interpreter) is -2
+    "not": ("({0} == 0)", None),
     "where": ("tl.where({0}, {1}, {2})", None),
     # NaN in either operand gives NaN, as torch.maximum / torch.minimum (the hardware's
     # fmax / fmin would return the other operand)
@@ -82,6 +129,11 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {
     "tanh": ("_tanh({0})", "tanh"),
     "pow": ("_pow({0}, {1})", "pow"),
 }
+
+
+# A fold's max or min: (its helper of HELPERS, the helper's tile reduction, the elementwise
+# operator of TEMPLATES that joins a tile to the running value), both keeping NaN.
+EXTREMA = {"max": ("max_nan", "_max_nan", "maximum"), "min": ("min_nan", "_min_nan", "minimum")}
 
 
 def literal(value) -> str:
@@ -119,6 +171,8 @@ def small_integer_power(exponent) -> int | None:
 FLOAT_RESULT = {op.name for op in OPS.values() if op.result((INT,) * op.arity) == FLOAT}
 BOOL_RESULT = {op.name for op in OPS.values()
                if op.result((INT,) * op.arity) == BOOL or op.result((BOOL,) * op.arity) == BOOL}
+# the logical operators written with Triton's bitwise & and | (and, or)
+LOGICAL = {op for op, (template, _) in TEMPLATES.items() if " & " in template or " | " in template}
 
 
 def int_bounds(op: str, bounds: list[tuple[int, int] | None]) -> tuple[int, int] | None:

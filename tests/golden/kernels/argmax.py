@@ -15,7 +15,7 @@ import triton.language as tl
 @triton.jit
 def combine_argmax(a_m, a_p, b_m, b_p):
     # the combine of summary 'argmax' on fields (m, p)
-    return tl.where((b_m > a_m), b_m, a_m), tl.where((b_m > a_m), b_p, a_p)
+    return tl.where(((b_m > a_m) | ((b_m != b_m) & (a_m == a_m))), b_m, a_m), tl.where(((b_m > a_m) | ((b_m != b_m) & (a_m == a_m))), b_p, a_p)
 
 
 def _time_candidate(kernel_call, quantiles):
@@ -45,9 +45,9 @@ def einfold_Y(n_i, n_j, X_ptr, X_s0, X_s1, Y_ptr, Y_s0, BLOCK_i: tl.constexpr, B
         tile_m = tl.sum(tl.where(((tl.arange(0, BLOCK_j) == BLOCK_j - 1))[None, :], scan_m, 0.0), 1)
         tile_p = tl.sum(tl.where(((tl.arange(0, BLOCK_j) == BLOCK_j - 1))[None, :], scan_p, 0), 1)
         # merge the tile into the running state with the combine of 'argmax'
-        t1 = (tile_m > m)
-        m = tl.where(t1, tile_m, m)
-        p = tl.where(t1, tile_p, p).to(tl.int64)
+        t5 = ((tile_m > m) | ((tile_m != tile_m) & (m == m)))
+        m = tl.where(t5, tile_m, m)
+        p = tl.where(t5, tile_p, p).to(tl.int64)
     # Y[i]
     tl.store(Y_ptr + offs_i.to(tl.int64) * Y_s0, tl.cast(p, Y_ptr.dtype.element_ty))
 
@@ -56,7 +56,7 @@ def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
     # einfold_Y: one program per (i) tile; folds argmax[j] streamed over their indices [grid (i/1)]
-    grid = lambda META: (triton.cdiv(n["i"], META["BLOCK_i"]),)
+    grid = lambda META: (((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_Y[grid](
             n["i"], n["j"], t["X"], *t["X"].stride(), t["Y"], *t["Y"].stride())

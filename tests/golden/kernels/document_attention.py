@@ -13,27 +13,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _base2(r):
-    # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
-    # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
+def _base2(r, c=1.0):
+    # the factor a of the base-2 weights exp2(y * a - r2) of x = c * y (c > 0; r the max of y,
+    # r2 = r * a rounded: _scaled).  The weights share the factor exp2(r * a - r2), half an ulp of
+    # r * a at most, which _natural divides out; a keeps it below 2**64 (2**512 in float64):
+    # c * log2(e) while |c * r| < limit (r * a < 2**31, 2**61); beyond it the floats near c * r lie
+    # 64 (128) or more apart, so every weight but the leader's is below the dtype's precision in
+    # either base, and a = reach / |r| keeps r * a near reach, the other exponents 44 (358) or more
+    # below the leader's
+    if r.dtype == tl.float64:
+        limit, reach = 1.152921504606847e18, 6.456542290346556e18     # 2**60, 1.4 * 2**62
+    else:
+        limit, reach = 1073741824.0, 1503238553.6                    # 2**30, 1.4 * 2**30
     # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
-    return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
+    natural = c * tl.full(r.shape, 1.4426950408889634, r.dtype)
+    return tl.where(tl.abs(c * r) < limit, natural, reach / tl.abs(r))
 
 
 @triton.jit
-def _scaled(r):
-    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+def _scaled(r, c=1.0):
+    # r2 = r * a rounded once (a = _base2(r, c)), written as an fma: a plain product may be fused
     # into the subtraction that reads it (fp contraction on the GPU), and the repair
     # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
-    return tl.fma(r, _base2(r), 0.0)
+    return tl.fma(r, _base2(r, c), 0.0)
 
 
 @triton.jit
-def _natural(t, r):
-    # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
-    # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
+def _repair(r, r_new, c=1.0):
+    # the repair of weights taken against _scaled(r), from here against _scaled(r_new): exp2 of the
+    # difference of the very references while a stays; where a changed (the leader crossed the
+    # limit of _base2, or moved beyond it) the leader moved by 32 or more: exp(c * (r - r_new)) is 0
+    same = _base2(r, c) == _base2(r_new, c)
+    return tl.where(same, tl.exp2(_scaled(r, c) - _scaled(r_new, c)), 0.0)
+
+
+@triton.jit
+def _natural(t, r, c=1.0):
+    # t summed with weights exp2(y * a - r2), r2 = r * a rounded (a = _base2(r, c)): each weight
+    # is exp(c * (y - r)) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r, c), -_scaled(r, c))))
 
 
 def _time_candidate(kernel_call, quantiles):
@@ -79,9 +98,9 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
     for start_scan_i_2 in range(0, hi_i_2, 32 * BLOCK_i_2):
         offs_scan_i_2 = start_scan_i_2 + tl.arange(0, 32 * BLOCK_i_2)
         mask_scan_i_2 = offs_scan_i_2 < hi_i_2
-        x_D24 = tl.load(D_tile_3 + tl.cast(start_scan_i_2, tl.int64) * D_s1, mask=mask_scan_i_2, other=0.0)
-        least_D = tl.min(tl.reshape(tl.where(mask_scan_i_2, x_D24.to(tl.float32), float("inf")), [32, BLOCK_i_2]), 1)
-        most_D = tl.max(tl.reshape(tl.where(mask_scan_i_2, x_D24.to(tl.float32), -float("inf")), [32, BLOCK_i_2]), 1)
+        x_D22 = tl.load(D_tile_3 + tl.cast(start_scan_i_2, tl.int64) * D_s1, mask=mask_scan_i_2, other=0.0)
+        least_D = tl.min(tl.reshape(tl.where(mask_scan_i_2, x_D22.to(tl.float32), float("inf")), [32, BLOCK_i_2]), 1)
+        most_D = tl.max(tl.reshape(tl.where(mask_scan_i_2, x_D22.to(tl.float32), -float("inf")), [32, BLOCK_i_2]), 1)
         starts_i_2 = start_scan_i_2 + tl.arange(0, 32) * BLOCK_i_2
         live_i_2 = ((max_D < least_D) | (min_D > most_D)) == 0
         first_i_2 = tl.minimum(first_i_2, tl.min(tl.where(live_i_2, starts_i_2, hi_i_2)))
@@ -93,27 +112,27 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
     # the interior runs untested where the span has no holes; otherwise every tile is tested, in the boundary loop
     mid_i_2 = tl.where(dense_i_2, mid_i_2, first_i_2)
     for start_i_2 in range(first_i_2, mid_i_2, BLOCK_i_2):
-        x_D14 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
-        t15 = ((x_D0.to(tl.float32))[:, None] == (x_D14.to(tl.float32))[None, :])
+        x_D13 = tl.load(D_tile + tl.cast(start_i_2, tl.int64) * D_s1)
+        t14 = ((x_D0.to(tl.float32))[:, None] == (x_D13.to(tl.float32))[None, :])
         # fold 2: sum[k] (whole)
-        x_K16 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
-        qk_2 = tl.dot(x_Q6, x_K16)
-        x_V19 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
+        x_K15 = tl.load(K_tile + tl.cast(start_i_2, tl.int64) * K_s2)
+        qk_2 = tl.dot(x_Q6, x_K15)
+        x_V18 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2, x0_2 = scale_val * t20: p_2 = exp2(t20 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
-        # r, the max of x0_2, is scale_val times the max of t20 (scale_val > 0)
-        t20 = tl.where(t15, qk_2, -float("inf"))
-        r_new_2 = tl.maximum(r, (scale_val * tl.max(t20, 1)))
+        # base 2, x0_2 = scale_val * t19: p_2 = exp2(t19 * a - r2), a = scale_val * log2(e), r2 = r * a;
+        # r is the max of t19, scale_val * r the max of x0_2 (scale_val > 0)
+        t19 = tl.where(t14, qk_2, -float("inf"))
+        r_new_2 = tl.maximum(r, tl.max(t19, 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a_2 = _base2(r_use_2)
-        r2_2 = _scaled(r_use_2)
-        alpha_2 = tl.exp2(_scaled(r) - r2_2)
-        p_2 = tl.exp2(tl.fma(t20, (scale_val * a_2)[:, None], -r2_2[:, None]))
+        a_2 = _base2(r_use_2, scale_val)
+        r2_2 = _scaled(r_use_2, scale_val)
+        alpha_2 = _repair(r, r_use_2, scale_val)
+        p_2 = tl.exp2(tl.fma(t19, a_2[:, None], -r2_2[:, None]))
         l = l * alpha_2 + tl.sum(p_2, 1)
         acc = acc * alpha_2[:, None]
-        acc = tl.dot(p_2.to(tl.bfloat16), x_V19, acc)
+        acc = tl.dot(p_2.to(tl.bfloat16), x_V18, acc)
         r = r_new_2
     # the boundary tiles, where the predicate is evaluated
     for start_i_2 in range(mid_i_2, last_i_2, BLOCK_i_2):
@@ -131,22 +150,22 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
             qk = tl.dot(x_Q6, x_K5)
             x_V9 = tl.load(V_tile + tl.cast(start_i_2, tl.int64) * V_s2)
             # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-            # base 2, x0 = scale_val * t10: p = exp2(t10 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
-            # r, the max of x0, is scale_val times the max of t10 (scale_val > 0)
+            # base 2, x0 = scale_val * t10: p = exp2(t10 * a - r2), a = scale_val * log2(e), r2 = r * a;
+            # r is the max of t10, scale_val * r the max of x0 (scale_val > 0)
             t10 = tl.where(t4, qk, -float("inf"))
-            r_new = tl.maximum(r, (scale_val * tl.max(t10, 1)))
+            r_new = tl.maximum(r, tl.max(t10, 1))
             # a leader still at the identity has no mass yet: use the finite stand-in 0
             r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
             # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-            a = _base2(r_use)
-            r2 = _scaled(r_use)
-            alpha = tl.exp2(_scaled(r) - r2)
-            p = tl.exp2(tl.fma(t10, (scale_val * a)[:, None], -r2[:, None]))
+            a = _base2(r_use, scale_val)
+            r2 = _scaled(r_use, scale_val)
+            alpha = _repair(r, r_use, scale_val)
+            p = tl.exp2(tl.fma(t10, a[:, None], -r2[:, None]))
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(tl.bfloat16), x_V9, acc)
             r = r_new
-    O = (_natural(acc, r[:, None]) / (_natural(l, r))[:, None])
+    O = (_natural(acc, r[:, None], scale_val) / (_natural(l, r, scale_val))[:, None])
     # O[b, h, i, j]
     tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
 
@@ -155,7 +174,7 @@ def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
     # einfold_O: one program per (b, h, i, j) tile; folds fold1_r_l_u[i_2] streamed over their indices [grid (b, h, i/64, j/64)]
-    grid = lambda META: (triton.cdiv(n["j"], META["BLOCK_j"]) * triton.cdiv(n["i"], META["BLOCK_i"]) * n["h"] * n["b"],)
+    grid = lambda META: (((n["j"] + META["BLOCK_j"] - 1) // META["BLOCK_j"]) * ((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]) * n["h"] * n["b"],)
     if n["j"] > 0 and n["i"] > 0 and n["h"] > 0 and n["b"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
             n["j"], n["i"], n["h"], n["b"], n["i_2"], t["D"], *t["D"].stride(), float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["O"], *t["O"].stride())

@@ -35,45 +35,72 @@ def _tma_ready(*views):
 
 
 @triton.jit
-def _base2(r):
-    # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
-    # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
+def _base2(r, c=1.0):
+    # the factor a of the base-2 weights exp2(y * a - r2) of x = c * y (c > 0; r the max of y,
+    # r2 = r * a rounded: _scaled).  The weights share the factor exp2(r * a - r2), half an ulp of
+    # r * a at most, which _natural divides out; a keeps it below 2**64 (2**512 in float64):
+    # c * log2(e) while |c * r| < limit (r * a < 2**31, 2**61); beyond it the floats near c * r lie
+    # 64 (128) or more apart, so every weight but the leader's is below the dtype's precision in
+    # either base, and a = reach / |r| keeps r * a near reach, the other exponents 44 (358) or more
+    # below the leader's
+    if r.dtype == tl.float64:
+        limit, reach = 1.152921504606847e18, 6.456542290346556e18     # 2**60, 1.4 * 2**62
+    else:
+        limit, reach = 1073741824.0, 1503238553.6                    # 2**30, 1.4 * 2**30
     # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
-    return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
+    natural = c * tl.full(r.shape, 1.4426950408889634, r.dtype)
+    return tl.where(tl.abs(c * r) < limit, natural, reach / tl.abs(r))
 
 
 @triton.jit
-def _scaled(r):
-    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+def _scaled(r, c=1.0):
+    # r2 = r * a rounded once (a = _base2(r, c)), written as an fma: a plain product may be fused
     # into the subtraction that reads it (fp contraction on the GPU), and the repair
     # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
-    return tl.fma(r, _base2(r), 0.0)
+    return tl.fma(r, _base2(r, c), 0.0)
 
 
 @triton.jit
-def _natural(t, r):
-    # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
-    # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
+def _repair(r, r_new, c=1.0):
+    # the repair of weights taken against _scaled(r), from here against _scaled(r_new): exp2 of the
+    # difference of the very references while a stays; where a changed (the leader crossed the
+    # limit of _base2, or moved beyond it) the leader moved by 32 or more: exp(c * (r - r_new)) is 0
+    same = _base2(r, c) == _base2(r_new, c)
+    return tl.where(same, tl.exp2(_scaled(r, c) - _scaled(r_new, c)), 0.0)
+
+
+@triton.jit
+def _natural(t, r, c=1.0):
+    # t summed with weights exp2(y * a - r2), r2 = r * a rounded (a = _base2(r, c)): each weight
+    # is exp(c * (y - r)) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r, c), -_scaled(r, c))))
 
 
 @gluon.jit
-def _gl_base2(r):
-    # _base2 in gl (float32 states): log2(e), or 1 where r * log2(e) would overflow
-    return gl.where(gl.abs(r) < 2.35e38, 1.4426950408889634, 1.0)
+def _gl_base2(r, c=1.0):
+    # _base2 in gl (float32 states): the factor a of the weights exp2(y * a - r2) of x = c * y,
+    # c * log2(e) while |c * r| < 2**30, else 1.4 * 2**30 / |r| (r2 then errs by 64 at most)
+    return gl.where(gl.abs(c * r) < 1073741824.0, c * 1.4426950408889634, 1503238553.6 / gl.abs(r))
 
 
 @gluon.jit
-def _gl_scaled(r):
+def _gl_scaled(r, c=1.0):
     # _scaled in gl: r2 = r * a rounded once, as an fma
-    return gl.fma(r, _gl_base2(r), 0.0)
+    return gl.fma(r, _gl_base2(r, c), 0.0)
 
 
 @gluon.jit
-def _gl_natural(t, r):
+def _gl_repair(r, r_new, c=1.0):
+    # _repair in gl: exp2(r2 - r2_new) while a stays, else 0 (the leader moved by 32 or more)
+    same = _gl_base2(r, c) == _gl_base2(r_new, c)
+    return gl.where(same, gl.exp2(_gl_scaled(r, c) - _gl_scaled(r_new, c)), 0.0)
+
+
+@gluon.jit
+def _gl_natural(t, r, c=1.0):
     # _natural in gl: divide the factor exp2(r * a - r2) of every base-2 weight out of t
-    return t * gl.exp2(gl.where(r == -float("inf"), 0.0, -gl.fma(r, _gl_base2(r), -_gl_scaled(r))))
+    return t * gl.exp2(gl.where(r == -float("inf"), 0.0, -gl.fma(r, _gl_base2(r, c), -_gl_scaled(r, c))))
 
 
 def _time_candidate(kernel_call, quantiles):
@@ -113,23 +140,23 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     mid_m = tl.maximum(inner_m, tl.minimum(hi_m, (tl.min(offs_i, 0) + 1) // BLOCK_m * BLOCK_m))
     for start_m in range(inner_m, mid_m, BLOCK_m):
         # fold 2: sum[k] (whole)
-        x_K13 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
-        qk_2 = tl.dot(x_Q5, x_K13)
-        x_V15 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
+        x_K12 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s2)
+        qk_2 = tl.dot(x_Q5, x_K12)
+        x_V14 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2, x0_2 = scale_val * qk_2: p_2 = exp2(qk_2 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
-        # r, the max of x0_2, is scale_val times the max of qk_2 (scale_val > 0)
-        r_new_2 = tl.maximum(r, (scale_val * tl.max(qk_2, 1)))
+        # base 2, x0_2 = scale_val * qk_2: p_2 = exp2(qk_2 * a - r2), a = scale_val * log2(e), r2 = r * a;
+        # r is the max of qk_2, scale_val * r the max of x0_2 (scale_val > 0)
+        r_new_2 = tl.maximum(r, tl.max(qk_2, 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use_2 = tl.where(r_new_2 == -float("inf"), 0.0, r_new_2)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a_2 = _base2(r_use_2)
-        r2_2 = _scaled(r_use_2)
-        alpha_2 = tl.exp2(_scaled(r) - r2_2)
-        p_2 = tl.exp2(tl.fma(qk_2, (scale_val * a_2)[:, None], -r2_2[:, None]))
+        a_2 = _base2(r_use_2, scale_val)
+        r2_2 = _scaled(r_use_2, scale_val)
+        alpha_2 = _repair(r, r_use_2, scale_val)
+        p_2 = tl.exp2(tl.fma(qk_2, a_2[:, None], -r2_2[:, None]))
         l = l * alpha_2 + tl.sum(p_2, 1)
         acc = acc * alpha_2[:, None]
-        acc = tl.dot(p_2.to(tl.bfloat16), x_V15, acc)
+        acc = tl.dot(p_2.to(tl.bfloat16), x_V14, acc)
         r = r_new_2
     # the boundary tiles, where the predicate is evaluated
     far_m = tl.cdiv(inner_m - lo_m, BLOCK_m)
@@ -142,25 +169,25 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
         qk = tl.dot(x_Q5, x_K4)
         x_V8 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
-        # base 2, x0 = scale_val * t9: p = exp2(t9 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
-        # r, the max of x0, is scale_val times the max of t9 (scale_val > 0)
+        # base 2, x0 = scale_val * t9: p = exp2(t9 * a - r2), a = scale_val * log2(e), r2 = r * a;
+        # r is the max of t9, scale_val * r the max of x0 (scale_val > 0)
         t9 = tl.where(t3, qk, -float("inf"))
-        r_new = tl.maximum(r, (scale_val * tl.max(t9, 1)))
+        r_new = tl.maximum(r, tl.max(t9, 1))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a = _base2(r_use)
-        r2 = _scaled(r_use)
-        alpha = tl.exp2(_scaled(r) - r2)
-        p = tl.exp2(tl.fma(t9, (scale_val * a)[:, None], -r2[:, None]))
+        a = _base2(r_use, scale_val)
+        r2 = _scaled(r_use, scale_val)
+        alpha = _repair(r, r_use, scale_val)
+        p = tl.exp2(tl.fma(t9, a[:, None], -r2[:, None]))
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(tl.bfloat16), x_V8, acc)
         r = r_new
-    O = (_natural(acc, r[:, None]) / (_natural(l, r))[:, None])
+    O = (_natural(acc, r[:, None], scale_val) / (_natural(l, r, scale_val))[:, None])
     # O[b, h, i, j]
     tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
-    L = tl.where((tl.abs(r) < float("inf")), (r + tl.log(_natural(l, r))), r)
+    L = tl.where((tl.abs(scale_val * r) < float("inf")), (scale_val * r + tl.log(_natural(l, r, scale_val))), scale_val * r)
     # L[b, h, i]
     if pid_j == 0:
         tl.store(L_ptr + idx_b.to(tl.int64) * L_s0 + idx_h.to(tl.int64) * L_s1 + offs_i.to(tl.int64) * L_s2, tl.cast(L, L_ptr.dtype.element_ty))
@@ -194,10 +221,11 @@ def einfold_O_hopper_store(r, l, acc, rows, idx_b, idx_h, n_i, n_m, n_b, n_h, sc
     # value an instruction there, 4.5 times the ideal store traffic)
     o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     out: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    l = _gl_natural(l, r)
+    l = _gl_natural(l, r, scale_val)
     rows_out = gl.convert_layout(rows, gl.SliceLayout(1, out))
     cols_out = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, out))
-    u = _gl_natural(acc, gl.convert_layout(r, o_rows)[:, None])
+    u = _gl_natural(acc, gl.convert_layout(r, o_rows)[:, None], scale_val)
+    r = scale_val * r
     # O[b, h, i, j]
     gl.store(gl.max_contiguous(gl.multiple_of(O_ptr + idx_b.to(gl.int64) * O_s0 + idx_h.to(gl.int64) * O_s1 + rows_out[:, None].to(gl.int64) * O_s2 + cols_out[None, :].to(gl.int64) * O_s3, [16, 16]), [1, 8]), (gl.convert_layout((u / gl.convert_layout(l, o_rows)[:, None]), out)).to(O_ptr.dtype.element_ty), mask=rows_out[:, None] < n_i)
     # L[b, h, i]
@@ -214,14 +242,14 @@ def einfold_O_hopper_scores(q, k_smem, k_ready, n, zeros):
 
 @gluon.jit
 def einfold_O_hopper_weights(y, c, r):
-    # the leader r, the max of x = c * y (c > 0: c times the max of y), moved by the tile; its
-    # stand-in 0 while no key has mass; the repair alpha = exp(r - r_new) and the weights
-    # p = exp(x - r_new), in base 2 at one fma a score (r2 = r * log2(e) rounded: _gl_scaled)
-    r_new = gl.maximum(r, gl.max(y, 1) * c)
+    # the leader r, the max of y (x = c * y, c > 0: c * r is the max of x), moved by the tile; its
+    # stand-in 0 while no key has mass; the repair alpha = exp(c * (r - r_new)) and the weights
+    # p = exp(x - c * r_new), in base 2 at one fma a score (r2 = r * a rounded: _gl_scaled)
+    r_new = gl.maximum(r, gl.max(y, 1))
     r_use = gl.where(r_new == -float("inf"), 0.0, r_new)
-    r2 = _gl_scaled(r_use)
-    alpha = gl.exp2(_gl_scaled(r) - r2)
-    p = gl.exp2(gl.fma(y, (c * _gl_base2(r_use))[:, None], -r2[:, None]))
+    r2 = _gl_scaled(r_use, c)
+    alpha = _gl_repair(r, r_use, c)
+    p = gl.exp2(gl.fma(y, _gl_base2(r_use, c)[:, None], -r2[:, None]))
     return r_new, alpha, p
 
 
@@ -401,7 +429,7 @@ def launch(t, n, device):
             TensorDescriptor(einfold_O_hopper_a, list(einfold_O_hopper_a.shape), list(einfold_O_hopper_a.stride()), einfold_O_hopper_a_block, einfold_O_hopper_a_layout), TensorDescriptor(einfold_O_hopper_b, list(einfold_O_hopper_b.shape), list(einfold_O_hopper_b.stride()), einfold_O_hopper_b_block, einfold_O_hopper_b_layout), TensorDescriptor(einfold_O_hopper_v, list(einfold_O_hopper_v.shape), list(einfold_O_hopper_v.stride()), einfold_O_hopper_v_block, einfold_O_hopper_v_layout),
             n["i"], n["m"], n["b"], n["h"], float(t["scale"]), t["O"], *t["O"].stride(), t["L"], *t["L"].stride(), BLOCK_N=128, STAGES=2, num_warps=4)
     else:                       # TMA cannot read the operands: the tl kernel
-        grid = lambda META: (max(triton.cdiv(n["j"], META["BLOCK_j"]), 1) * triton.cdiv(n["i"], META["BLOCK_i"]) * n["h"] * n["b"],)
+        grid = lambda META: (max((n["j"] + META["BLOCK_j"] - 1) // META["BLOCK_j"], 1) * ((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]) * n["h"] * n["b"],)
         if n["i"] > 0 and n["h"] > 0 and n["b"] > 0:                       # an empty output launches nothing
             einfold_O[grid](
                 n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["O"], *t["O"].stride(), t["L"], *t["L"].stride())

@@ -79,7 +79,7 @@ def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
     # einfold_Y: one program per (i) tile; folds fold1_s1_n_s1_mean_s1_err_s1_m2[j] streamed over their indices; epilogue loop over (j) [grid (i/1)]
-    grid = lambda META: (triton.cdiv(n["i"], META["BLOCK_i"]),)
+    grid = lambda META: (((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_Y[grid](
             n["i"], n["j"], t["B"], *t["B"].stride(), t["W"], *t["W"].stride(), t["X"], *t["X"].stride(), t["Y"], *t["Y"].stride())

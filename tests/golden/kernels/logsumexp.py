@@ -13,27 +13,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _base2(r):
-    # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
-    # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
+def _base2(r, c=1.0):
+    # the factor a of the base-2 weights exp2(y * a - r2) of x = c * y (c > 0; r the max of y,
+    # r2 = r * a rounded: _scaled).  The weights share the factor exp2(r * a - r2), half an ulp of
+    # r * a at most, which _natural divides out; a keeps it below 2**64 (2**512 in float64):
+    # c * log2(e) while |c * r| < limit (r * a < 2**31, 2**61); beyond it the floats near c * r lie
+    # 64 (128) or more apart, so every weight but the leader's is below the dtype's precision in
+    # either base, and a = reach / |r| keeps r * a near reach, the other exponents 44 (358) or more
+    # below the leader's
+    if r.dtype == tl.float64:
+        limit, reach = 1.152921504606847e18, 6.456542290346556e18     # 2**60, 1.4 * 2**62
+    else:
+        limit, reach = 1073741824.0, 1503238553.6                    # 2**30, 1.4 * 2**30
     # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
-    return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
+    natural = c * tl.full(r.shape, 1.4426950408889634, r.dtype)
+    return tl.where(tl.abs(c * r) < limit, natural, reach / tl.abs(r))
 
 
 @triton.jit
-def _scaled(r):
-    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+def _scaled(r, c=1.0):
+    # r2 = r * a rounded once (a = _base2(r, c)), written as an fma: a plain product may be fused
     # into the subtraction that reads it (fp contraction on the GPU), and the repair
     # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
-    return tl.fma(r, _base2(r), 0.0)
+    return tl.fma(r, _base2(r, c), 0.0)
 
 
 @triton.jit
-def _natural(t, r):
-    # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
-    # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
+def _repair(r, r_new, c=1.0):
+    # the repair of weights taken against _scaled(r), from here against _scaled(r_new): exp2 of the
+    # difference of the very references while a stays; where a changed (the leader crossed the
+    # limit of _base2, or moved beyond it) the leader moved by 32 or more: exp(c * (r - r_new)) is 0
+    same = _base2(r, c) == _base2(r_new, c)
+    return tl.where(same, tl.exp2(_scaled(r, c) - _scaled(r_new, c)), 0.0)
+
+
+@triton.jit
+def _natural(t, r, c=1.0):
+    # t summed with weights exp2(y * a - r2), r2 = r * a rounded (a = _base2(r, c)): each weight
+    # is exp(c * (y - r)) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r, c), -_scaled(r, c))))
 
 
 def _time_candidate(kernel_call, quantiles):
@@ -63,7 +82,7 @@ def einfold_L(n_i, n_j, X_ptr, X_s0, X_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, B
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
         a = _base2(r_use)
         r2 = _scaled(r_use)
-        alpha = tl.exp2(_scaled(r) - r2)
+        alpha = _repair(r, r_use)
         p = tl.exp2(tl.fma(x_X0, a[:, None], -r2[:, None]))
         l = l * alpha + tl.sum(p, 1)
         r = r_new
@@ -76,7 +95,7 @@ def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
     # einfold_L: one program per (i) tile; folds fold1_r_l[j] streamed over their indices [grid (i/1)]
-    grid = lambda META: (triton.cdiv(n["i"], META["BLOCK_i"]),)
+    grid = lambda META: (((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_L[grid](
             n["i"], n["j"], t["X"], *t["X"].stride(), t["L"], *t["L"].stride())

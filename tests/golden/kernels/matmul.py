@@ -46,7 +46,7 @@ def launch(t, n, device):
     """Run the kernels in order.  t: tensors and numbers by name (inputs, outputs;
     buffers are added); n: extent of every index by name."""
     # einfold_C: one program per (i, j) tile; folds sum[k] streamed over their indices [grid (i/64, j/64)]
-    grid = lambda META: (triton.cdiv(n["j"], META["BLOCK_j"]) * triton.cdiv(n["i"], META["BLOCK_i"]),)
+    grid = lambda META: (((n["j"] + META["BLOCK_j"] - 1) // META["BLOCK_j"]) * ((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["j"] > 0 and n["i"] > 0:                       # an empty output launches nothing
         einfold_C[grid](
             n["i"], n["j"], n["k"], t["A"], *t["A"].stride(), t["B"], *t["B"].stride(), t["C"], *t["C"].stride())

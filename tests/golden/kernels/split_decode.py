@@ -13,27 +13,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _base2(r):
-    # the factor a of the base-2 weight exp2(x * a - r * a): log2(e), or 1 where r * log2(e)
-    # would overflow (|r| beyond FLT_MAX / log2(e): there exp(x - r) is exactly 0 or 1)
+def _base2(r, c=1.0):
+    # the factor a of the base-2 weights exp2(y * a - r2) of x = c * y (c > 0; r the max of y,
+    # r2 = r * a rounded: _scaled).  The weights share the factor exp2(r * a - r2), half an ulp of
+    # r * a at most, which _natural divides out; a keeps it below 2**64 (2**512 in float64):
+    # c * log2(e) while |c * r| < limit (r * a < 2**31, 2**61); beyond it the floats near c * r lie
+    # 64 (128) or more apart, so every weight but the leader's is below the dtype's precision in
+    # either base, and a = reach / |r| keeps r * a near reach, the other exponents 44 (358) or more
+    # below the leader's
+    if r.dtype == tl.float64:
+        limit, reach = 1.152921504606847e18, 6.456542290346556e18     # 2**60, 1.4 * 2**62
+    else:
+        limit, reach = 1073741824.0, 1503238553.6                    # 2**30, 1.4 * 2**30
     # (tl.full in r's dtype: a bare literal would be a float32 log2(e) in a float64 kernel)
-    return tl.where(tl.abs(r) < 2.35e38, tl.full(r.shape, 1.4426950408889634, r.dtype), 1.0)
+    natural = c * tl.full(r.shape, 1.4426950408889634, r.dtype)
+    return tl.where(tl.abs(c * r) < limit, natural, reach / tl.abs(r))
 
 
 @triton.jit
-def _scaled(r):
-    # r2 = r * a rounded once (a = _base2(r)), written as an fma: a plain product may be fused
+def _scaled(r, c=1.0):
+    # r2 = r * a rounded once (a = _base2(r, c)), written as an fma: a plain product may be fused
     # into the subtraction that reads it (fp contraction on the GPU), and the repair
     # exp2(r2_old - r2_new) must subtract the very values the weights were taken against
-    return tl.fma(r, _base2(r), 0.0)
+    return tl.fma(r, _base2(r, c), 0.0)
 
 
 @triton.jit
-def _natural(t, r):
-    # t summed with weights exp2(x * a - r2), r2 = r * a rounded (a = _base2(r)): each weight is
-    # exp(x - r) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
+def _repair(r, r_new, c=1.0):
+    # the repair of weights taken against _scaled(r), from here against _scaled(r_new): exp2 of the
+    # difference of the very references while a stays; where a changed (the leader crossed the
+    # limit of _base2, or moved beyond it) the leader moved by 32 or more: exp(c * (r - r_new)) is 0
+    same = _base2(r, c) == _base2(r_new, c)
+    return tl.where(same, tl.exp2(_scaled(r, c) - _scaled(r_new, c)), 0.0)
+
+
+@triton.jit
+def _natural(t, r, c=1.0):
+    # t summed with weights exp2(y * a - r2), r2 = r * a rounded (a = _base2(r, c)): each weight
+    # is exp(c * (y - r)) * exp2(r * a - r2), and fma(r, a, -r2) is that exponent exactly;
     # divide the common factor out (r = -inf: t is 0)
-    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r), -_scaled(r))))
+    return t * tl.exp2(tl.where(r == -float("inf"), 0.0, -tl.fma(r, _base2(r, c), -_scaled(r, c))))
 
 
 @triton.jit
@@ -103,22 +122,22 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
         t2 = tl.sum(x_K0.to(tl.float32) * (x_Q1.to(tl.float32))[None, :], 1)
         x_V4 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s2)
         # r: running max (the leader); the fields l, u are repaired when it moves
-        # base 2, x0 = scale_val * t2: p = exp2(t2 * (scale_val * a) - r2), a = log2(e), r2 = r * a;
-        # r, the max of x0, is scale_val times the max of t2 (scale_val > 0)
-        r_new = tl.maximum(r, (scale_val * tl.max(t2, 0)))
+        # base 2, x0 = scale_val * t2: p = exp2(t2 * a - r2), a = scale_val * log2(e), r2 = r * a;
+        # r is the max of t2, scale_val * r the max of x0 (scale_val > 0)
+        r_new = tl.maximum(r, tl.max(t2, 0))
         # a leader still at the identity has no mass yet: use the finite stand-in 0
         r_use = tl.where(r_new == -float("inf"), 0.0, r_new)
         # weight exp(x0 - r), repair exp(r - r_new) (r_new: the moved leader)
-        a = _base2(r_use)
-        r2 = _scaled(r_use)
-        alpha = tl.exp2(_scaled(r) - r2)
-        p = tl.exp2(tl.fma(t2, scale_val * a, -r2))
+        a = _base2(r_use, scale_val)
+        r2 = _scaled(r_use, scale_val)
+        alpha = _repair(r, r_use, scale_val)
+        p = tl.exp2(tl.fma(t2, a, -r2))
         l = l * alpha + tl.sum(p, 0)
         u = u * alpha + tl.sum(p[None, :] * x_V4.to(tl.float32), 1)
         r = r_new
-    tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(l, r))
-    tl.store(einfold_O_state0_u_ptr + split_id.to(tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, _natural(u, r))
-    tl.store(einfold_O_state0_r_ptr + split_id.to(tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, r)
+    tl.store(einfold_O_state0_l_ptr + split_id.to(tl.int64) * einfold_O_state0_l_s0 + idx_b.to(tl.int64) * einfold_O_state0_l_s1 + idx_h.to(tl.int64) * einfold_O_state0_l_s2 + idx_i.to(tl.int64) * einfold_O_state0_l_s3, _natural(l, r, scale_val))
+    tl.store(einfold_O_state0_u_ptr + split_id.to(tl.int64) * einfold_O_state0_u_s0 + idx_b.to(tl.int64) * einfold_O_state0_u_s1 + idx_h.to(tl.int64) * einfold_O_state0_u_s2 + idx_i.to(tl.int64) * einfold_O_state0_u_s3 + offs_j.to(tl.int64) * einfold_O_state0_u_s4, _natural(u, r, scale_val))
+    tl.store(einfold_O_state0_r_ptr + split_id.to(tl.int64) * einfold_O_state0_r_s0 + idx_b.to(tl.int64) * einfold_O_state0_r_s1 + idx_h.to(tl.int64) * einfold_O_state0_r_s2 + idx_i.to(tl.int64) * einfold_O_state0_r_s3, scale_val * r)
     # one launch: the last of this tile's n_split programs to store its state merges them all
     arrived = tl.atomic_add(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 1, sem="acq_rel")
     if arrived == n_split - 1:
@@ -134,7 +153,7 @@ def scratch(n, device):
         "einfold_O_state0_l": torch.empty((64, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device),
         "einfold_O_state0_u": torch.empty((64, n["b"], n["h"], n["i"], n["j"],), dtype=torch.float32, device=device),
         "einfold_O_state0_r": torch.empty((64, n["b"], n["h"], n["i"],), dtype=torch.float32, device=device),
-        "einfold_O_arrivals": torch.zeros(((n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"],), dtype=torch.int32, device=device),
+        "einfold_O_arrivals": torch.zeros((((n["j"] + 127) // 128) * n["i"] * n["h"] * n["b"],), dtype=torch.int32, device=device),
     }
 
 
@@ -145,7 +164,7 @@ def launch(t, n, device):
         t.update(scratch(n, device))
     # einfold_O_partial: one program per (b, h, i, j) tile; folds fold1_r_l_u[m] streamed over their indices [grid (b, h, i, j/128)]
     n_split = 64
-    grid = (n["j"] + 127) // 128 * n["i"] * n["h"] * n["b"]
+    grid = ((n["j"] + 127) // 128) * n["i"] * n["h"] * n["b"]
     if grid > 0:                       # an empty output launches nothing
         einfold_O_partial[(grid, n_split)](
             n_split, n["j"], n["i"], n["h"], n["b"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["einfold_O_state0_l"], *t["einfold_O_state0_l"].stride(), t["einfold_O_state0_u"], *t["einfold_O_state0_u"].stride(), t["einfold_O_state0_r"], *t["einfold_O_state0_r"].stride(), t["einfold_O_arrivals"], *t["einfold_O_arrivals"].stride(), t["O"], *t["O"].stride(), BLOCK_j=128, BLOCK_m=64, BLOCK_k=128)
