@@ -111,6 +111,7 @@ DEAD_WHEN = {
 # (document mask B4 H16 S4096, H100): 1, 8, 16 tiles a step: 0.428, 0.368, 0.360 ms, from
 # 0.493 ms without the scan.
 SCAN_ELEMENTS = 2048
+PROGRAMS = "programs"        # a buffer's length: one per program of grid axis 0 (module.program_count)
 
 
 # ---------------------------------------------------------------- axes, values, scopes
@@ -238,11 +239,11 @@ class KernelCode:
     source: str
     params: list[tuple[str, str]]        # (parameter, launcher expression)
     constexprs: dict[str, int]
-    grid: list[str]                      # launcher expressions, multiplied together
     split_axis: bool                     # a second grid dimension of n_split programs
     why: str
     writes: tuple[str, ...]
-    buffers: list[tuple[str, list[str], str]] = field(default_factory=list)   # (name, shape exprs, dtype)
+    # (name, shape exprs, dtype); the shape PROGRAMS: one per program of grid axis 0
+    buffers: list[tuple[str, list[str], str]] = field(default_factory=list)
     # autotuning: tile constexprs that may change (block name -> ("grid" | "loop", index)) and,
     # for each grid factor, its index name and block name (None: one program per value)
     tunable: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -1925,8 +1926,9 @@ class KernelEmitter:
         return v.code
 
     # ------------------------------------------------------------ split: merge of partial states
-    def grid_axes(self) -> list[str]:
-        """Declare the grid axes; returns the launcher's grid factors."""
+    def grid_axes(self) -> None:
+        """Declare the grid axes and each program's coordinates on them (the launcher
+        counts the programs from grid_blocks: module.program_count)."""
         spec = self.spec
         tiling = grid_tiling(spec, self.ctx.extent)
         blocks, whole = dict(tiling.blocks), tiling.whole
@@ -1944,7 +1946,6 @@ class KernelEmitter:
                 self.tunable[axes[g].block_name] = ("grid", g)
         self.root.env.update(axes)
         lines = self.root.lines
-        factors = []
         self.split_prologue(lines)
         if spec.grid:
             lines.append("pid = tl.program_id(0)")
@@ -1959,10 +1960,6 @@ class KernelEmitter:
             ax = axes[g]
             n = self.extent_param(g)
             count = self.tile_count(ax)
-            launcher = f'n["{g}"]' if ax.scalar else host_tile_count(f'n["{g}"]', ax.block)
-            if g in self.optional:
-                launcher = f"max({launcher}, 1)"
-            factors.append(launcher)
             self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
             coord = f"pid_{ax.var}"
             if grouped and p < 2:
@@ -1980,7 +1977,6 @@ class KernelEmitter:
                 wide = ".to(tl.int64)" if self.ctx.extent(g) + ax.block >= 2**31 else ""
                 lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
-        return factors
 
     def longest_first(self, axes) -> str | None:
         """A tiled grid index that bounds a program fold's loop from above (m <= i):
@@ -2069,22 +2065,22 @@ class KernelEmitter:
 
     def build(self) -> KernelCode:
         spec = self.spec
-        factors = self.grid_axes()
+        self.grid_axes()
         root = self.root
         writes = self.store_results(root)
-        functions, zeroed = self.finish(root, factors)
+        functions, zeroed = self.finish(root)
         assert not self.pending, "tiles of addresses made for a loop that was not written"
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
         body = with_eviction_hints(drop_unread(inline_single_uses(one_per_tile(
             with_role_names(root.lines, self.role_names), set(self.tile_of.values())))), self.loads)
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(body)]) + "\n"
-        return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs), factors,
+        return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs),
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
                           functions, zeroed, uniform_work(spec))
 
-    def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
+    def finish(self, root: Scope) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit
         functions the kernel calls, the buffers the launcher zeroes when it makes them)."""
         return (), frozenset()
@@ -2306,7 +2302,7 @@ class PartialEmitter(KernelEmitter):
             writes += [b for b, _, _ in layout.values()]
         return writes
 
-    def finish(self, root: Scope, factors: list[str]) -> tuple[tuple, frozenset]:
+    def finish(self, root: Scope) -> tuple[tuple, frozenset]:
         """One launch for the split: each program counts itself in on its tile's arrival
         counter once its states are stored, and the last of the n_split merges them all
         (in split order, so the result does not depend on which one is last) by calling
@@ -2315,7 +2311,7 @@ class PartialEmitter(KernelEmitter):
         merge = MergeEmitter(self.ctx, self.spec, self.split).build()
         counter = self.ctx.buffer_name(f"{self.spec.name}_arrivals")
         self.ctx.tensors[counter] = TensorInfo("tensor", 1, torch.int32)
-        self.buffers.append((counter, [" * ".join(factors) or "1"], str(torch.int32)))
+        self.buffers.append((counter, [PROGRAMS], str(torch.int32)))
         ptr, (stride,) = self.tensor_params(counter, 1)
         by_launcher = {expr: name for name, expr in self.params.items()}
         args = []
@@ -2436,12 +2432,6 @@ def nested(fn: str, args: list[str]) -> str | None:
     for a in args[1:]:
         out = f"{fn}({out}, {a})"
     return out
-
-
-def host_tile_count(extent: str, block: int) -> str:
-    """The launcher's count of `block`-wide tiles over `extent`, in plain integer
-    arithmetic (triton.cdiv is a constexpr function: microseconds per host call)."""
-    return extent if block == 1 else f"({extent} + {block - 1}) // {block}"
 
 
 def rescaled_fields(s) -> set[str]:

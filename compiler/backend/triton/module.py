@@ -27,7 +27,7 @@ import torch
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
 from ...schedule.tiles import auto_split
 from . import hopper
-from .emit import (KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo,
+from .emit import (PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo,
                    tensors_read)
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
@@ -230,10 +230,8 @@ class ModuleBuilder:
         for code, n_split in self.kernels:
             for name, shape, dtype in code.buffers:
                 allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
-                if name in code.zeroed:     # arrival counters: one per program of grid axis 0
-                    size = program_count(code, code.constexprs.__getitem__)
-                else:
-                    size = ", ".join(str(n_split) if s == "n_split" else s for s in shape)
+                size = ", ".join(program_count(code, code.constexprs.__getitem__) if s == PROGRAMS
+                                 else str(n_split) if s == "n_split" else s for s in shape)
                 lines.append(f'        "{name}": {allocate}(({size},), dtype={dtype}, device=device),')
         lines.append("    }")
         return lines
