@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from itertools import chain, count
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import sympy
 
@@ -32,6 +32,44 @@ class Expr:
     """Base of expression nodes."""
 
     __slots__ = ()
+
+
+def _equal(self: Expr, other: object) -> bool:
+    """`==` of two expressions (the nodes that have children use it): each pair of
+    nodes compared once, so equal trees that share subtrees (a lowered softmax
+    repeats its argument; nested, the tree is exponential in the depth) compare in
+    time linear in their distinct nodes; hashes, computed once per node, settle
+    most unequal pairs at once.  Constants compare as numbers (1 == 1.0)."""
+    if self is other:
+        return True
+    if type(other) is not type(self):
+        return NotImplemented
+    stack, compared = [(self, other)], set()
+    while stack:
+        x, y = stack.pop()
+        if x is y or (id(x), id(y)) in compared:
+            continue
+        compared.add((id(x), id(y)))
+        if type(x) is not type(y):
+            return False
+        fields = getattr(x, "_hashed", None)
+        if fields is None:                      # a leaf: plain values
+            if x != y:
+                return False
+            continue
+        if hash(x) != hash(y):
+            return False
+        for f in fields:
+            a, b = getattr(x, f), getattr(y, f)
+            if f == "args":
+                if len(a) != len(b):
+                    return False
+                stack.extend(zip(a, b))
+            elif f == "arg":
+                stack.append((a, b))
+            elif a != b:
+                return False
+    return True
 
 
 @_node
@@ -83,6 +121,7 @@ class Call(Expr):
     _hash: int | None = _hash_field()
     _free: tuple[str, ...] | None = _hash_field()     # free_indices, once computed
     _hashed = ("op", "args")
+    __eq__ = _equal
 
     def __hash__(self) -> int:
         # computed once per node: a structural hash of a deep tree costs its size
@@ -107,6 +146,7 @@ class Reduce(Expr):
     _hash: int | None = _hash_field()
     _free: tuple[str, ...] | None = _hash_field()     # free_indices, once computed
     _hashed = ("summary", "indices", "args", "result")
+    __eq__ = _equal
 
     def __hash__(self) -> int:
         # computed once per node: a structural hash of a deep tree costs its size
@@ -132,6 +172,7 @@ class Composite(Expr):
     _hash: int | None = _hash_field()
     _free: tuple[str, ...] | None = _hash_field()     # free_indices, once computed
     _hashed = ("op", "indices", "arg")
+    __eq__ = _equal
 
     def __hash__(self) -> int:
         # computed once per node: a structural hash of a deep tree costs its size
@@ -206,25 +247,89 @@ def walk(e: Expr) -> Iterator[Expr]:
             stack.extend(reversed(kids))
 
 
+def nodes(e: Expr) -> Iterator[Expr]:
+    """walk's nodes, each node object once: a subtree shared by several parents (a
+    lowered softmax repeats its argument; nested, the tree is exponential in the
+    depth) is visited at its first occurrence only.  The same nodes in the same
+    first-occurrence order, for questions of membership, not of counts."""
+    stack, seen = [e], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        kids = children(node)
+        if kids:
+            stack.extend(reversed(kids))
+
+
 def transform(e: Expr, fn: Callable[[Expr], Expr]) -> Expr:
     """Post-order rewrite: children first, then `fn` on the rebuilt node
-    (iterative: any depth)."""
+    (iterative: any depth).  `fn` is a function of the node: equal subtrees are
+    rewritten once, so the cost follows the distinct subtrees, not the tree
+    (a lowered softmax repeats its argument three times; nested, the tree is
+    exponential in the depth, the distinct subtrees linear)."""
+    rewritten: dict[Expr, tuple[Expr, Expr]] = {}      # node -> (the node rewritten, its rewrite)
     done: list[Expr] = []
     stack: list[tuple[Expr, bool]] = [(e, False)]
     while stack:
         node, expanded = stack.pop()
+        if not expanded and node in rewritten:
+            seen, new = rewritten[node]
+            if identical(seen, node):
+                done.append(new)
+                continue
         kids = children(node)
-        if not kids:
-            done.append(fn(node))
-        elif expanded:
-            k = len(kids)
-            new = tuple(done[-k:])
-            del done[-k:]
-            done.append(fn(with_children(node, new)))
-        else:
+        if kids and not expanded:
             stack.append((node, True))
             stack.extend((c, False) for c in reversed(kids))
+            continue
+        if kids:
+            k = len(kids)
+            new = fn(with_children(node, tuple(done[-k:])))
+            del done[-k:]
+        else:
+            new = fn(node)
+        rewritten.setdefault(node, (node, new))
+        done.append(new)
     return done[0]
+
+
+def substitute(e: Expr, table: Mapping[Expr, Expr]) -> Expr:
+    """`e` with every outermost occurrence of a key of `table` replaced by its value
+    (top-down: a key's own subtree is not searched), each shared subtree once."""
+    done: dict[int, Expr] = {}
+
+    def visit(n: Expr) -> Expr:
+        if id(n) not in done:
+            done[id(n)] = table[n] if n in table else with_children(n, tuple(visit(c) for c in children(n)))
+        return done[id(n)]
+    return visit(e)
+
+
+def identical(a: Expr, b: Expr) -> bool:
+    """`a == b` with each constant of one type: == takes 1, 1.0 and True (and 0.0,
+    -0.0) as equal, which an integer count, a float and a predicate are not.  Linear
+    in the distinct pairs of nodes compared (shared subtrees are compared once)."""
+    stack, compared = [(a, b)], set()
+    while stack:
+        x, y = stack.pop()
+        if x is y or (id(x), id(y)) in compared:
+            continue
+        compared.add((id(x), id(y)))
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, Const):
+            if type(x.value) is not type(y.value) or x.value != y.value or \
+                    math.copysign(1.0, x.value) != math.copysign(1.0, y.value):
+                return False
+            continue
+        kx, ky = children(x), children(y)
+        if len(kx) != len(ky) or with_children(x, ky) != y:
+            return False
+        stack.extend(zip(kx, ky))
+    return True
 
 
 def postorder(e: Expr, unique: bool = False) -> Iterator[Expr]:
@@ -256,7 +361,7 @@ def unused_name(base: str, taken, first_plain: bool = True) -> str:
 
 def reads(e: Expr) -> set[str]:
     """The names of the tensors (inputs or statements) `e` reads."""
-    return {n.tensor for n in walk(e) if isinstance(n, Access)}
+    return {n.tensor for n in nodes(e) if isinstance(n, Access)}
 
 
 def bound_indices(e: Expr) -> tuple[str, ...]:
@@ -467,5 +572,6 @@ def format_program(p: Program) -> str:
 
 
 __all__ = ["Expr", "Const", "Access", "Index", "Extent", "Var", "Call", "Reduce", "Composite",
-           "Assign", "Input", "Program", "walk", "postorder", "transform", "children", "with_children",
+           "Assign", "Input", "Program", "walk", "nodes", "postorder", "transform", "substitute", "identical",
+           "children", "with_children",
            "free_indices", "bound_indices", "alpha_key", "format_expr", "format_statement", "format_program"]

@@ -18,10 +18,12 @@ from compiler.algebra.laws import (
     _Laws,
     _weak_orders,
     check_laws,
+    identity_combined,
+    independent_parts,
     require_laws,
 )
 from compiler.errors import LawError
-from compiler.ir import Call, Const, Var
+from compiler.ir import Call, Const, Reduce, Var
 
 A, B = Var("a.acc"), Var("b.acc")
 
@@ -213,3 +215,106 @@ def test_a_wrong_tile_formula_is_refused_with_the_tile():
     assert report["tile formula"].status == FAILED and not report.ok
     with pytest.raises(LawError, match="tile formula on the elements"):
         require_laws(summary, examples=60)
+
+
+# ---------------------------------------------------------------- derived summaries at their identity
+DERIVED = {
+    "logsumexp": "L[t] = logsumexp[e](X[t,e])",
+    "weighted sum": "W[t,j] = softmax[e](X[t,e]) * V[e,j]",
+    "argmax beside logsumexp": "A[t] = argmax[e](X[t,e], e)\nL[t] = logsumexp[e](X[t,e])",
+    "argmin beside a weighted sum": "A[t] = argmin[e](X[t,e], e)\nW[t,j] = softmax[e](X[t,e]) * V[e,j]",
+    "moments": "M[t] = mean[e](X[t,e])\nS[t] = mean[e]((X[t,e] - M[t]) ** 2)",
+}
+
+
+def _derived(source):
+    import compiler
+    from compiler.ir import nodes
+    program = compiler.compile(source, backend="reference")
+    found = {n.summary for st in program.factorised.statements for n in nodes(st.expr)
+             if isinstance(n, Reduce) and n.summary.name not in BUILTINS}
+    assert found, "nothing was derived"
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(DERIVED))
+def test_derived_summaries_combine_their_identity_to_itself(name):
+    # The sampler draws identity states (empty folds) and evaluates the combine with
+    # IEEE semantics: the rescaled combine's stand-in where(max(a.r, b.r) == -inf, 0, ...)
+    # must not be folded away as if fields were finite (it was: combine(identity,
+    # identity) gave l = exp(-inf + inf) = NaN, and argmax beside logsumexp was refused).
+    for s in _derived(DERIVED[name]):
+        assert identity_combined(s) is None
+        laws = _Laws(s)
+        assert laws._combine(laws.identity, laws.identity) == laws.identity
+        for law in (ASSOCIATIVE, LEFT_IDENTITY, RIGHT_IDENTITY):
+            assert laws.search(law, 100) is None, (s.name, law)
+        assert check_laws(s).ok
+
+
+def test_a_product_is_checked_part_by_part():
+    # argmax beside logsumexp: two independent parts, each proved on its own (the whole
+    # product had six leaders to order, past the case split, and took seconds to test)
+    (s,) = _derived(DERIVED["argmax beside logsumexp"])
+    parts = independent_parts(s)
+    assert [names for _, names in parts] == [("r", "l"), ("s1_m", "s1_p")]
+    # the argmax part of another product is the same part (one check for both)
+    (other,) = _derived("S[t] = sum[e](Y[t,e] * 2.0)\nA[t] = argmax[e](X[t,e], e)")
+    assert parts[1][0] in [part for part, _ in independent_parts(other)]
+    report = check_laws(s)
+    assert report[ASSOCIATIVE].status == PROVED and report.ok
+    assert "(s1_m, s1_p) sympy, by cases on comparison order" in report[ASSOCIATIVE].method
+    probe = report[COMMUTATIVE]                # argmax's tie: the product is ordered, and says why
+    assert not probe.claimed and probe.status == FAILED
+    assert probe.counterexample.fields == ("s1_m", "s1_p")
+
+
+def test_an_inexact_identity_is_shown():
+    # exp(a.m - max(a.m, b.m)) without the stand-in: NaN for two identities
+    a_m, b_m = Var("a.m"), Var("b.m")
+    top = Call("maximum", (a_m, b_m))
+    rescale = lambda side: Call("mul", (Var(f"{side}.l"), Call("exp", (Call("sub", (Var(f"{side}.m"), top)),))))  # noqa: E731
+    raw = Summary(name="raw_lse", fields=(Field("m"), Field("l")), arity=1,
+                  identity=(Const(-math.inf), Const(0.0)), lift=(Var("x0"), Const(1.0)),
+                  combine=(top, Call("add", (rescale("a"), rescale("b")))),
+                  finalize=Var("m"), commutative=True)
+    shown = identity_combined(raw)
+    assert shown is not None and math.isnan(shown.lhs[1])
+    assert "combine(identity, identity) = (m=-inf, l=nan) but identity = (m=-inf, l=0)" in str(shown)
+
+
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_a_moments_state_merges_with_the_empty_state_exactly(degree):
+    # a float32 row holding 1e30 has mean 7.7e28 and d^2 = 6e57: merging its state with
+    # the empty one must copy it (the tail d^2 * n_a was inf * 0 = NaN)
+    import torch
+
+    from compiler.algebra.formula import evaluate
+    from compiler.algebra.moments import centred_moments
+    fields, identity, _, combine = centred_moments("s", Var("x0"), degree)
+    names = [f.name for f in fields]
+    state = [torch.tensor([v], dtype=torch.float32) for v in (13.0, 7.7e28, 3.6e21, math.inf, *(1e30,) * (degree - 2))]
+    empty = [torch.tensor([float(c.value)], dtype=torch.float32) for c in identity]
+    for a, b in ((empty, state), (state, empty)):
+        env = {**{f"a.{n}": v for n, v in zip(names, a)}, **{f"b.{n}": v for n, v in zip(names, b)}}
+        merged = [evaluate(c, env) for c in combine]          # in float32: 1-element tensors
+        assert all(torch.equal(m, t) for m, t in zip(merged, state)), merged
+
+
+def test_a_tile_whose_squares_overflow_has_an_infinite_m2():
+    # the tile formula's err terms correct a finite sum; beside sum d^2 = inf (float32,
+    # a row holding 1e30) they overflow too and made M2 inf - inf = NaN
+    import torch
+
+    from compiler.algebra.formula import evaluate
+    from compiler.algebra.moments import tile_sums
+    block = tile_sums("s", Var("x0"), 2)
+    row = torch.tensor([1e30] + [float(k) for k in range(12)], dtype=torch.float32)
+    sums = {}
+    for name, summand in block.sums:
+        # a 1-element tensor, not a 0-d one, so that constants (float64 0-d) do not promote it
+        sums[name] = evaluate(summand, {"x0": row, **sums}).expand(row.shape).sum().float().reshape(1)
+    m2 = evaluate(dict(block.fields)["s_m2"], sums)
+    assert m2.dtype == torch.float32 and m2.item() == math.inf

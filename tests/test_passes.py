@@ -174,6 +174,42 @@ def test_fully_masked_rows_are_nan_and_other_rows_exact():
     assert lse(X=x)[0] == -math.inf and torch.isfinite(lse(X=x)[1:]).all()
 
 
+# ---------------------------------------------------------------- argmax beside every kind
+BESIDE_AN_EXTREME = {
+    "sum": ("S[t] = sum[e](X[t,e])", lambda x, v: x.sum(1)),
+    "max": ("S[t] = max[e](X[t,e])", lambda x, v: x.amax(1)),
+    "min": ("S[t] = min[e](X[t,e])", lambda x, v: x.amin(1)),
+    "mean": ("S[t] = mean[e](X[t,e])", lambda x, v: x.mean(1)),
+    "variance": ("M[t] = mean[e](X[t,e]); S[t] = mean[e]((X[t,e] - M[t]) ** 2)",
+                 lambda x, v: x.var(1, unbiased=False)),
+    "logsumexp": ("S[t] = logsumexp[e](X[t,e])", lambda x, v: torch.logsumexp(x, 1)),
+    "weighted sum": ("S[t,j] = softmax[e](X[t,e]) * V[e,j]", lambda x, v: torch.softmax(x, 1) @ v),
+}
+
+
+@pytest.mark.parametrize("extreme", ["argmax", "argmin"])
+@pytest.mark.parametrize("kind", sorted(BESIDE_AN_EXTREME))
+def test_an_argmax_folds_beside_every_summary_kind(extreme, kind):
+    """argmax or argmin over e beside another kind of summary over e, on the same
+    scores: one derived fold holds both (the argmax's payload beside a rescaled
+    field's), its laws hold (argmax beside logsumexp was refused: the law checker
+    evaluated combine(identity, identity) as NaN), and it gives torch's results."""
+    source, meaning = BESIDE_AN_EXTREME[kind]
+    program = compiler.compile(f"A[t] = {extreme}[e](X[t,e], e); {source}", outputs=["A", "S"],
+                               backend="reference")
+    (fold,) = folds(program)
+    assert outer_reductions(program) == []                                        # all in the one fold
+    assert fold.summary.laws.ok
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 4, (6, 11), generator=g).double()                        # ties
+    v = torch.randn(11, 3, generator=g, dtype=torch.float64)
+    inputs = {"X": x, "V": v} if "V[" in source else {"X": x}
+    chunked_matches_oracle(program, inputs)
+    a, s = program(**inputs)
+    assert torch.equal(a.long(), x.argmax(1) if extreme == "argmax" else x.argmin(1))
+    torch.testing.assert_close(s, meaning(x, v), rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------- generated programs
 _SCORES = ["Q[i,k]*K[m,k]", "A[i,m]", "tanh(A[i,m])", "A[i,m] * s", "Q[i,k]*K[m,k] + A[i,m]",
            "-abs(i - m) * s + A[i,m]"]

@@ -61,6 +61,9 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
     step = b[mean] - a[mean]
     delta = step + (b[err] - a[err])        # the difference of the compensated means
     empty = count == 0.0
+    # the tail is 0 beside an empty side, exactly: written as a product with n_a = 0 it
+    # would be inf * 0 = NaN once d^k overflows (a float32 row holding 1e30: d^2 = 6e57)
+    one_empty = (a[n] == 0.0) | (b[n] == 0.0)
 
     def moment(side, k: int):
         return side[n] if k == 0 else 0.0 if k == 1 else side[f"{prefix}_m{k}"]
@@ -83,7 +86,7 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
         for j in range(1, k - 1):
             tail = tail + comb(k, j) * power(delta, j) * (power(-b[n] / count, j) * moment(a, k - j)
                                                           + power(a[n] / count, j) * moment(b, k - j))
-        return moment(a, k) + moment(b, k) + fn.where(empty, 0.0, tail)
+        return moment(a, k) + moment(b, k) + fn.where(one_empty, 0.0, tail)
 
     rise = step * weight_b
     new_mean = a[mean] + rise
@@ -110,7 +113,10 @@ def tile_sums(prefix: str, element: Expr, degree: int = 2) -> Block:
             term = (err if k - j == 1 else err ** (k - j)) * powers[j]
             term = term if comb(k, j) == 1 else comb(k, j) * term
             out = out - term if (k - j) % 2 else out + term
-        return out
+        # the terms in err correct the rounding of a finite sum; where the sum itself
+        # overflows (a float32 row holding 1e30: sum d^2 = inf) they overflow too, and
+        # inf - inf would make the moment NaN: the sum is the moment there
+        return fn.where(abs(powers[k]) < fn.inf, out, powers[k])
 
     sums = [("count", Const(1.0)), ("total", element),
             *((f"dev{j}", lift_value(d if j == 1 else d ** j)) for j in range(1, degree + 1))]

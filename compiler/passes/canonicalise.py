@@ -84,8 +84,8 @@ from ..ir import (
     format_expr,
     free_indices,
     linear_form,
+    nodes,
     transform,
-    walk,
     with_children,
 )
 from ..ops import ASSOCIATIVE, COMMUTATIVE, FLOAT, INT, OPS
@@ -454,8 +454,8 @@ def _sign(d: Expr, facts: frozenset[Fact]) -> bool | None:
 def decide_signs(e: Expr) -> Expr:
     """Rule 6 on `e`: every operator of DECIDED_BY_SIGN whose deciding expression the
     comparisons of an enclosing where's condition decide, replaced by what it selects."""
-    if not any(isinstance(n, Call) and n.op == "where" for n in walk(e)) or \
-            not any(isinstance(n, Call) and n.op in DECIDED_BY_SIGN for n in walk(e)):
+    if not any(isinstance(n, Call) and n.op == "where" for n in nodes(e)) or \
+            not any(isinstance(n, Call) and n.op in DECIDED_BY_SIGN for n in nodes(e)):
         return e
     done: list[Expr] = []
     stack: list[tuple[Expr, frozenset[Fact], bool]] = [(e, frozenset(), False)]
@@ -520,13 +520,13 @@ def orient_masks(e: Expr, types: ExpressionTypes) -> Expr:
         if isinstance(n, Call) and n.op == "where" and _excluding(n.args[1], n.args[2]):
             return Call("where", (negation(n.args[0], types), n.args[2], n.args[1]))
         return n
-    if not any(isinstance(n, Call) and n.op in ("not", "where") for n in walk(e)):
+    if not any(isinstance(n, Call) and n.op in ("not", "where") for n in nodes(e)):
         return e
     return transform(e, orient)
 
 
 def _linear_forms(e: Expr, types: ExpressionTypes) -> Expr:
-    elsewhere = frozenset(n for n in walk(e) if is_sum(n))
+    elsewhere = frozenset(n for n in nodes(e) if is_sum(n))
     return order_operands(transform(e, lambda n: merge_sums(nest_sums(n, elsewhere))), types)
 
 
@@ -561,6 +561,9 @@ class _Binders:
         self.extents = extents
         # a binder that a renaming would capture gets a fresh name (made canonical later)
         self.fresh = FreshNames(extents).fresh
+        # id of a node -> (the node, kept alive so that its id is not reused; its renaming):
+        # a subtree shared by several parents is renamed once
+        self.renamed: dict[int, tuple[Expr, Expr]] = {}
 
     def canonical(self, index: str, taken: set[str]) -> str:
         base = str(self.extents[index]).removeprefix("len_")
@@ -572,6 +575,11 @@ class _Binders:
         return name
 
     def rename(self, e: Expr) -> Expr:
+        if id(e) not in self.renamed:
+            self.renamed[id(e)] = (e, self._rename(e))
+        return self.renamed[id(e)][1]
+
+    def _rename(self, e: Expr) -> Expr:
         if isinstance(e, Extent):           # a size, not a position: any index of the class names it
             return replace(e, name=self.canonical(e.name, set()))
         if isinstance(e, Reduce):
@@ -596,7 +604,7 @@ def canonicalise(program: Program) -> Program:
         replace(s, expr=_linear_forms(order_operands(decide_signs(orient_masks(
             binders.rename(transform(s.expr, natural_base)), types)), types), types))
         for s in program.statements)
-    named = {i for s in statements for n in walk(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
-        n.name for s in statements for n in walk(s.expr) if isinstance(n, Extent)}
+    named = {i for s in statements for n in nodes(s.expr) if isinstance(n, Reduce) for i in n.indices} | {
+        n.name for s in statements for n in nodes(s.expr) if isinstance(n, Extent)}
     extents = tuple(sorted((k, v) for k, v in binders.extents.items() if k in named or k in dict(program.extents)))
     return replace(program, statements=statements, extents=extents)

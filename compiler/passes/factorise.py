@@ -38,11 +38,12 @@ from dataclasses import dataclass, field, replace
 import sympy
 
 from ..algebra import BUILTINS, Block, Field, Rescaled, Summary
-from ..algebra.laws import require_laws
+from ..algebra.laws import identity_combined, require_laws
 from ..algebra.moments import centred_moments, tile_sums
 from ..algebra.properties import additive, extremum
+from ..errors import LawError
 from ..ir import (Access, Call, Const, Expr, Extent, Program, Reduce, Var, children, format_expr,
-                  free_indices, unused_name, walk, with_children)
+                  free_indices, nodes, postorder, substitute, unused_name, with_children)
 from .symbolic import SymbolTable, from_sympy, to_sympy
 from .stabilise import cancel_in_branches, factors, product, simplify
 
@@ -75,18 +76,23 @@ class _Args:
         return Var(f"x{self.exprs.index(e)}")
 
     def abstract(self, e: Expr, named: dict[Expr, Var]) -> Expr:
-        """Replace group members by their Vars and maximal member-free parts by args."""
-        if e in named:
-            return named[e]
-        if not any(n in named for n in walk(e)) or not children(e):
-            return self.var(e) if not isinstance(e, Const) else e
-        return with_children(e, tuple(self.abstract(c, named) for c in children(e)))
+        """Replace group members by their Vars and maximal member-free parts by args
+        (each shared subtree once)."""
+        holding: dict[int, bool] = {}           # id of a node -> whether it holds a member
+        for n in postorder(e, unique=True):
+            holding[id(n)] = n in named or any(holding[id(c)] for c in children(n))
+        done: dict[int, Expr] = {}
 
-
-def _substitute(e: Expr, mapping: dict[Expr, Expr]) -> Expr:
-    if e in mapping:
-        return mapping[e]
-    return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
+        def visit(n: Expr) -> Expr:
+            if id(n) not in done:
+                if n in named:
+                    done[id(n)] = named[n]
+                elif not holding[id(n)] or not children(n):
+                    done[id(n)] = self.var(n) if not isinstance(n, Const) else n
+                else:
+                    done[id(n)] = with_children(n, tuple(visit(c) for c in children(n)))
+            return done[id(n)]
+        return visit(e)
 
 
 def _around_reductions(e: Expr, fn) -> Expr:
@@ -170,7 +176,7 @@ def _rescaled_components(leader: Reduce, dependents: list[Reduce], args: _Args,
     for d in dependents:
         body = args.abstract(d.args[0], {leader: r})
         num, den = factors(body)
-        has_r = lambda f: any(n == r for n in walk(f))  # noqa: E731
+        has_r = lambda f: any(n == r for n in nodes(f))  # noqa: E731
         w = product([f for f in num if has_r(f)], [f for f in den if has_r(f)])
         v = product([f for f in num if not has_r(f)], [f for f in den if not has_r(f)])
         by_weight.setdefault(w, []).append((names[d], v))
@@ -465,7 +471,7 @@ def _in_powers_of(st: _State, base: Reduce, deps: list[Reduce]):
     of whether a coefficient varies over the group's indices (must be summed)."""
     table = SymbolTable()
     Ss = table.symbol(Var("S"), real=True)
-    bodies = {d: to_sympy(_substitute(d.args[0], {base: Var("S")}), table) for d in deps}
+    bodies = {d: to_sympy(substitute(d.args[0], {base: Var("S")}), table) for d in deps}
 
     def varies(c: sympy.Expr) -> bool:
         return any(set(free_indices(table.to_expr[v])) & set(st.group.indices)
@@ -486,7 +492,8 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
     """The group's derived summary, its arguments and the replacements of its members;
     or, where no rule resolves a dependency, why (the rules' reports)."""
     members = group.members
-    st = _State(group, {m: [o for o in members if o is not m and o in set(walk(m)) - {m}] for m in members})
+    inside = {id(m): set(nodes(m)) - {m} for m in members}
+    st = _State(group, {m: [o for o in members if o is not m and o in inside[id(m)]] for m in members})
     for m in members:
         if extremum(m.summary) and not st.inside[m]:
             st.names[m] = unused_name("r", st.names.values())
@@ -539,14 +546,19 @@ def _factorise_group(group: _Group, number: int) -> tuple[Summary, tuple[Expr, .
 @lru_cache(maxsize=256)
 def _checked_laws(summary: Summary):
     """Laws are checked, never assumed: a derived summary that failed one would
-    be a bug in this pass, reported as a LawError with its counterexample."""
+    be a bug in this pass, reported as a LawError with its counterexample.  Its
+    identity combined with itself must be the identity exactly: the oracle pads
+    with it and masked elements lift to it, unguarded."""
+    inexact = identity_combined(summary)
+    if inexact is not None:
+        raise LawError(f"derived summary '{summary.name}' is not exact at its identity: {inexact}")
     return require_laws(summary).laws
 
 
 def _weight_only(d: Reduce, leader: Reduce) -> Expr:
     """The body of d if it is a pure weight (no value factor): exp(x - r) alone."""
     num, den = factors(d.args[0])
-    return d.args[0] if all(leader in set(walk(f)) for f in num + den) else None
+    return d.args[0] if all(leader in set(nodes(f)) for f in num + den) else None
 
 
 # ---------------------------------------------------------------- the pass
@@ -558,10 +570,14 @@ def _groups(statements) -> list[_Group]:
     Several outputs under one softmax over inputs thus share one fold."""
     outputs = {st.name for st in statements}
     by_key: dict[tuple, list[Reduce]] = {}
+    visited: set[tuple] = set()
 
     def visit(e: Expr, enclosing: frozenset, statement: str) -> None:
+        if (id(e), enclosing, statement) in visited:       # a subtree shared by several parents
+            return
+        visited.add((id(e), enclosing, statement))
         if isinstance(e, Reduce) and e.result is None:
-            reads_results = any(isinstance(n, Access) and n.tensor in outputs for n in walk(e))
+            reads_results = any(isinstance(n, Access) and n.tensor in outputs for n in nodes(e))
             context = frozenset(free_indices(e)) & enclosing
             key = (e.indices, context, statement if reads_results or context else None)
             if e not in by_key.setdefault(key, []):
@@ -586,6 +602,7 @@ def _connected(members: list[Reduce]) -> list[list[Reduce]]:
     only multiply each other's work: in one fold, a row sum D[i] beside a
     contraction G[i,m] is lifted to the [i, m] tile (and is no longer a tl.dot)."""
     parent = list(range(len(members)))
+    inside = [set(nodes(m)) for m in members]
 
     def find(k: int) -> int:
         while parent[k] != k:
@@ -596,7 +613,7 @@ def _connected(members: list[Reduce]) -> list[list[Reduce]]:
     for a, ma in enumerate(members):
         for b, mb in enumerate(members[:a]):
             fa, fb = set(free_indices(ma)), set(free_indices(mb))
-            if ma in set(walk(mb)) or mb in set(walk(ma)) or fa == fb:
+            if ma in inside[b] or mb in inside[a] or fa == fb:
                 parent[find(a)] = find(b)
     parts: dict[int, list[Reduce]] = {}
     for k, m in enumerate(members):
@@ -629,7 +646,7 @@ def factorise(program: Program) -> Program:
             continue
         # the projections' formulas (sum x = count * mean, u = u_c + r l, ...) simplify in
         # context, the leader cancelling inside the branches of a where
-        exprs = [e if (new := _substitute(e, result[2])) == e
+        exprs = [e if (new := substitute(e, result[2])) == e
                  else _around_reductions(_around_reductions(simplify(new), cancel_in_branches), _empty_safe)
                  for e in exprs]
     return replace(program, statements=tuple(replace(st, expr=e) for st, e in zip(program.statements, exprs)),

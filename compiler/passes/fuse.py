@@ -15,7 +15,21 @@ from ..ir import (Access, Composite, Expr, Extent, Index, Program, Reduce, bound
 
 def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
     """Capture-avoiding renaming of free indices; `fresh(name)` makes a new index
-    name (same extent) for a bound index that would capture a target name."""
+    name (same extent) for a bound index that would capture a target name.  Each
+    subtree shared by several parents is renamed once per mapping."""
+    done: dict[tuple[int, tuple], Expr] = {}
+
+    def visit(e: Expr, mapping: dict[str, str]) -> Expr:
+        if not mapping:                       # nothing to rename below
+            return e
+        key = (id(e), tuple(mapping.items()))
+        if key not in done:
+            done[key] = _renamed(e, mapping, fresh, visit)
+        return done[key]
+    return visit(e, mapping)
+
+
+def _renamed(e: Expr, mapping: dict[str, str], fresh, visit) -> Expr:
     if isinstance(e, Access):
         return replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
     if isinstance(e, Index | Extent):
@@ -23,15 +37,15 @@ def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
     if isinstance(e, Composite) and not bound_indices(e):
         # softmax[m] keeps its index: the m inside is the m of its result
         e = replace(e, indices=tuple(mapping.get(i, i) for i in e.indices))
-        return with_children(e, tuple(rename_indices(c, mapping, fresh) for c in children(e)))
+        return with_children(e, tuple(visit(c, mapping) for c in children(e)))
     if isinstance(e, Reduce | Composite):
         inner = {k: v for k, v in mapping.items() if k not in e.indices}
         targets = set(inner.values())
         bound = tuple(fresh(i) if i in targets else i for i in e.indices)
         inner.update({i: b for i, b in zip(e.indices, bound) if i != b})
         e = replace(e, indices=bound)
-        return with_children(e, tuple(rename_indices(c, inner, fresh) for c in children(e)))
-    return with_children(e, tuple(rename_indices(c, mapping, fresh) for c in children(e)))
+        return with_children(e, tuple(visit(c, inner) for c in children(e)))
+    return with_children(e, tuple(visit(c, mapping) for c in children(e)))
 
 
 class FreshNames:
@@ -75,12 +89,12 @@ def fuse(program: Program) -> Program:
             params, body = inlined[e.tensor]
             mapping = {p: i for p, i in zip(params, e.indices) if p != i}
             return rename_indices(body, mapping, names.fresh) if mapping else body
-        return with_children(e, tuple(substitute(c) for c in children(e)))
+        return e
 
     kept = []
     for s in program.statements:
         renamed_before = len(names.origin)
-        expr = substitute(s.expr)
+        expr = transform(s.expr, substitute)
         if len(names.origin) != renamed_before:      # fresh names were made: give them back where possible
             expr = transform(expr, names.restore)
         s = replace(s, expr=expr)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import lru_cache
 
 import sympy
 
 from ..algebra import BUILTINS
 from ..algebra.properties import extremum
-from ..ir import Call, Const, Expr, Extent, Program, Reduce, children, free_indices, transform, walk
+from ..ir import Call, Const, Expr, Extent, Program, Reduce, children, free_indices, nodes, transform
 from .symbolic import SymbolTable, from_sympy, to_sympy
 
 
@@ -134,7 +135,7 @@ def _holds_invariant_exp_sum(e: Expr, indices) -> bool:
     """Whether `e` holds a reduction over an exponential that does not vary over
     `indices` (a log-sum-exp inside a sum over its own index)."""
     return any(isinstance(n, Reduce) and not _varies(n, indices)
-               and any(isinstance(x, Call) and x.op == "exp" for a in n.args for x in walk(a)) for n in walk(e))
+               and any(isinstance(x, Call) and x.op == "exp" for a in n.args for x in nodes(a)) for n in nodes(e))
 
 
 def _unbounded_exp(e: Expr, indices) -> bool:
@@ -186,19 +187,32 @@ def expand_weighted_sums(e: Expr) -> Expr:
 def _bounded(parts: list[tuple[int, Expr]], indices) -> bool:
     """Is the exponent c * (g - max[I](g)) for a constant c > 0 and some g, so at
     most 0?  Any summary whose merge selects the larger state counts as a max."""
-    exponent = signed_sum(parts)
-    for node in walk(exponent):
-        if isinstance(node, Reduce) and extremum(node.summary) == "max" and node.indices == tuple(indices):
-            table = SymbolTable()
-            ratio = sympy.simplify(to_sympy(exponent, table) / to_sympy(Call("sub", (node.args[0], node)), table))
-            if ratio.is_number and ratio.is_positive:
-                return True
+    return _at_most_zero(signed_sum(parts), tuple(indices))
+
+
+@lru_cache(maxsize=4096)
+def _at_most_zero(exponent: Expr, indices: tuple[str, ...]) -> bool:
+    """_bounded's question on one exponent E: a max M over `indices` is a leaf of E
+    (reductions are opaque symbols), E is linear in M with coefficient -c, c > 0 a
+    number, and E - c (g - M) multiplies out to 0.  Linear algebra, not simplify:
+    the exponent of a nested softmax holds the whole inner one."""
+    table = SymbolTable()
+    e = sympy.expand(to_sympy(exponent, table), deep=False)
+    for symbol in e.free_symbols:
+        leader = table.to_expr.get(symbol)
+        if not (isinstance(leader, Reduce) and extremum(leader.summary) == "max" and leader.indices == indices):
+            continue
+        c = -e.diff(symbol)
+        if not (c.is_number and c.is_positive):
+            continue
+        if sympy.expand(e - c * (to_sympy(leader.args[0], table) - symbol), deep=False) == 0:
+            return True
     return False
 
 
 def _positive_sums(e: Expr) -> frozenset:
     """Sums whose body is a single exponential (times nothing): positive."""
-    return frozenset(n for n in walk(e) if is_sum(n) and isinstance(n.args[0], Call)
+    return frozenset(n for n in nodes(e) if is_sum(n) and isinstance(n.args[0], Call)
                      and n.args[0].op == "exp")
 
 

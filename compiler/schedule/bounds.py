@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..ir import (Call, Const, Expr, Index, Reduce, Var, constant, format_expr, free_indices, linear_form, reads,
-                  transform, walk)
+from ..ir import (Call, Const, Expr, Index, Reduce, Var, constant, format_expr, free_indices, linear_form, nodes,
+                  reads, transform)
 from ..ops import OPS, PREDICATES
 
 
@@ -140,7 +140,7 @@ def index_bounds(fold: Reduce) -> dict[str, list[Bound]]:
     A loop over b starts at the first and stops after the last tile where every
     such relation can hold (a causal mask's upper triangle, a window's far past)."""
     out: dict[str, list[Bound]] = {}
-    conjuncts = dict.fromkeys(c for arg in fold.args for w in walk(arg)
+    conjuncts = dict.fromkeys(c for arg in fold.args for w in nodes(arg)
                               if isinstance(w, Call) and w.op == "where" for c in _conjuncts(w.args[0]))
     for c in conjuncts:
         for index in fold.indices:
@@ -163,7 +163,7 @@ def tile_tests(fold: Reduce) -> dict[str, list[Expr]]:
     mask, beside the keys and values): testing one that reads the update's own
     data (`where(X > 0, X, 0)`) would load that data to save nothing."""
     out: dict[str, list[Expr]] = {}
-    conjuncts = dict.fromkeys(c for arg in fold.args for w in walk(arg)
+    conjuncts = dict.fromkeys(c for arg in fold.args for w in nodes(arg)
                               if isinstance(w, Call) and w.op == "where" for c in _conjuncts(w.args[0]))
     for c in conjuncts:
         rest = reads(Call("and", tuple(transform(a, lambda n: Const(True) if n == c else n) for a in fold.args))
@@ -178,7 +178,7 @@ def tile_tests(fold: Reduce) -> dict[str, list[Expr]]:
 
 
 def _masks(arg: Expr, relation: Expr) -> bool:
-    return any(_selects_by(w, relation) for w in walk(arg))
+    return any(_selects_by(w, relation) for w in nodes(arg))
 
 
 def _selects_by(e: Expr, relation: Expr) -> bool:
@@ -196,7 +196,7 @@ def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
     def failing(e: Expr) -> Expr | None:
         if _selects_by(e, relation):
             return failing(e.args[2])
-        if not any(_selects_by(w, relation) for w in walk(e)):
+        if not any(_selects_by(w, relation) for w in nodes(e)):
             return e if constant(e) is not None else leaves.setdefault(e, Var(f"v{len(leaves)}"))
         if not isinstance(e, Call):
             return None                       # a mask inside a reduction or an access: unknown

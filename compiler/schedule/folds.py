@@ -5,8 +5,9 @@ the rewrites that place them: inlining with capture-avoiding renaming, and
 restriction of a shared fold to the fields one projection reads."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import cache
+from typing import TypeVar
 
 from ..algebra.properties import additive
 from ..algebra.summary import Summary
@@ -23,15 +24,19 @@ from ..ir import (
     Var,
     children,
     free_indices,
-    walk,
+    nodes,
     with_children,
 )
 from ..passes.fuse import rename_indices
 from ..passes.stabilise import factors as quotient_factors, product
 
 
-@cache
+T = TypeVar("T")
+
+
 def free(e: Expr) -> frozenset:
+    # free_indices keeps its answer on the node; a cache keyed by expressions would
+    # compare each with the equal trees of earlier programs
     return frozenset(free_indices(e))
 
 
@@ -54,7 +59,7 @@ def rename(e: Expr, mapping: dict[str, str], avoid: frozenset, fresh_names: dict
 
 def all_index_names(e: Expr) -> set[str]:
     names = set()
-    for n in walk(e):
+    for n in nodes(e):
         if isinstance(n, Access):
             names.update(n.indices)
         elif isinstance(n, Index | Extent):
@@ -66,16 +71,27 @@ def all_index_names(e: Expr) -> set[str]:
 
 def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict[str, str],
            reading: tuple[str, ...] = ()) -> Expr:
-    """Replace accesses to the statements in `defs` by their (inlined) bodies."""
-    if isinstance(e, Access) and e.tensor in defs:
-        if e.tensor in reading:
-            cycle = " -> ".join(reading[reading.index(e.tensor):] + (e.tensor,))
-            raise BackendError(f"statement '{e.tensor}' reads itself ({cycle}); the IR is not a program")
-        st = defs[e.tensor]
-        body = inline(st.expr, defs, avoid, fresh_names, reading + (e.tensor,))
-        mapping = dict(zip(st.indices, e.indices))
-        return rename(body, mapping, avoid | all_index_names(body) | set(e.indices), fresh_names)
-    return with_children(e, tuple(inline(c, defs, avoid, fresh_names, reading) for c in children(e)))
+    """Replace accesses to the statements in `defs` by their (inlined) bodies (each
+    shared subtree once)."""
+    done: dict[tuple[int, tuple[str, ...]], Expr] = {}
+
+    def visit(e: Expr, reading: tuple[str, ...]) -> Expr:
+        key = (id(e), reading)
+        if key in done:
+            return done[key]
+        if isinstance(e, Access) and e.tensor in defs:
+            if e.tensor in reading:
+                cycle = " -> ".join(reading[reading.index(e.tensor):] + (e.tensor,))
+                raise BackendError(f"statement '{e.tensor}' reads itself ({cycle}); the IR is not a program")
+            st = defs[e.tensor]
+            body = visit(st.expr, reading + (e.tensor,))
+            mapping = dict(zip(st.indices, e.indices))
+            out = rename(body, mapping, avoid | all_index_names(body) | set(e.indices), fresh_names)
+        else:
+            out = with_children(e, tuple(visit(c, reading) for c in children(e)))
+        done[key] = out
+        return out
+    return visit(e, reading)
 
 
 # ---------------------------------------------------------------- restricted folds
@@ -115,7 +131,7 @@ def fields_read(s: Summary, name: str) -> list[str]:
         if f not in needed:
             needed.add(f)
             combine = s.combine[s.field_names.index(f)]
-            todo += [v.name.split(".", 1)[1] for v in walk(combine) if isinstance(v, Var) and "." in v.name]
+            todo += [v.name.split(".", 1)[1] for v in nodes(combine) if isinstance(v, Var) and "." in v.name]
     return [f for f in s.field_names if f in needed]
 
 
@@ -129,7 +145,7 @@ def restrict_fields(fold: Reduce, keep: list[str]) -> Reduce:
     xs = {f"x{k}": Var(f"x{j}") for j, k in enumerate(used)}
     index = {f: s.field_names.index(f) for f in keep}
     finalize = s.finalize
-    if not {v.name for v in walk(finalize) if isinstance(v, Var)} <= set(keep):
+    if not {v.name for v in nodes(finalize) if isinstance(v, Var)} <= set(keep):
         finalize = Var(keep[0])            # never evaluated: every use projects a kept field
     rescaled = tuple(
         replace(rs, leader_arg=_substitute(rs.leader_arg, xs), weight=_substitute(rs.weight, xs),
@@ -151,6 +167,7 @@ def restrict_fields(fold: Reduce, keep: list[str]) -> Reduce:
 def narrow_projections(e: Expr, lhs: tuple[str, ...]) -> Expr:
     """Projections whose fold varies over an index that neither the statement's left
     side nor an enclosing reduction provides read a restricted fold (see `restrict`)."""
+    @once_per_node
     def visit(node: Expr, bound: frozenset) -> Expr:
         inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
         node = with_children(node, tuple(visit(c, inner) for c in children(node)))
@@ -164,12 +181,27 @@ def narrow_projections(e: Expr, lhs: tuple[str, ...]) -> Expr:
     return visit(e, frozenset())
 
 
+def once_per_node(visit: Callable[[Expr, frozenset], T]) -> Callable[[Expr, frozenset], T]:
+    """A visitor of (node, indices bound around it) run once per node object and
+    bound set: a subtree shared by several parents (a lowered softmax repeats its
+    argument; nested, the tree is exponential in the depth) is visited once."""
+    done: dict[tuple[int, frozenset], T] = {}
+
+    def once(node: Expr, bound: frozenset) -> T:
+        key = (id(node), bound)
+        if key not in done:
+            done[key] = visit(node, bound)
+        return done[key]
+    return once
+
+
 # ---------------------------------------------------------------- folds
 def top_folds(e: Expr, lhs: tuple[str, ...]) -> list[Reduce]:
     """Folds whose free indices are names of the left-hand side (not bound by an
     enclosing reduction), innermost first, each once."""
     out: dict[Reduce, None] = {}
 
+    @once_per_node
     def visit(node: Expr, bound: frozenset) -> None:
         inner = bound | set(node.indices) if isinstance(node, Reduce) else bound
         for c in children(node):
@@ -183,6 +215,7 @@ def top_folds(e: Expr, lhs: tuple[str, ...]) -> list[Reduce]:
 
 def replace_folds(e: Expr, table: dict[Reduce, Access]) -> Expr:
     """Replace the (unshadowed) occurrences of materialised Reduce nodes by reads."""
+    @once_per_node
     def visit(node: Expr, bound: frozenset) -> Expr:
         if isinstance(node, Reduce) and node in table and not (free(node) & bound):
             return table[node]
@@ -245,8 +278,10 @@ class Contraction:
 
 
 def contractions(e: Expr) -> list[Contraction]:
+    """The contractions of `e`, each node (in its enclosing folds) once."""
     out = []
 
+    @once_per_node
     def visit(n: Expr, bound: frozenset) -> None:
         parts = None
         if isinstance(n, Reduce) and additive(n.summary) and len(n.indices) == 1:
@@ -286,10 +321,10 @@ def value_only_names(e: Expr) -> set[str]:
     output feature index j): tiling them would recompute the weights per tile, so the
     schedule prefers to keep them whole."""
     names: set[str] = set()
-    for n in walk(e):
+    for n in nodes(e):
         if isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()):
             for rs in n.summary.rescaled:
-                used = {v.name for part in (rs.weight, rs.leader_arg) for v in walk(part) if isinstance(v, Var)}
+                used = {v.name for part in (rs.weight, rs.leader_arg) for v in nodes(part) if isinstance(v, Var)}
                 weight_free = set()
                 for k, a in enumerate(n.args):
                     if f"x{k}" in used:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import BackendError
 from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr,
-                  reads, walk, with_children)
+                  nodes, reads, substitute, with_children)
 from ..passes.lower import lower
 from .bounds import index_bounds, tile_tests
 from .folds import (
@@ -226,7 +226,7 @@ class Former:
         grid = set(_grid_of(expr, lhs)[0])
         table: dict[Reduce, Access] = {}
         notes: dict[str, list[str]] = {}         # what, by whom -> buffers
-        for node in walk(expr):
+        for node in nodes(expr):
             if not isinstance(node, Reduce) or node in table or grid <= free(node):
                 continue
             wanted = _read_part(node)
@@ -253,9 +253,7 @@ class Former:
                 break
         if not table:
             return expr, ""
-        def substitute(n: Expr) -> Expr:
-            return table[n] if n in table else with_children(n, tuple(substitute(c) for c in children(n)))
-        return substitute(expr), ", ".join(f"{', '.join(names)} ({what})" for what, names in notes.items())
+        return substitute(expr, table), ", ".join(f"{', '.join(names)} ({what})" for what, names in notes.items())
 
     def _buffer_name(self) -> str:
         name = f"buf{self.buffer_count}"
@@ -298,19 +296,24 @@ def _unread_fields_dropped(k: _Draft) -> _Draft:
     over 3-D values) would compute them all the same."""
     read: dict[Reduce, set[str]] = {}
     for st in k.statements:
-        for n in walk(st.expr):
+        for n in nodes(st.expr):
             if isinstance(n, Reduce):
                 read.setdefault(n.fold, set()).update(
                     n.summary.field_names if n.result is None else fields_read(n.summary, n.result))
     restricted: dict[Reduce, Reduce] = {}
+    done: dict[int, Expr] = {}
 
     def rewrite(e: Expr) -> Expr:
+        if id(e) in done:                        # a subtree shared by several parents
+            return done[id(e)]
+        new = e
         if isinstance(e, Reduce) and e.result is not None and len(read[e.fold]) < len(e.summary.field_names):
             if e.fold not in restricted:
                 keep = [f for f in e.summary.field_names if f in read[e.fold]]
                 restricted[e.fold] = restrict_fields(e.fold, keep)
-            e = replace(restricted[e.fold], result=e.result)
-        return with_children(e, tuple(rewrite(c) for c in children(e)))
+            new = replace(restricted[e.fold], result=e.result)
+        done[id(e)] = new = with_children(new, tuple(rewrite(c) for c in children(new)))
+        return new
 
     statements = tuple(replace(st, expr=rewrite(st.expr)) for st in k.statements)
     if not restricted:
@@ -362,7 +365,7 @@ def _storable(k: _Draft, node: Reduce) -> list[Reduce]:
 
 
 def _sub_folds(f: Reduce) -> set[Reduce]:
-    return {n.fold for a in f.args for n in walk(a) if isinstance(n, Reduce)}
+    return {n.fold for a in f.args for n in nodes(a) if isinstance(n, Reduce)}
 
 
 def _dependent(program_folds) -> bool:
@@ -385,31 +388,36 @@ def loops(spec: _Draft) -> tuple[Loop, ...]:
     """The streamed loops of a kernel, in program order: one per set of reduced
     indices of its top folds (folds over the same indices share it), each with
     the loops of the folds inside its folds' arguments; then the epilogue."""
-    return (*_fold_loops([f for s in spec.statements for f in top_folds(s.expr, s.indices)]),
+    return (*_fold_loops(tuple(f for s in spec.statements for f in top_folds(s.expr, s.indices)), {}),
             *((Loop(spec.epilogue, ()),) if spec.epilogue else ()))
 
 
-def _fold_loops(folds: list[Reduce]) -> tuple[Loop, ...]:
+def _fold_loops(folds: tuple[Reduce, ...], made: dict[tuple[Reduce, ...], tuple[Loop, ...]]) -> tuple[Loop, ...]:
+    """The loops of `folds`; `made`: those of the fold tuples already seen (the loops
+    of a fold nested in several others are one value, derived once)."""
+    if folds in made:
+        return made[folds]
     by_indices: dict[tuple[str, ...], list[Reduce]] = {}
     for f in folds:
         if f not in by_indices.setdefault(f.indices, []):
             by_indices[f.indices].append(f)
     out = []
     for indices, group in by_indices.items():
-        inner = [n.fold for f in group for a in f.args for n in top_folds(a, tuple(free(a)))]
+        inner = tuple(n.fold for f in group for a in f.args for n in top_folds(a, tuple(free(a))))
         names = tuple(dict.fromkeys(f.summary.name for f in group))
         bounds = tuple(dict.fromkeys(str(b) for f in group for relations in index_bounds(f).values()
                                      for b in relations))
         skips = tuple(dict.fromkeys(format_expr(c) for f in group for tests in tile_tests(f).values()
                                     for c in tests))
-        out.append(Loop(indices, names, _fold_loops(inner), bounds, skips))
-    return tuple(out)
+        out.append(Loop(indices, names, _fold_loops(inner, made), bounds, skips))
+    made[folds] = tuple(out)
+    return made[folds]
 
 
 def schedule(program: Program, outputs: tuple[str, ...], split: int | None = None) -> Schedule:
     """The schedule stage: factorised IR -> Schedule (kernels, grids, loops, buffers).
     Composites (softmax, logsumexp, ...) are lowered to reductions first; `split`
     (None: the backend's default) materialises what a forced split cannot merge."""
-    if any(isinstance(n, Composite) for s in program.statements for n in walk(s.expr)):
+    if any(isinstance(n, Composite) for s in program.statements for n in nodes(s.expr)):
         program = lower(program)
     return Former(program, tuple(outputs), split).run()

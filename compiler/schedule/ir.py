@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Assign, Program, Reduce, format_expr, walk
+from ..ir import Assign, Program, Reduce, format_expr, nodes
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
 from .tiles import describe
@@ -48,7 +48,7 @@ class KernelSchedule:
         folds: dict[str, str] = {}
         notes: dict[str, list[str]] = {}
         for s in self.statements:
-            for node in walk(s.expr):
+            for node in nodes(s.expr):
                 if isinstance(node, Reduce) and node.result is not None:
                     text = format_expr(node.fold)
                     if text not in folds:

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ir import Access, Reduce, free_indices, walk
+from ..ir import Access, Reduce, free_indices, nodes
 
 DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
@@ -136,7 +136,7 @@ def free_tile(n: int, dot: bool, value: bool) -> int:
 
 def streams(kernel) -> bool:
     """Whether a program of `kernel` loops: it folds, or loops over epilogue indices."""
-    return bool(kernel.epilogue) or any(isinstance(n, Reduce) for st in kernel.statements for n in walk(st.expr))
+    return bool(kernel.epilogue) or any(isinstance(n, Reduce) for st in kernel.statements for n in nodes(st.expr))
 
 
 def streamed_width(kernel, extent: Callable[[str], int], cap: int = STREAM_BLOCK) -> int:
@@ -146,7 +146,7 @@ def streamed_width(kernel, extent: Callable[[str], int], cap: int = STREAM_BLOCK
     dot = kernel.dot_indices
     widest = 1
     for s in kernel.statements:
-        for n in walk(s.expr):
+        for n in nodes(s.expr):
             if isinstance(n, Reduce):
                 indices = [(extent(b), b in dot) for b in n.indices]
                 caps = shared_loop_caps(indices, cap)
@@ -161,7 +161,7 @@ def contiguous(kernel, g: str) -> bool:
     """Whether every multi-dimensional tensor `kernel` reads with `g` has it last (the
     innermost dimension of a row-major tensor) and some read has it: tiles of g are
     then contiguous in memory."""
-    reads = [n for st in kernel.statements for n in walk(st.expr)
+    reads = [n for st in kernel.statements for n in nodes(st.expr)
              if isinstance(n, Access) and len(n.indices) > 1 and g in n.indices]
     return bool(reads) and all(a.indices[-1] == g for a in reads)
 
@@ -172,7 +172,7 @@ def tiled_grid(kernel, extent: Callable[[str], int]) -> tuple[str, ...]:
     contraction, neither read by every access nor by every operand of the contraction
     (tiling those makes every operand 3-D), nor two sides of one operand.  A kernel
     without a contraction whose indices are all batch-like tiles its last two."""
-    accesses = [n for st in kernel.statements for n in walk(st.expr) if isinstance(n, Access) and n.indices]
+    accesses = [n for st in kernel.statements for n in nodes(st.expr) if isinstance(n, Access) and n.indices]
     batch = kernel.batch_indices | {g for g in kernel.grid if kernel.contractions and accesses
                                     and all(g in a.indices for a in accesses)}
     candidates = [g for g in kernel.grid if extent(g) > 1]
@@ -197,7 +197,7 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
     dot = kernel.dot_indices
     tiled = tiled_grid(kernel, extent)
     streamed = streamed_width(kernel, extent) if streams(kernel) else 0
-    projections = [n for st in kernel.statements for n in walk(st.expr)
+    projections = [n for st in kernel.statements for n in nodes(st.expr)
                    if isinstance(n, Reduce) and n.result is not None]
     blocks: dict[str, int] = {}
     whole: set[str] = set()
