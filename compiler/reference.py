@@ -13,7 +13,6 @@ the first NaN's position).
 """
 from __future__ import annotations
 
-import functools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -22,10 +21,10 @@ from typing import Mapping
 import torch
 
 from .algebra import COMPOSITES
+from .algebra.properties import selecting_combine
 from .config import deep
 from .algebra.formula import evaluate as evaluate_formula
-from .ir import (Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, Var, free_indices,
-                 transform)
+from .ir import Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, free_indices
 from .ops import BOOL, FLOAT, INT, OPS
 
 
@@ -159,7 +158,7 @@ def fold(summary, fields: list[torch.Tensor]) -> list[torch.Tensor]:
                **{f"b.{n}": f[..., 1::2] for n, f in zip(names, fields)}}
         shape = fields[0][..., 0::2].shape
         fields = [evaluate_formula(c, env).to(f.dtype).expand(shape)
-                  for c, f in zip(_combine(summary), fields)]
+                  for c, f in zip(selecting_combine(summary), fields)]
     if fields[0].shape[-1] == 0:
         return [torch.full(f.shape[:-1], _identity(c, f.dtype), dtype=f.dtype)
                 for f, c in zip(fields, summary.identity)]
@@ -171,7 +170,7 @@ def merge(summary, a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.T
     env = {**{f"a.{n}": t for n, t in zip(summary.field_names, a)},
            **{f"b.{n}": t for n, t in zip(summary.field_names, b)}}
     shape = torch.broadcast_shapes(a[0].shape, b[0].shape)
-    return [evaluate_formula(c, env).to(t.dtype).expand(shape) for c, t in zip(_combine(summary), a)]
+    return [evaluate_formula(c, env).to(t.dtype).expand(shape) for c, t in zip(selecting_combine(summary), a)]
 
 
 _INT64 = torch.iinfo(torch.int64)
@@ -195,37 +194,6 @@ def _as_type(t: torch.Tensor, kind: str) -> torch.Tensor:
         return t.to(_RESULT_DTYPES.get(kind, torch.float64))
     whole = torch.where(torch.isinf(t), 0.0, t).to(torch.int64)
     return torch.where(t == math.inf, _INT64.max, torch.where(t == -math.inf, _INT64.min, whole))
-
-
-# Comparisons that select one of two states (b.m > a.m); see _combine.
-_SELECTIONS = frozenset({"gt", "lt", "ge", "le"})
-
-
-@functools.lru_cache(maxsize=None)
-def _combine(summary) -> tuple[Expr, ...]:
-    """The summary's combine as the oracle evaluates it, with torch's extremum
-    semantics: a comparison of one field of the two states treats a NaN as beyond
-    every number in the compared direction (a NaN state wins over a number's; of
-    two NaNs the comparison stays false, so argmax's left state: the first NaN).
-    argmax and argmin then give the first NaN's position, as torch.argmax does, and
-    a max that selects its state propagates NaN, as torch.maximum does."""
-    return tuple(transform(c, _nan_is_extreme) for c in summary.combine)
-
-
-def _nan_is_extreme(e: Expr) -> Expr:
-    """cmp(u, v) as cmp(u, v) or (u is NaN and v is not), where u and v are states' fields."""
-    if not (isinstance(e, Call) and e.op in _SELECTIONS and _compares_states(*e.args)):
-        return e
-    u, v = e.args
-    return Call("or", (e, Call("and", (Call("ne", (u, u)), Call("eq", (v, v))))))
-
-
-def _compares_states(u: Expr, v: Expr) -> bool:
-    """Whether `u` and `v` are one field of the two states (a.m and b.m)."""
-    if not (isinstance(u, Var) and isinstance(v, Var)):
-        return False
-    (side_u, _, field_u), (side_v, _, field_v) = u.name.partition("."), v.name.partition(".")
-    return field_u == field_v != "" and {side_u, side_v} == {"a", "b"}
 
 
 def fold_in_chunks(summary, fields: list[torch.Tensor], rng: random.Random) -> list[torch.Tensor]:

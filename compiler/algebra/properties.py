@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import sympy
 
-from ..ir import Const, Var
+from ..ir import Call, Const, Expr, Var, transform
 from .formula import to_sympy
 from .summary import Summary
 
@@ -82,3 +82,35 @@ def exact_identity(summary: Summary, fields: tuple[str, ...]) -> bool:
         if not all(torch.equal(got[f], want[f]) for f in fields):
             return False
     return True
+
+
+# Comparisons that select one of two states (b.m > a.m); see selecting_combine.
+_SELECTIONS = frozenset({"gt", "lt", "ge", "le"})
+
+
+@lru_cache(maxsize=None)
+def selecting_combine(summary: Summary) -> tuple[Expr, ...]:
+    """The summary's combine as the oracle evaluates it, with torch's extremum
+    semantics: a comparison of one field of the two states treats a NaN as beyond
+    every number in the compared direction (a NaN state wins over a number's; of
+    two NaNs the comparison stays false, so argmax's left state: the first NaN).
+    argmax and argmin then give the first NaN's position, as torch.argmax does, and
+    a max that selects its state propagates NaN, as torch.maximum does.  The oracle
+    folds with it and the Triton kernels emit it: one NaN rule for both."""
+    return tuple(transform(c, _nan_is_extreme) for c in summary.combine)
+
+
+def _nan_is_extreme(e: Expr) -> Expr:
+    """cmp(u, v) as cmp(u, v) or (u is NaN and v is not), where u and v are states' fields."""
+    if not (isinstance(e, Call) and e.op in _SELECTIONS and _compares_states(*e.args)):
+        return e
+    u, v = e.args
+    return Call("or", (e, Call("and", (Call("ne", (u, u)), Call("eq", (v, v))))))
+
+
+def _compares_states(u: Expr, v: Expr) -> bool:
+    """Whether `u` and `v` are one field of the two states (a.m and b.m)."""
+    if not (isinstance(u, Var) and isinstance(v, Var)):
+        return False
+    (side_u, _, field_u), (side_v, _, field_v) = u.name.partition("."), v.name.partition(".")
+    return field_u == field_v != "" and {side_u, side_v} == {"a", "b"}

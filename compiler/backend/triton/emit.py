@@ -40,11 +40,10 @@ from ...errors import BackendError
 from ...program import positive_number
 # the combine as the oracle evaluates it: a NaN state wins a comparison that selects one of two
 # states (argmax gives the first NaN's position, as torch does)
-from ...reference import _combine as selecting_combine
 from ...ir import (Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform,
                   walk)
 from . import ops as emission
-from ...algebra.properties import additive, exact_identity, extremum
+from ...algebra.properties import additive, exact_identity, extremum, selecting_combine
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, index_bounds, tile_tests
 from ...schedule.tiles import (
