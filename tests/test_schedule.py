@@ -2,6 +2,7 @@
 the folds each kernel projects, streamed loops with their bounds, buffers),
 printed by `einfold ir --print-after schedule`, for any sizes.  The Triton
 backend runs the Schedule it is given: it neither lowers nor inlines."""
+import math
 import re
 from dataclasses import FrozenInstanceError
 
@@ -145,6 +146,25 @@ def test_the_streamed_tiles_of_a_fold_over_several_indices_share_one_budget():
         assert set(blocks) == {"BLOCK_i", "BLOCK_m", "BLOCK_n"}
         assert blocks["BLOCK_i"] * blocks["BLOCK_m"] * blocks["BLOCK_n"] <= STREAM_BLOCK, (extents, blocks)
         assert blocks["BLOCK_n"] == min(STREAM_BLOCK, 1 << (extents["n"] - 1).bit_length())
+
+
+@pytest.mark.parametrize("source, extents", [
+    # the Chamfer distance at d = 64 held [1, 8192, 64] (524288 floats a program): its first call
+    # built four spilling candidates for more than 9 minutes on the GPU
+    ("A[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))", {"b": 1, "i": 8192, "m": 8192, "k": 64}),
+    ("A[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))", {"b": 2, "i": 5, "m": 8209, "k": 3}),
+])
+def test_a_streamed_tile_shares_its_budget_with_the_folds_it_holds_whole(source, extents):
+    """A fold streamed over m whose argument holds a nested fold over k whole broadcasts
+    each tile of m over all of k: the tile of every candidate, k's width included, stays
+    within STREAM_BLOCK elements."""
+    from compiler.schedule.tiles import STREAM_BLOCK
+    program = compiler.compile(source, backend="triton")
+    module = program.backend.source_for(program.binder(random_inputs(program.checked, extents)))
+    configs = [dict(re.findall(r"'(BLOCK_\w+)': (\d+)", c)) for c in re.findall(r"triton\.Config\(\{([^}]*)\}", module)]
+    assert configs
+    for config in configs:
+        assert math.prod(int(v) for v in config.values()) <= STREAM_BLOCK, (extents, config)
 
 
 GRID_TILING = {

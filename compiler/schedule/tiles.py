@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ir import Access, Reduce, free_indices, nodes
+from ..ir import Access, Reduce, children, free_indices, nodes
 
 DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
@@ -97,6 +97,31 @@ def shared_loop_caps(indices: list[tuple[int, bool]], cap: int = STREAM_BLOCK) -
     return caps
 
 
+def nested_width(exprs, extent: Callable[[str], int], dot) -> int:
+    """The elements each element of a streamed tile carries in the widest chain of
+    folds nested in `exprs` (a fold's arguments) whose indices are held whole and are
+    not tl.dot's: sum[k]((X[i,k] - Y[m,k]) ** 2) under min[m] broadcasts every tile of
+    m over all of k, so a tile of m shares its budget with k's width.  Indices of a
+    nested tl.dot are reduced inside the dot and widen nothing."""
+    widest = 1
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        if isinstance(e, Reduce):
+            own = math.prod(np2(extent(b)) for b in e.indices if b not in dot and held_whole(extent(b), False))
+            widest = max(widest, own * nested_width(e.args, extent, dot))
+        else:
+            stack.extend(children(e))
+    return widest
+
+
+def fold_caps(fold, extent: Callable[[str], int], dot, cap: int = STREAM_BLOCK) -> list[int]:
+    """The cap of each streamed tile of `fold` (shared_loop_caps), within `cap`
+    elements counted with the width its nested folds hold whole (nested_width)."""
+    indices = [(extent(b), b in dot) for b in fold.indices]
+    return shared_loop_caps(indices, max(1, cap // nested_width(fold.args, extent, dot)))
+
+
 def one_at_a_time(fold, dot) -> tuple[str, ...]:
     """The leading indices of a fold over several indices that it streams one value
     at a time: all but the last when it keeps order (not commutative), or when an
@@ -149,8 +174,9 @@ def streamed_width(kernel, extent: Callable[[str], int], cap: int = STREAM_BLOCK
         for n in nodes(s.expr):
             if isinstance(n, Reduce):
                 indices = [(extent(b), b in dot) for b in n.indices]
-                caps = shared_loop_caps(indices, cap)
-                widest = max(widest, math.prod(loop_tile(e, False, c) for (e, d), c in zip(indices, caps) if not d))
+                caps = fold_caps(n, extent, dot, cap)
+                widest = max(widest, nested_width(n.args, extent, dot)
+                             * math.prod(loop_tile(e, False, c) for (e, d), c in zip(indices, caps) if not d))
     for e in kernel.epilogue:
         if not free_tile(extent(e), e in dot, e in kernel.value_only):
             widest = max(widest, loop_tile(extent(e), e in dot, cap))
@@ -275,10 +301,13 @@ def describe(kernel) -> list[str]:
                      f"(nested tl.dot, whole), else {DOT_BLOCK}")
     for f in kernel.program_folds:
         plain = [b for b in f.indices if b not in dot and b not in singles]
+        inner = sorted({b for n in f.args for r in nodes(n) if isinstance(r, Reduce) for b in r.indices
+                        if b not in dot})
+        budget = f"{STREAM_BLOCK}" + (f" / the width of {', '.join(inner)} where held whole" if inner else "")
         if len(plain) == 1:
-            tiles.append(f"BLOCK_{plain[0]} = np2(n_{plain[0]}) up to {STREAM_BLOCK} (streamed)")
+            tiles.append(f"BLOCK_{plain[0]} = np2(n_{plain[0]}) up to {budget} (streamed)")
         elif plain:
-            tiles.append(f"{', '.join(f'BLOCK_{b}' for b in plain)} = np2 of each, sharing {STREAM_BLOCK} "
+            tiles.append(f"{', '.join(f'BLOCK_{b}' for b in plain)} = np2 of each, sharing {budget} "
                          f"elements, the last first (streamed)")
     tiled = tiled_grid(kernel, lambda g: 2)     # an index of extent 1 is one program instead
     elementwise = [g for g in tiled if g not in dot and g not in kernel.value_only]

@@ -48,12 +48,12 @@ from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, index_bounds, tile_tests
 from ...schedule.tiles import (
     STREAM_BLOCK,
+    fold_caps,
     free_tile,
     grid_tiling,
     held_whole,
     loop_tile,
     one_at_a_time,
-    shared_loop_caps,
     split_tile,
     uniform_work,
     whole_tile,
@@ -939,7 +939,7 @@ class KernelEmitter:
         bound: list[Axis] = []
         singles = self.one_at_a_time(fold)
         batch = set().union(*(dot_batch_names(a) for a in fold.args))
-        caps = shared_loop_caps([(self.ctx.extent(b), b in self.contraction) for b in fold.indices], self.loop_cap)
+        caps = fold_caps(fold, self.ctx.extent, self.contraction, self.loop_cap)
         for p, b in enumerate(fold.indices):
             if not s.commutative and b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
