@@ -7,7 +7,8 @@ fused multiply-add and a native exp2 per element, where exp(x - r) costs a
 subtraction, a multiply and the exp2 inside exp.  The product x * log2(e) is
 not rounded in the fma, so the weights of one row share one rounding factor,
 exp2(r * log2(e) - round(r * log2(e))), which the final fields divide out;
-the leader stays the max of x itself, exact.  The rewrite states only the
+the leader stays the max of x itself, exact (where x = c * y with a positive
+factor c, the backend keeps the max of y and takes c into the factor).  The rewrite states only the
 algebraic form (the weight is the exponential of the distance to the leader);
 it sets `Rescaled.base2` and leaves the formulas (the math) as they are.
 
