@@ -9,8 +9,8 @@
 from .algebra import Field, Summary
 from .algebra.user import summary
 from .einsum import einsum
-from .errors import (BackendError, BindError, CheckError, EinfoldError, LawError, LimitError, ParseError, ShardError,
-                     TransformError)
+from .errors import (BackendError, BindError, CheckError, EinfoldError, ImplicitSumWarning, LawError,
+                     LimitError, ParseError, ShardError, TransformError)
 from .grad import GradientProgram, grad
 from .program import Program, compile
 
@@ -18,4 +18,4 @@ __version__ = "0.2.0.dev0"
 
 __all__ = ["compile", "Program", "grad", "GradientProgram", "einsum", "summary", "Summary", "Field",
            "EinfoldError", "ParseError", "CheckError", "BindError", "LawError", "LimitError", "BackendError", "ShardError",
-           "TransformError", "__version__"]
+           "TransformError", "ImplicitSumWarning", "__version__"]

@@ -8,6 +8,7 @@ CheckError pointing at the source.
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -18,7 +19,7 @@ from . import parse as syn
 from .algebra import BUILTINS, COMPOSITES, Summary
 from . import config
 from .config import deep
-from .errors import CheckError, LimitError, Span
+from .errors import CheckError, ImplicitSumWarning, LimitError, Span
 from .ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce,
                  bound_indices, children, free_indices, walk, with_children)
 from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
@@ -28,9 +29,16 @@ def check(syntax: syn.Syntax, *, outputs: tuple[str, ...] | None = None,
           summaries: Mapping[str, Summary] | None = None) -> Program:
     """Check a parsed program and build its IR.  `summaries` adds user summaries
     usable as `name[t](args...)`.  Deep expressions are checked on a large stack
-    (config.deep); past config's limits, a LimitError."""
-    return deep(lambda: _Checker(syntax, dict(summaries or {})).run(outputs), what="the program",
-                source=syntax.source)
+    (config.deep); past config's limits, a LimitError.  An implicit sum over several
+    sibling terms warns (ImplicitSumWarning), once the whole program has checked."""
+    def run() -> tuple[Program, list[ImplicitSumWarning]]:
+        checker = _Checker(syntax, dict(summaries or {}))
+        return checker.run(outputs), checker.notes
+
+    program, notes = deep(run, what="the program", source=syntax.source)
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    return program
 
 
 @dataclass
@@ -43,6 +51,7 @@ class _Checker:
     index_names: set[str] = field(default_factory=set)
     parent: dict[str, str] = field(default_factory=dict)     # union-find over indices and tensor dims
     first_use: dict[str, Span] = field(default_factory=dict)
+    notes: list[ImplicitSumWarning] = field(default_factory=list)   # warnings, given once the program checks
 
     @property
     def source(self) -> str:
@@ -135,7 +144,7 @@ class _Checker:
                 raise self.error(f"index '{ix.name}' appears twice on the left", ix.span)
         expr = self._expr(st.expr, st.name, later)
         self._type(expr)        # type errors first, as written; then no implicit sum may fall on a predicate
-        expr = _make_einstein_sums(expr, set(lhs), self._check_summable)
+        expr = _make_einstein_sums(expr, set(lhs), lambda e, ix: self._implicit_sum(st, e, ix))
         free = set(free_indices(expr))
         for ix in st.indices:
             if ix.name not in free:
@@ -251,6 +260,21 @@ class _Checker:
                          node.name_span)
 
     # ------------------------------------------------------------ checks on the IR
+    def _implicit_sum(self, st: syn.Statement, e: Expr, indices: tuple[str, ...]) -> None:
+        """The Einstein convention sums `indices` over `e`: a predicate is an error,
+        a sum over several sibling terms a warning."""
+        self._check_summable(e, indices)
+        for i in indices:
+            term = _second_term(e, i)
+            if term is None:
+                continue
+            where = ("right-hand side" if e.span == st.expr.span
+                     else f"subexpression '{_excerpt(self.source, e.span)}'")
+            self.notes.append(ImplicitSumWarning(
+                f"index '{i}' is free in more than one term, so the Einstein convention sums it over the "
+                f"whole {where}, not within each term; write the sum explicitly, e.g. sum[{i}](...) around "
+                f"the part meant, to say which", self.source, _index_span(st.expr, i, term.span)))
+
     def _check_summable(self, e: Expr, indices: tuple[str, ...]) -> None:
         """An implicit (Einstein) sum over `e`: a predicate is not a number."""
         if self._type(e) == BOOL:
@@ -376,6 +400,43 @@ def _make_einstein_sums(expr: Expr, lhs: set[str],
         return e, counts
 
     return visit(expr, frozenset())[0] if implicit else expr
+
+
+# Operators whose operands multiply: an index free in several of them is a contraction.
+_PRODUCTS = frozenset({"mul", "div"})
+
+
+def _second_term(e: Expr, i: str) -> Expr | None:
+    """Where the implicit sum of `i` wraps `e` and `i` is free in two or more
+    sibling subexpressions of `e` that are terms rather than factors (operands of
+    `+`, `-`, a function, a reduction; a where's branches, its condition being a
+    factor), the second such subexpression; None for a contraction (a product's
+    factors, one access)."""
+    if isinstance(e, Call) and e.op in _PRODUCTS:
+        return None
+    terms = e.args[1:] if isinstance(e, Call) and e.op == "where" else children(e)
+    holding = [c for c in terms if i in free_indices(c)]
+    return holding[1] if len(holding) > 1 else None
+
+
+def _index_span(node, name: str, within: Span | None) -> Span | None:
+    """The span of the first occurrence of index `name` in syntax `node` inside `within`."""
+    if within is None:
+        return None
+    stack = [node]
+    found: Span | None = None
+    while stack:
+        n = stack.pop()
+        if isinstance(n, syn.Name) and n.name == name and within.start <= n.span.start < within.end:
+            if found is None or n.span.start < found.start:
+                found = n.span
+        stack.extend(_syntax_children(n))
+    return found or within
+
+
+def _excerpt(source: str, span: Span | None, width: int = 40) -> str:
+    text = " ".join(source[span.start:span.end].split()) if span else "..."
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def indices_in_order(e: Expr) -> tuple[str, ...]:

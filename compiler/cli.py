@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from . import __version__
-from .errors import EinfoldError
+from .errors import EinfoldError, ImplicitSumWarning
 from .ir import format_program
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -126,10 +126,11 @@ def cmd_ir(args) -> int:
 
 def cmd_grad(args) -> int:
     from .check import check
-    from .grad import _checked_wrt, derive
+    from .arguments import checked_wrt
+    from .grad import derive
     from .parse import parse
     program = check(parse(_read_program(args)), outputs=tuple(args.output) if args.output else None)
-    backward, _ = derive(program, _checked_wrt(args.wrt, program), None, args.saved)
+    backward, _ = derive(program, checked_wrt(args.wrt, program), None, args.saved)
     print(format_program(backward), end="")
     return 0
 
@@ -315,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
-    """A warning as one line without a source frame; others' warnings keep their category."""
+    """A warning as one line without a source frame (one that points into the program
+    keeps its source line and caret); others' warnings keep their category."""
+    if issubclass(category, ImplicitSumWarning):
+        return f"einfold: warning: {str(message).removeprefix('einfold: ')}\n"
     text = " ".join(str(message).split())
     if text.startswith("einfold: "):
         return f"einfold: warning: {text.removeprefix('einfold: ')}\n"

@@ -39,6 +39,25 @@ def render(source: str, span: Span) -> str:
     )
 
 
+class ImplicitSumWarning(UserWarning):
+    """The Einstein convention sums an index over several terms at once (it is
+    free in sibling subexpressions of an operator other than a product): correct
+    by the convention, rarely what was meant.  Renders like an error, with the
+    offending line and a caret under the index."""
+
+    def __init__(self, message: str, source: str | None = None, span: Span | None = None):
+        self.message = message
+        self.source = source
+        self.span = span
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        head = f"einfold: {self.message}"
+        if self.source is None or self.span is None:
+            return head
+        return f"{head}\n{render(self.source, self.span)}"
+
+
 class EinfoldError(Exception):
     """Base of every error einfold raises on purpose."""
 
