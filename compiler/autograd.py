@@ -52,7 +52,8 @@ if not torch.cuda.is_available():
 
 from .errors import TransformError  # noqa: E402
 from .ops import BOOL, FLOAT, INT  # noqa: E402
-from .program import LIVE, _number  # noqa: E402
+from .arguments import number_input  # noqa: E402
+from .program import LIVE  # noqa: E402
 
 NAMESPACE = "einfold"
 _DTYPES = {INT: torch.int64, BOOL: torch.bool}
@@ -64,7 +65,7 @@ def call_op(program, inputs: dict):
     names = tuple(i.name for i in program.checked.inputs)
     if inputs.keys() != set(names) or not all(_fits(v) for v in inputs.values()):
         program.binder(inputs)           # names what is wrong (a BindError)
-    args = tuple(v if isinstance(v, torch.Tensor) else _number(program.checked, n, v)
+    args = tuple(v if isinstance(v, torch.Tensor) else number_input(program.checked, n, v)
                  for n, v in ((n, inputs[n]) for n in names))
     _refuse_forward_mode(names, args)
     results, saved = _apply(program, args)

@@ -100,9 +100,10 @@ def _backward(checked) -> list[str]:
     program without one (no tensor input, no float output, a summary without
     a derivative on every path)."""
     from .errors import EinfoldError
-    from .grad import _checked_wrt, derive
+    from .arguments import checked_wrt
+    from .grad import derive
     try:
-        wrt = _checked_wrt(None, checked)
+        wrt = checked_wrt(None, checked)
         backward, found = derive(checked, wrt, None, True)
     except EinfoldError:
         return []

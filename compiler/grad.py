@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .arguments import check_options, check_source, checked_outputs, checked_user_summaries, checked_wrt
 from .check import check
 from .config import deep
 from .errors import CheckError
@@ -15,7 +16,7 @@ from .ir import format_program
 from .ops import FLOAT
 from .parse import parse
 from .passes.differentiate import Statistics, differentiate, read_outputs, read_saved, statistics
-from .program import Program, _check_options, _check_source, _checked_outputs, _checked_user_summaries
+from .program import Program
 
 
 class GradientProgram(Program):
@@ -108,13 +109,13 @@ def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[
         dA, dB = backward(A=a, B=b, dC=torch.ones(3, 5))
         ```
     """
-    _check_options(options)
-    _check_source(source)
-    summaries = _checked_user_summaries(options.pop("summaries", ()))
-    wanted = _checked_outputs(outputs)
+    check_options(options)
+    check_source(source)
+    summaries = checked_user_summaries(options.pop("summaries", ()))
+    wanted = checked_outputs(outputs)
     forward = deep(lambda: check(parse(source), outputs=wanted, summaries=summaries), what="the program",
                    source=source)
-    names = _checked_wrt(wrt, forward)
+    names = checked_wrt(wrt, forward)
     statements = {s.name: s for s in forward.statements}
     flowing = tuple(o for o in forward.outputs if statements[o].dtype == FLOAT)
     backward, found = derive(forward, names, flowing, saved)
@@ -153,20 +154,6 @@ def saving_forward(forward) -> Statistics:
         return statistics(forward, differentiate(forward, wrt, flowing))
     except CheckError:
         return Statistics((), ())
-
-
-def _checked_wrt(wrt, forward) -> tuple[str, ...]:
-    if wrt is None:
-        names = tuple(i.name for i in forward.inputs if i.rank > 0)
-        if not names:
-            raise CheckError("the program has no tensor input to differentiate with respect to; name the "
-                             "0-d inputs to differentiate (wrt=, or --wrt on the command line)")
-        return names
-    if isinstance(wrt, str):
-        return (wrt,)
-    if not isinstance(wrt, Iterable):
-        raise CheckError(f"wrt= takes a list of input names, not {type(wrt).__name__}")
-    return tuple(wrt)
 
 
 __all__ = ["grad", "GradientProgram"]

@@ -160,6 +160,12 @@ class Reduce(Expr):
         return self if self.result is None else replace(self, result=None)
 
 
+# The composites whose result keeps the reduced index (softmax's is a distribution
+# over it): the IR needs this to know which indices a node binds, so it lives here,
+# below algebra/composites.py, which reads it for the rest of each composite's meaning.
+COMPOSITES_KEEPING_INDEX = frozenset({"softmax"})
+
+
 @_node
 class Composite(Expr):
     """A reduction defined in terms of primitive ones (softmax, mean, logsumexp);
@@ -369,8 +375,7 @@ def bound_indices(e: Expr) -> tuple[str, ...]:
     if isinstance(e, Reduce):
         return e.indices
     if isinstance(e, Composite):
-        from .algebra.composites import COMPOSITES
-        return () if COMPOSITES[e.op].keeps_index else e.indices
+        return () if e.op in COMPOSITES_KEEPING_INDEX else e.indices
     return ()
 
 
@@ -446,11 +451,18 @@ def free_indices(e: Expr) -> tuple[str, ...]:
 
 
 def constant(e: Expr) -> float | None:
-    """The value of an expression made of constants only (`-inf` is neg(inf))."""
+    """The value of an expression made of constants only (`-inf` is neg(inf)), folded
+    in float64 by the ops' torch meaning, as algebra.formula.evaluate folds a formula
+    (not imported from there: the IR sits below the algebra)."""
     if not all(isinstance(n, Const | Call) for n in walk(e)):
         return None
-    from .algebra.formula import evaluate
-    return float(evaluate(e, {}))
+    import torch
+
+    def fold(n: Expr):
+        if isinstance(n, Const):
+            return torch.tensor(float(n.value), dtype=torch.float64)
+        return OPS[n.op].torch(*(fold(a) for a in n.args))
+    return float(fold(e))
 
 
 def linear_form(e: Expr) -> tuple[dict[str, int], list[tuple[int, Expr]]] | None:

@@ -14,20 +14,15 @@ if TYPE_CHECKING:
 
 from . import backend as backends
 from .algebra import Summary
+from .arguments import (LEAST_POSITIVE, MOST_POSITIVE, SCHEDULE_OPTIONS, check_options, check_source, checked_outputs,
+                        checked_user_summaries, number_input)
 from .check import check
 from .config import deep
-from .errors import BackendError, BindError, CheckError, EinfoldError, ParseError, TransformError
+from .errors import BackendError, BindError, EinfoldError, TransformError
 from .ir import Program as IRProgram
 from .parse import deepest_statement, parse
 from .passes import run_pipeline
 from .schedule import Plan, Schedule
-
-# summaries: user summaries usable by name; split: force a split count for every
-# reduction (a schedule option: the Triton backend splits, the oracle has no schedule);
-# float32_outputs: float outputs stored in float32 whatever the inputs' dtype (the
-# saving forward's statistics: a bf16 logsumexp would be off by up to 1/256 of itself)
-SCHEDULE_OPTIONS = ("split", "float32_outputs")
-KNOWN_OPTIONS = ("summaries", *SCHEDULE_OPTIONS)
 
 # Live programs by key: torch.compile passes a program's key, a string it can
 # keep as a constant, to the code that names its custom op (compiler/autograd.py)
@@ -58,14 +53,14 @@ class Program:
 
     def __init__(self, source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
                  **options):
-        _check_options(options)
-        _check_source(source)
-        summaries = _checked_user_summaries(options.get("summaries", ()))
+        check_options(options)
+        check_source(source)
+        summaries = checked_user_summaries(options.get("summaries", ()))
         self.backend_name = backends.check_name(backend)
         split = options.get("split")
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 1):
             raise BackendError(f"split must be a positive integer (or None for the default), not {split!r}")
-        wanted = _checked_outputs(outputs)
+        wanted = checked_outputs(outputs)
         wide = options.get("float32_outputs", ())
         if isinstance(wide, str) or not all(isinstance(n, str) for n in wide):
             raise EinfoldError(f"float32_outputs= takes a list of output names, not {wide!r}")
@@ -203,7 +198,7 @@ class Program:
         the CPU here 4.4 -> 2.5 us for attention's key and its lookup; resolving and
         the layout add about 0.4 us).  Numbers are converted to the float64
         scalars they run as, in `inputs`; a number's key is whether it is a
-        positive factor (positive_number: kernels are specialised on that)."""
+        positive factor (arguments.positive_number: kernels are specialised on that)."""
         import torch
         key, requires_grad = [], False
         for name, v in inputs.items():
@@ -214,8 +209,8 @@ class Program:
                 requires_grad = requires_grad or v.requires_grad
             else:
                 if type(v) is not float:            # numbers run as float64 scalars
-                    v = inputs[name] = _number(self.checked, name, v)
-                key += (name, _LEAST_POSITIVE <= v <= _MOST_POSITIVE) if type(v) is float else (name, type(v))
+                    v = inputs[name] = number_input(self.checked, name, v)
+                key += (name, LEAST_POSITIVE <= v <= MOST_POSITIVE) if type(v) is float else (name, type(v))
         return tuple(key), requires_grad
 
     def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -293,7 +288,7 @@ class Program:
         if args:
             self._positional_error(args)
         from .capture import CapturedProgram
-        inputs = {name: _number(self.checked, name, v) for name, v in inputs.items()}
+        inputs = {name: number_input(self.checked, name, v) for name, v in inputs.items()}
         return CapturedProgram(self, inputs)
 
     def plan(self, *args, **inputs) -> Plan:
@@ -403,92 +398,11 @@ def _choose_triton_interpreter() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _check_options(options: dict) -> None:
-    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
-    if unknown:
-        raise EinfoldError(f"unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
-                           f"known: {', '.join(KNOWN_OPTIONS)}")
-
-
-def _check_source(source) -> None:
-    if not isinstance(source, str):
-        hint = "; decode it first, e.g. source.decode()" if isinstance(source, bytes | bytearray) else ""
-        raise ParseError(f"a program is a str, not {type(source).__name__}{hint}")
-
-
-def _checked_user_summaries(given) -> dict[str, Summary]:
-    """summaries=: an iterable of compiler.summary(...) values (or one of them)."""
-    if isinstance(given, Summary):
-        given = (given,)
-    elif isinstance(given, str | bytes) or not isinstance(given, Iterable):
-        raise EinfoldError(f"summaries= takes a list of compiler.summary(...) values, "
-                           f"not {type(given).__name__}")
-    out: dict[str, Summary] = {}
-    for s in given:
-        checked = _checked_user_summary(s)
-        if checked.name in out:
-            raise EinfoldError(f"summaries= names '{checked.name}' twice")
-        out[checked.name] = checked
-    return out
-
-
-def _checked_user_summary(s: Summary) -> Summary:
-    """A summary given to compile(): no builtin's name, laws checked (never assumed)."""
-    from .algebra import BUILTINS, COMPOSITES
-    from .algebra.laws import require_laws
-    from .ops import FUNCTIONS
-    if not isinstance(s, Summary):
-        raise EinfoldError(f"summaries= takes compiler.summary(...) values, not {type(s).__name__}")
-    if s.name in BUILTINS or s.name in COMPOSITES or s.name in FUNCTIONS:
-        raise EinfoldError(f"a user summary cannot take the builtin name '{s.name}'")
-    return s if s.laws is not None else require_laws(s)
-
-
-def _checked_outputs(outputs) -> tuple[str, ...] | None:
-    """outputs=: statement names (a list of them, or one name)."""
-    if outputs is None:
-        return None
-    if isinstance(outputs, str):
-        outputs = (outputs,)
-    elif not isinstance(outputs, Iterable):
-        raise CheckError(f"outputs= takes a list of statement names, not {type(outputs).__name__}")
-    names = tuple(outputs)
-    for name in names:
-        if not isinstance(name, str):
-            raise CheckError(f"outputs= takes statement names (str), not {type(name).__name__} {name!r}")
-    return names or None
-
-
 def _front_end(syntax, outputs, summaries) -> tuple[tuple[str, IRProgram], ...]:
     """The trace of the front end: ("check", IR), then (pass name, IR) per pass."""
     trace = [("check", check(syntax, outputs=outputs, summaries=summaries))]
     run_pipeline(trace[0][1], observe=lambda name, ir: trace.append((name, ir)))
     return tuple(trace)
-
-
-# The numbers a kernel may take as positive factors (Signature's sign class): the normal
-# positive float32 values, which stay finite and > 0 in a kernel's float32 arithmetic.
-_LEAST_POSITIVE, _MOST_POSITIVE = 2.0 ** -126, 3.4028234663852886e38
-
-
-def positive_number(value) -> bool:
-    """Whether a number input runs as a positive factor (KernelEmitter.positive_factor)."""
-    return type(value) is float and _LEAST_POSITIVE <= value <= _MOST_POSITIVE
-
-
-def _number(program: IRProgram, name: str, value):
-    """A scalar input as the float64 value it runs as; anything else is left to the
-    binder, which names what is wrong with it."""
-    from numbers import Real
-    if isinstance(value, Real) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except (OverflowError, ValueError, TypeError):
-            decl = next((i for i in program.inputs if i.name == name), None)
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            raise BindError(f"input '{name}' = {shown} does not fit in a float64 (at most about 1.8e308)",
-                            program.source, decl.span if decl is not None else None) from None
-    return value
 
 
 def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",

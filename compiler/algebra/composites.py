@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..ir import Call, Composite, Expr, Extent, Reduce
+from ..ir import COMPOSITES_KEEPING_INDEX, Call, Composite, Expr, Extent, Reduce
 from .summary import BUILTINS
 
 if TYPE_CHECKING:
@@ -21,13 +21,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class CompositeRule:
     name: str
-    keeps_index: bool
     # float64 meaning: (tensor, dims to reduce) -> tensor (dims kept with size 1 when keeps_index)
     torch: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
     # reverse mode: (g, out, node) -> the adjoint of node.arg, given the adjoint g of
     # the result (g varies over no index the result lacks) and `out`, the result
     # itself or a read of the statement that holds it
     adjoint: Callable[[Expr, Expr, Composite], Expr]
+
+    @property
+    def keeps_index(self) -> bool:
+        return self.name in COMPOSITES_KEEPING_INDEX
 
 
 def _softmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -71,8 +74,8 @@ def _logsumexp_adjoint(g: Expr, out: Expr, node: Composite) -> Expr:
 
 COMPOSITES: dict[str, CompositeRule] = {
     r.name: r for r in [
-        CompositeRule("softmax", True, _softmax, _softmax_adjoint),       # NaN on a row that is all -inf
-        CompositeRule("mean", False, _mean, _mean_adjoint),
-        CompositeRule("logsumexp", False, _logsumexp, _logsumexp_adjoint),
+        CompositeRule("softmax", _softmax, _softmax_adjoint),       # NaN on a row that is all -inf
+        CompositeRule("mean", _mean, _mean_adjoint),
+        CompositeRule("logsumexp", _logsumexp, _logsumexp_adjoint),
     ]
 }

@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from ...arguments import positive_number
 from ...bind import Binding
 from ...errors import BackendError
 from ...schedule import Plan, Schedule
@@ -157,7 +158,6 @@ class TritonBackend:
         return binding.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
     def signature(self, binding: Binding, extents: dict[str, int]) -> Signature:
-        from ...program import positive_number
         inputs = []
         for decl in self.program.inputs:
             value = binding.values[decl.name]

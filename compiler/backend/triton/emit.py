@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ...arguments import positive_number
 from ...errors import BackendError
-from ...program import positive_number
 # the combine as the oracle evaluates it: a NaN state wins a comparison that selects one of two
 # states (argmax gives the first NaN's position, as torch does)
 from ...ir import (Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform,
@@ -212,7 +212,7 @@ class Signature:
     """What a generated module is specialised to (besides the program)."""
     extents: tuple[tuple[str, int], ...]
     # name, "tensor" | "number", rank, dtype; a number's dtype slot holds its sign class: POSITIVE
-    # (program.positive_number: a factor that commutes with max, KernelEmitter.positive_factor) or None
+    # (arguments.positive_number: a factor that commutes with max, KernelEmitter.positive_factor) or None
     inputs: tuple[tuple[str, str, int, object], ...]
     dtype: torch.dtype                                  # float results
     sm_count: int | None                                # None: no auto split (no GPU)
