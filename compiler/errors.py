@@ -39,27 +39,9 @@ def render(source: str, span: Span) -> str:
     )
 
 
-class ImplicitSumWarning(UserWarning):
-    """The Einstein convention sums an index over several terms at once (it is
-    free in sibling subexpressions of an operator other than a product): correct
-    by the convention, rarely what was meant.  Renders like an error, with the
-    offending line and a caret under the index."""
-
-    def __init__(self, message: str, source: str | None = None, span: Span | None = None):
-        self.message = message
-        self.source = source
-        self.span = span
-        super().__init__(self.__str__())
-
-    def __str__(self) -> str:
-        head = f"einfold: {self.message}"
-        if self.source is None or self.span is None:
-            return head
-        return f"{head}\n{render(self.source, self.span)}"
-
-
-class EinfoldError(Exception):
-    """Base of every error einfold raises on purpose."""
+class Located:
+    """A message that may point into the program's source: its line with carets
+    under the span, after a heading (`kind`)."""
 
     kind = "error"
 
@@ -74,6 +56,19 @@ class EinfoldError(Exception):
         if self.source is None or self.span is None:
             return head
         return f"{head}\n{render(self.source, self.span)}"
+
+
+class ImplicitSumWarning(Located, UserWarning):
+    """The Einstein convention sums an index over several terms at once (it is
+    free in sibling subexpressions of an operator other than a product): correct
+    by the convention, rarely what was meant.  Renders like an error, with the
+    offending line and a caret under the index."""
+
+    kind = "einfold"
+
+
+class EinfoldError(Located, Exception):
+    """Base of every error einfold raises on purpose."""
 
 
 class ParseError(EinfoldError):

@@ -69,26 +69,16 @@ def _natural(t, r, c=1.0):
 ''',
     # a max or min reduction that keeps NaN, as torch's: tl.max and tl.min drop it (their combine
     # is tl.maximum's default, the hardware's fmax); same cost (max.NaN is one instruction too)
-    "max_nan": '''\
+    **{f"{op}_nan": f'''\
 @triton.jit
-def _maximum_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def _{combine}_nan(a, b):
+    return tl.{combine}(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _max_nan(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _maximum_nan)
-''',
-    "min_nan": '''\
-@triton.jit
-def _minimum_nan(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _min_nan(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _minimum_nan)
-''',
+def _{op}_nan(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _{combine}_nan)
+''' for op, combine in (("max", "maximum"), ("min", "minimum"))},
     "pow": '''\
 @triton.jit
 def _pow(x, y):
