@@ -138,24 +138,23 @@ def _first_call(source: str, inputs: dict) -> dict:
             "out": out}
 
 
-@case(300)
-def chamfer_d3():
+def _chamfer(d: int) -> dict:
     import torch
-    x, y = torch.randn(1, 8192, 3, device="cuda"), torch.randn(1, 8192, 3, device="cuda")
+    x, y = torch.randn(1, 8192, d, device="cuda"), torch.randn(1, 8192, d, device="cuda")
     r = _first_call("A[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))", {"X": x, "Y": y})
     want = torch.cdist(x.double(), y.double()).pow(2).amin(-1)
     out = r.pop("out")
     return {**r, "rel_err": _rel(out, want), "ok": r["first_call_s"] <= 30 and _rel(out, want) < 1e-4}
+
+
+@case(300)
+def chamfer_d3():
+    return _chamfer(3)
 
 
 @case(420)
 def chamfer_d64():
-    import torch
-    x, y = torch.randn(1, 8192, 64, device="cuda"), torch.randn(1, 8192, 64, device="cuda")
-    r = _first_call("A[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))", {"X": x, "Y": y})
-    want = torch.cdist(x.double(), y.double()).pow(2).amin(-1)
-    out = r.pop("out")
-    return {**r, "rel_err": _rel(out, want), "ok": r["first_call_s"] <= 30 and _rel(out, want) < 1e-4}
+    return _chamfer(64)
 
 
 @case(300)
