@@ -404,19 +404,41 @@ def _make_einstein_sums(expr: Expr, lhs: set[str],
 
 # Operators whose operands multiply: an index free in several of them is a contraction.
 _PRODUCTS = frozenset({"mul", "div"})
+# Operators a sum distributes over: sum[k](a + b) is sum[k](a) + sum[k](b), and a where's
+# condition free of k selects between sums alike.
+_LINEAR = _PRODUCTS | {"add", "sub", "neg", "where"}
 
 
 def _second_term(e: Expr, i: str) -> Expr | None:
-    """Where the implicit sum of `i` wraps `e` and `i` is free in two or more
-    sibling subexpressions of `e` that are terms rather than factors (operands of
-    `+`, `-`, a function, a reduction; a where's branches, its condition being a
-    factor), the second such subexpression; None for a contraction (a product's
-    factors, one access)."""
+    """Where the implicit sum of `i` wraps `e`, `i` is free in two or more sibling
+    subexpressions of `e` that are terms rather than factors (operands of `+`, `-`,
+    a function; a where's branches, its condition being a factor), and the sum
+    means something else than each term summed on its own: `e` is a function the
+    sum does not distribute over, or in some term `i` lies inside one (there,
+    alone, the sum would have gone inside: logsumexp[v](sum[k](H[i,k]*W[v,k]))).
+    Returns the second such term; None for a contraction or a linear combination
+    of sums, whose meaning is the same either way."""
     if isinstance(e, Call) and e.op in _PRODUCTS:
         return None
     terms = e.args[1:] if isinstance(e, Call) and e.op == "where" else children(e)
     holding = [c for c in terms if i in free_indices(c)]
-    return holding[1] if len(holding) > 1 else None
+    if len(holding) < 2:
+        return None
+    moved = not (isinstance(e, Call) and e.op in _LINEAR) or any(_behind_nonlinear(t, i) for t in holding)
+    return holding[1] if moved else None
+
+
+def _behind_nonlinear(e: Expr, i: str) -> bool:
+    """Whether a free occurrence of `i` in `e` lies inside an operation a sum over
+    `i` does not distribute over: a function other than _LINEAR's, or a reduction
+    over other indices."""
+    if i not in free_indices(e) or isinstance(e, Access):
+        return False
+    if isinstance(e, (Reduce, Composite)):
+        return i not in e.indices
+    if isinstance(e, Call) and e.op not in _LINEAR:
+        return True
+    return any(_behind_nonlinear(c, i) for c in children(e))
 
 
 def _index_span(node, name: str, within: Span | None) -> Span | None:
