@@ -34,17 +34,13 @@ class Expr:
     __slots__ = ()
 
 
-def _equal(self: Expr, other: object) -> bool:
-    """`==` of two expressions (the nodes that have children use it): each pair of
-    nodes compared once, so equal trees that share subtrees (a lowered softmax
-    repeats its argument; nested, the tree is exponential in the depth) compare in
-    time linear in their distinct nodes; hashes, computed once per node, settle
-    most unequal pairs at once.  Constants compare as numbers (1 == 1.0)."""
-    if self is other:
-        return True
-    if type(other) is not type(self):
-        return NotImplemented
-    stack, compared = [(self, other)], set()
+def _pairs_agree(a, b, agree) -> bool:
+    """Walk `a` and `b` together, each pair of node objects once, so that trees that
+    share subtrees (a lowered softmax repeats its argument; nested, the tree is
+    exponential in the depth) compare in time linear in their distinct nodes.
+    `agree(x, y)` (nodes of one type): None where they differ, else the pairs of
+    their children still to compare."""
+    stack, compared = [(a, b)], set()
     while stack:
         x, y = stack.pop()
         if x is y or (id(x), id(y)) in compared:
@@ -52,24 +48,43 @@ def _equal(self: Expr, other: object) -> bool:
         compared.add((id(x), id(y)))
         if type(x) is not type(y):
             return False
-        fields = getattr(x, "_hashed", None)
-        if fields is None:                      # a leaf: plain values
-            if x != y:
-                return False
-            continue
-        if hash(x) != hash(y):
+        pairs = agree(x, y)
+        if pairs is None:
             return False
-        for f in fields:
-            a, b = getattr(x, f), getattr(y, f)
-            if f == "args":
-                if len(a) != len(b):
-                    return False
-                stack.extend(zip(a, b))
-            elif f == "arg":
-                stack.append((a, b))
-            elif a != b:
-                return False
+        stack.extend(pairs)
     return True
+
+
+def _equal(self: Expr, other: object) -> bool:
+    """`==` of two expressions (the nodes that have children use it), each pair of
+    nodes once (_pairs_agree); hashes, computed once per node, settle most unequal
+    pairs at once.  Constants compare as numbers (1 == 1.0)."""
+    if self is other:
+        return True
+    if type(other) is not type(self):
+        return NotImplemented
+    return _pairs_agree(self, other, _fields_agree)
+
+
+def _fields_agree(x, y):
+    """_equal's step: None where the nodes' own fields differ, else their child pairs."""
+    fields = getattr(x, "_hashed", None)
+    if fields is None:                      # a leaf: plain values
+        return () if x == y else None
+    if hash(x) != hash(y):
+        return None
+    pairs = []
+    for f in fields:
+        a, b = getattr(x, f), getattr(y, f)
+        if f == "args":
+            if len(a) != len(b):
+                return None
+            pairs.extend(zip(a, b))
+        elif f == "arg":
+            pairs.append((a, b))
+        elif a != b:
+            return None
+    return pairs
 
 
 @_node
@@ -317,25 +332,21 @@ def substitute(e: Expr, table: Mapping[Expr, Expr]) -> Expr:
 def identical(a: Expr, b: Expr) -> bool:
     """`a == b` with each constant of one type: == takes 1, 1.0 and True (and 0.0,
     -0.0) as equal, which an integer count, a float and a predicate are not.  Linear
-    in the distinct pairs of nodes compared (shared subtrees are compared once)."""
-    stack, compared = [(a, b)], set()
-    while stack:
-        x, y = stack.pop()
-        if x is y or (id(x), id(y)) in compared:
-            continue
-        compared.add((id(x), id(y)))
-        if type(x) is not type(y):
-            return False
-        if isinstance(x, Const):
-            if type(x.value) is not type(y.value) or x.value != y.value or \
-                    math.copysign(1.0, x.value) != math.copysign(1.0, y.value):
-                return False
-            continue
-        kx, ky = children(x), children(y)
-        if len(kx) != len(ky) or with_children(x, ky) != y:
-            return False
-        stack.extend(zip(kx, ky))
-    return True
+    in the distinct pairs of nodes compared (_pairs_agree)."""
+    return _pairs_agree(a, b, _identical_nodes)
+
+
+def _identical_nodes(x: Expr, y: Expr):
+    """identical's step: None where the nodes differ but for their children, or are
+    constants of another type or sign, else their child pairs."""
+    if isinstance(x, Const):
+        same = type(x.value) is type(y.value) and x.value == y.value and \
+            math.copysign(1.0, x.value) == math.copysign(1.0, y.value)
+        return () if same else None
+    kx, ky = children(x), children(y)
+    if len(kx) != len(ky) or with_children(x, ky) != y:
+        return None
+    return zip(kx, ky)
 
 
 def postorder(e: Expr, unique: bool = False) -> Iterator[Expr]:

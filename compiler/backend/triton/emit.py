@@ -38,8 +38,6 @@ import torch
 
 from ...arguments import positive_number
 from ...errors import BackendError
-# the combine as the oracle evaluates it: a NaN state wins a comparison that selects one of two
-# states (argmax gives the first NaN's position, as torch does)
 from ...ir import (Access, Call, Const, Expr, Extent, Index, Reduce, Var, constant, format_expr, transform,
                   walk)
 from . import ops as emission

@@ -10,6 +10,9 @@ import math
 
 from ...ops import BOOL, FLOAT, INT, OPS
 
+# A fold's NaN-keeping extremum and the elementwise operator its tile reduction combines with.
+NAN_KEEPING = {"max": "maximum", "min": "minimum"}
+
 # Helper functions emitted into the generated module when an operator or a fold needs
 # more than one expression (each is small, readable and uses core tl ops only).
 HELPERS = {
@@ -78,7 +81,7 @@ def _{combine}_nan(a, b):
 @triton.jit
 def _{op}_nan(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _{combine}_nan)
-''' for op, combine in (("max", "maximum"), ("min", "minimum"))},
+''' for op, combine in NAN_KEEPING.items()},
     "pow": '''\
 @triton.jit
 def _pow(x, y):
@@ -123,7 +126,7 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {
 
 # A fold's max or min: (its helper of HELPERS, the helper's tile reduction, the elementwise
 # operator of TEMPLATES that joins a tile to the running value), both keeping NaN.
-EXTREMA = {"max": ("max_nan", "_max_nan", "maximum"), "min": ("min_nan", "_min_nan", "minimum")}
+EXTREMA = {op: (f"{op}_nan", f"_{op}_nan", combine) for op, combine in NAN_KEEPING.items()}
 
 
 def literal(value) -> str:
