@@ -20,7 +20,26 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 what=${1:-tests}; shift || true
 case "$what" in
     tests)
-        python3 -m pytest -p no:cacheprovider -m gpu -rA tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
+        # LIMIT (s, optional): each shard is interrupted then and reports what ran.
+        # SHARDS pytest processes side by side (compiling and autotuning are CPU-bound; the
+        # GPU is idle most of the time), each with its own kernel cache and log.
+        shards=${SHARDS:-1}
+        work=$(mktemp -d)
+        # IDS (optional): a file of node ids, one per line, to run instead of every GPU test
+        if [ -n "${IDS:-}" ]; then cp "$IDS" "$work/ids"; else
+            python3 -m pytest -p no:cacheprovider -m gpu -q --collect-only tests 2>/dev/null | grep '::' > "$work/ids"; fi
+        for ((s = 0; s < shards; s++)); do
+            awk -v n="$shards" -v s="$s" '(NR - 1) % n == s' "$work/ids" > "$work/ids.$s"
+            # node ids hold spaces: one per line, passed whole
+            # -v names each test as it ends; a test past 150 s dumps its stack (faulthandler)
+            tr '\n' '\0' < "$work/ids.$s" | EINFOLD_CACHE_DIR=/tmp/einfold-cache-$s \
+                xargs -0 timeout -s INT -k 30 "${LIMIT:-0}" python3 -m pytest -p no:cacheprovider -m gpu -rA -v --durations=15 \
+                -o faulthandler_timeout=150 > "$work/log.$s" 2>&1 &
+        done
+        wait
+        cat "$work"/log.* > "$OUT/gpu_tests.log"
+        grep -hE '^(FAILED|ERROR)' "$work"/log.* | cut -c1-300
+        grep -hE '^differential corpus|^=+ .*(passed|failed)' "$work"/log.* ;;
     bench)
         args=(); for g in "$@"; do args+=(--group "$g"); done
         python3 -m compiler bench "${args[@]}" --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60 ;;

@@ -44,6 +44,15 @@ GOLDEN = {
     "matmul": ("C[i,j] = A[i,k] * B[k,j]", None, {"A": ((1024, 512), BF16), "B": ((512, 2048), BF16)}),
     # the position of each row's largest element: an ordered (non-commutative) fold
     "argmax": ("Y[i] = argmax[j](X[i,j], j)", None, {"X": ((1000, 4099), F32)}),
+    # two differences of attentions: the two sums over k fused into one fold are two parts, each a
+    # tl.dot (a product summary lowers part by part), and two rescaled structures share V's tile
+    "differential_attention": ("O[h,i,j] = softmax[m](sum[k](Q1[h,i,k] * K1[h,m,k]) * scale) * V[h,m,j]"
+                               " - lam * softmax[m](sum[k](Q2[h,i,k] * K2[h,m,k]) * scale) * V[h,m,j]", None,
+                               {**{n: ((8, 1024, 64), BF16) for n in ("Q1", "K1", "Q2", "K2", "V")},
+                                "scale": 0.125, "lam": 0.5}),
+    # a row's sum, max and min in one fold: three parts, each accumulated in lanes
+    "row_range": ("S[i] = sum[j](X[i,j])\nU[i] = max[j](X[i,j])\nL[i] = min[j](X[i,j])", ["S", "U", "L"],
+                  {"X": ((4096, 4096), F32)}),
     # two outputs of different rank from one fold: the attention output and its row logsumexp
     "two_output_fold": ("S[i,m] = Q[i,k] * K[m,k] * scale\n"
                         "O[i,j] = softmax[m](S[i,m]) * V[m,j]\nL[i] = logsumexp[m](S[i,m])", ["O", "L"],

@@ -982,3 +982,35 @@ def test_gpu_split_scratch_is_kept_per_stream():
     torch.cuda.synchronize()
     for out in outs:
         assert ((out.double() - want).norm() / want.norm()).item() < 1e-5
+
+
+# ---------------------------------------------------------------- divisors beside tl.dot
+# The Einstein reading of a difference of two attentions whose k is left free: k is summed
+# over the whole right-hand side, so each k has its own softmax (its statistics fold
+# inside the loop over k) and the value a weight multiplies is V[m,j] / D[i] with D the
+# row's statistics at that k.  The divisor rides beside tl.dot(P, V) on the result; as a
+# [rows, columns, keys] broadcast product its tile was 64^3 elements a program, which
+# LLVM took minutes to compile on the H200 (session 25).
+PER_K_DIFFERENCE = ("O[h,i,j] = softmax[m](Q1[h,i,k] * K1[h,m,k] * scale) * V[h,m,j]"
+                    " - lam * softmax[m](Q2[h,i,k] * K2[h,m,k] * scale) * V[h,m,j]")
+
+
+def test_a_value_divided_by_a_row_statistic_takes_tl_dot_with_the_divisor_beside():
+    q1, k1, q2, k2, v = (torch.randn(1, 64, 16, dtype=torch.bfloat16) for _ in range(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", compiler.ImplicitSumWarning)
+        module = gpu_source(PER_K_DIFFERENCE, Q1=q1, K1=k1, Q2=q2, K2=k2, V=v, scale=0.3, lam=0.5)
+        inputs = {"Q1": randn(2, 5, 3), "K1": randn(2, 37, 3, seed=1), "Q2": randn(2, 5, 3, seed=2),
+                  "K2": randn(2, 37, 3, seed=3), "V": randn(2, 37, 7, seed=4), "scale": 0.3, "lam": 0.5}
+        ref, _ = assert_matches_oracle(PER_K_DIFFERENCE, inputs)
+    weighted = [d for d in dots(module) if "p" in d.split("tl.dot(")[1].split(",")[0]]
+    assert len(weighted) == 2 and all(") * " in d for d in weighted), dots(module)
+    assert "[:, None, :]" not in module                    # no [rows, columns, keys] product
+    d = {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in inputs.items()}
+    want = sum(torch.einsum("him,hmj->hij", torch.softmax(torch.einsum("hi,hm->him", d["Q1"][..., c],
+                                                                       d["K1"][..., c]) * 0.3, -1), d["V"])
+               - 0.5 * torch.einsum("him,hmj->hij", torch.softmax(torch.einsum("hi,hm->him", d["Q2"][..., c],
+                                                                               d["K2"][..., c]) * 0.3, -1), d["V"])
+               for c in range(3))
+    torch.testing.assert_close(ref(**inputs).double(), want)
+

@@ -42,7 +42,7 @@ from ..errors import LawError
 from ..ir import Var, transform, walk
 from ..ops import INT
 from .formula import evaluate, to_sympy
-from .summary import Summary
+from .summary import Summary, independent_fields
 
 ASSOCIATIVE, LEFT_IDENTITY, RIGHT_IDENTITY, COMMUTATIVE = (
     "associative", "left identity", "right identity", "commutative")
@@ -203,51 +203,26 @@ def _check_whole(summary: Summary, examples: int) -> LawReport:
 
 
 def independent_parts(summary: Summary) -> tuple[tuple[Summary, tuple[str, ...]], ...]:
-    """The parts of `summary` that combine independently (no combine reads a field
-    of another part; a tile formula keeps its fields in one part), each as a
-    summary with fields f0, f1, ... and element arguments x0, x1, ... in order of
-    use (equal parts of different products compare equal), with its fields' names
+    """The parts of `summary` that combine independently (independent_fields), each
+    as a summary with fields f0, f1, ... and element arguments x0, x1, ... in order
+    of use (equal parts of different products compare equal), with its fields' names
     in `summary`.  One part: the summary itself."""
-    names = summary.field_names
-    part = {f: f for f in names}
-
-    def find(f: str) -> str:
-        while part[f] != f:
-            f = part[f]
-        return f
-
-    links = [(f, v.name.split(".", 1)[1]) for f, c in zip(names, summary.combine)
-             for v in walk(c) if isinstance(v, Var) and "." in v.name]
-    links += [(b.fields[0][0], f) for b in summary.blocks for f, _ in b.fields]
-    for f, g in links:
-        part[find(f)] = find(g)
-    groups: dict[str, list[str]] = {}
-    for f in names:
-        groups.setdefault(find(f), []).append(f)
+    groups = independent_fields(summary)
     if len(groups) == 1:
-        return ((summary, names),)
-    return tuple((_part(summary, tuple(fields)), tuple(fields)) for fields in groups.values())
+        return ((summary, summary.field_names),)
+    return tuple((_part(summary, fields), fields) for fields in groups)
 
 
 def _part(summary: Summary, fields: tuple[str, ...]) -> Summary:
-    index = [summary.field_names.index(f) for f in fields]
-    blocks = [b for b in summary.blocks if b.fields[0][0] in fields]
-    used = sorted({int(v.name[1:]) for e in [*(summary.lift[k] for k in index),
-                                            *(x for b in blocks for _, x in b.sums)]
-                   for v in walk(e) if isinstance(v, Var) and v.name.startswith("x") and v.name[1:].isdigit()})
-    rename = {f"x{k}": f"x{j}" for j, k in enumerate(used)}
-    rename |= {f"{side}{f}": f"{side}f{j}" for j, f in enumerate(fields) for side in ("", "a.", "b.")}
+    part, _ = summary.restricted(fields)
+    rename = {f"{side}{f}": f"{side}f{j}" for j, f in enumerate(fields) for side in ("", "a.", "b.")}
 
     def renamed(e):
         return transform(e, lambda n: Var(rename.get(n.name, n.name)) if isinstance(n, Var) else n)
-    return Summary(
-        name="part", fields=tuple(replace(summary.fields[k], name=f"f{j}") for j, k in enumerate(index)),
-        arity=len(used), identity=tuple(summary.identity[k] for k in index),
-        lift=tuple(renamed(summary.lift[k]) for k in index),
-        combine=tuple(renamed(summary.combine[k]) for k in index),
-        finalize=Var("f0"), commutative=summary.commutative,
-        blocks=tuple(replace(b, sums=tuple((n, renamed(x)) for n, x in b.sums),
-                             fields=tuple((rename[f], x) for f, x in b.fields)) for b in blocks))
+    return replace(
+        part, name="part", fields=tuple(replace(f, name=f"f{j}") for j, f in enumerate(part.fields)),
+        combine=tuple(renamed(c) for c in part.combine), finalize=Var("f0"), rescaled=(),
+        blocks=tuple(replace(b, fields=tuple((rename[f], x) for f, x in b.fields)) for b in part.blocks))
 
 
 def _merged(summary: Summary, parts: list[tuple[tuple[str, ...], LawReport]]) -> LawReport:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..ir import Call, Const, Expr, Var, walk
+from ..ir import Call, Const, Expr, Var, transform, walk
 from ..ops import FLOAT, INT, OPS
 
 
@@ -140,6 +140,31 @@ class Summary:
         only over those arguments' indices."""
         return _field_arguments(self)[field_name]
 
+    def restricted(self, fields: tuple[str, ...]) -> tuple["Summary", tuple[int, ...]]:
+        """This summary on `fields` alone (a union of its independent parts: no combine
+        of theirs reads another field), its element arguments renumbered x0, x1, ... in
+        order of use, and which of this summary's arguments those are.  The fields keep
+        their names, and the rescaled structures and tile blocks over them are kept."""
+        index = [self.field_names.index(f) for f in fields]
+        blocks = [b for b in self.blocks if b.fields[0][0] in fields]
+        rescaled = [rs for rs in self.rescaled if rs.leader in fields]
+        formulas = [*(self.lift[k] for k in index), *(x for b in blocks for _, x in b.sums),
+                    *(e for rs in rescaled for e in (rs.leader_arg, rs.weight, *(v for _, v in rs.values)))]
+        used = tuple(sorted({int(v.name[1:]) for e in formulas for v in walk(e)
+                             if isinstance(v, Var) and v.name[:1] == "x" and v.name[1:].isdigit()}))
+        names = {f"x{k}": f"x{j}" for j, k in enumerate(used)}
+
+        def renumbered(e: Expr) -> Expr:
+            return transform(e, lambda n: Var(names.get(n.name, n.name)) if isinstance(n, Var) else n)
+        part = Summary(
+            name=self.name, fields=tuple(self.fields[k] for k in index), arity=len(used),
+            identity=tuple(self.identity[k] for k in index), lift=tuple(renumbered(self.lift[k]) for k in index),
+            combine=tuple(self.combine[k] for k in index), finalize=Var(fields[0]), commutative=self.commutative,
+            rescaled=tuple(replace(rs, leader_arg=renumbered(rs.leader_arg), weight=renumbered(rs.weight),
+                                   values=tuple((f, renumbered(v)) for f, v in rs.values)) for rs in rescaled),
+            blocks=tuple(replace(b, sums=tuple((n, renumbered(x)) for n, x in b.sums)) for b in blocks))
+        return part, used
+
     def result_type(self, arg_types: tuple[str, ...]) -> str | None:
         """Builtins keep their argument's type (an integer sum stays integral)."""
         if any(t not in ("int", "float") for t in arg_types):
@@ -174,6 +199,31 @@ def formula_type(e: Expr, types: Mapping[str, str]) -> str | None:
         args = tuple(formula_type(a, types) for a in e.args)
         return None if None in args else OPS[e.op].result(args)
     return None
+
+
+@lru_cache(maxsize=1024)
+def independent_fields(summary: Summary) -> tuple[tuple[str, ...], ...]:
+    """The fields of `summary` in groups that combine independently: no combine reads
+    a field of another group, and a tile block keeps its fields in one (an argmax
+    folded beside a logsumexp: two groups; a sum beside a sum: two)."""
+    names = summary.field_names
+    part = {f: f for f in names}
+
+    def find(f: str) -> str:
+        while part[f] != f:
+            f = part[f]
+        return f
+
+    links = [(f, v.name.split(".", 1)[1]) for f, c in zip(names, summary.combine)
+             for v in walk(c) if isinstance(v, Var) and "." in v.name]
+    links += [(b.fields[0][0], f) for b in summary.blocks for f, _ in b.fields]
+    links += [(rs.leader, f) for rs in summary.rescaled for f, _ in rs.values]
+    for f, g in links:
+        part[find(f)] = find(g)
+    groups: dict[str, list[str]] = {}
+    for f in names:
+        groups.setdefault(find(f), []).append(f)
+    return tuple(tuple(fields) for fields in groups.values())
 
 
 @lru_cache(maxsize=1024)

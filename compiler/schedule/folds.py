@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from ..algebra.properties import additive
-from ..algebra.summary import Summary
+from ..algebra.summary import Summary, independent_fields
 from ..errors import BackendError
 from ..ir import (
     Access,
@@ -237,20 +237,22 @@ def contraction_sides(factors: list[frozenset], reduced: frozenset) -> tuple[fro
     return batch, frozenset().union(*factors) - batch - reduced
 
 
-def summed_factors(e: Expr, reduced: frozenset) -> list[Expr]:
+def summed_factors(e: Expr, reduced: frozenset, beside: tuple[frozenset, ...] = ()) -> list[Expr]:
     """The factors of a summed product over `reduced`: flatten_mul's, except that a
-    quotient of a matrix product by a divisor over the reduced index and indices every
-    factor shares (`sum[i](P[m,i] * dO[i,j] / D[i])`, a row normaliser) gives its
-    numerator's factors and the divisor's reciprocal, which tl.dot takes into an operand
-    instead of a broadcast product of all three."""
+    quotient of a matrix product by a divisor whose other indices one operand reads
+    (`sum[i](P[m,i] * dO[i,j] / D[i])`, a row normaliser; `/ D[m]`, a column one)
+    gives its numerator's factors and the divisor's reciprocal, which tl.dot takes
+    into an operand, or applies to its result, instead of a broadcast product of all
+    three.  `beside`: the indices of operands outside `e` (a rescaled fold's weights,
+    which multiply its values: `V[m,j] / D[i]` beside weights over (i, m))."""
     out: list[Expr] = []
     for part in flatten_mul(e):
         numerator, denominator = quotient_factors(part)
-        inner = [free(f) for f in numerator if free(f) & reduced]
+        inner = [free(f) for f in numerator if free(f) & reduced] + list(beside)
         if denominator and len(inner) >= 2:
-            shared, sides = contraction_sides(inner, reduced)
+            _, sides = contraction_sides(inner, reduced)
             divisor = product(denominator, [])
-            if len(sides) >= 2 and free(divisor) - reduced <= shared:
+            if len(sides) >= 2 and any(free(divisor) - reduced <= f for f in inner):
                 out += numerator + [Call("div", (Const(1.0), divisor))]
                 continue
         out.append(part)
@@ -277,24 +279,40 @@ class Contraction:
         return a not in inner and b not in inner and any(a in f and b in f for f in self.factors)
 
 
+def fold_parts(fold: Reduce) -> list[Reduce]:
+    """`fold` as its independent parts (algebra.summary.independent_fields), each a
+    fold over the same indices of its part's summary on the arguments that part
+    reads: two sums fused over one index are two matrix products, not one tl.reduce
+    of a pair.  One part: [the fold itself]."""
+    groups = independent_fields(fold.summary) if isinstance(fold.summary, Summary) else ((),)
+    if len(groups) == 1:
+        return [fold.fold]
+    out = []
+    for fields in groups:
+        summary, used = fold.summary.restricted(fields)
+        out.append(Reduce(summary, fold.indices, tuple(fold.args[k] for k in used)))
+    return out
+
+
 def contractions(e: Expr) -> list[Contraction]:
-    """The contractions of `e`, each node (in its enclosing folds) once."""
+    """The contractions of `e`, each node (in its enclosing folds) once, each
+    independent part of a fold (fold_parts) on its own."""
     out = []
 
     @once_per_node
     def visit(n: Expr, bound: frozenset) -> None:
-        parts = None
-        if isinstance(n, Reduce) and additive(n.summary) and len(n.indices) == 1:
-            parts = summed_factors(n.args[0], frozenset(n.indices))
-        elif isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) and value_only_names(n):
-            parts = list(n.args)
-        if parts is not None:
-            reduced = frozenset(n.indices)
-            factors = tuple(f for f in (frozenset(free_indices(p)) for p in parts) if f & reduced)
-            if factors:
-                batch, sides = contraction_sides(list(factors), reduced)
+        for part in fold_parts(n) if isinstance(n, Reduce) else ():
+            factors = None
+            if additive(part.summary) and len(part.indices) == 1:
+                factors = summed_factors(part.args[0], frozenset(part.indices))
+            elif getattr(part.summary, "rescaled", ()) and value_only_names(part):
+                factors = list(part.args)
+            reduced = frozenset(part.indices)
+            read = tuple(f for f in (frozenset(free_indices(p)) for p in factors or ()) if f & reduced)
+            if read:
+                batch, sides = contraction_sides(list(read), reduced)
                 if sides:
-                    out.append(Contraction(reduced, sides, batch, factors, bound))
+                    out.append(Contraction(reduced, sides, batch, read, bound))
         inner = bound | set(n.indices) if isinstance(n, Reduce) else bound
         for c in children(n):
             visit(c, inner)

@@ -42,6 +42,7 @@ from ...ir import (Access, Call, Const, Expr, Extent, Index, Reduce, Var, consta
                   walk)
 from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum, selecting_combine
+from ...algebra.summary import independent_fields
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation, index_bounds, tile_tests
 from ...schedule.tiles import (
@@ -59,6 +60,7 @@ from ...schedule.tiles import (
 from ...schedule.folds import (
     contraction_sides,
     dot_batch_names,
+    fold_parts,
     free,
     restrict,
     summed_factors,
@@ -1060,8 +1062,26 @@ class KernelEmitter:
         """Emit one tile's update of the fold's state into `body` (its initial state
         into `init`, what completes it after the loops into `finish`): the first
         lowering of FOLD_LOWERINGS whose algebraic precondition the summary meets."""
-        lowering = next(method for _, applies, method in FOLD_LOWERINGS if applies(fold.summary))
-        return getattr(self, lowering)(fold, prefix, body, RA, looped, init, finish)
+        return getattr(self, lowering(fold.summary))(fold, prefix, body, RA, looped, init, finish)
+
+    def product_fold(self, fold, prefix, body, RA, looped, init, finish) -> dict[str, Value]:
+        """A product of independent parts: each part a row above the generic one lowers
+        on its own (its fields' names kept), the others together by tl.reduce."""
+        state: dict[str, Value] = {}
+        rest: list[str] = []
+        for part in fold_parts(fold):
+            method = lowering(part.summary)
+            if method == "generic_fold":
+                rest += part.summary.field_names
+                continue
+            row = next(text for text, _, m in FOLD_LOWERINGS if m == method)
+            body.lines.append(f"# {', '.join(part.summary.field_names)}: {row}")
+            state.update(getattr(self, method)(part, prefix, body, RA, looped, init, finish))
+        if rest:
+            summary, used = fold.summary.restricted(tuple(f for f in fold.summary.field_names if f in rest))
+            others = Reduce(summary, fold.indices, tuple(fold.args[k] for k in used))
+            state.update(self.generic_fold(others, prefix, body, RA, looped, init, finish))
+        return state
 
     def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T, tested: bool = True):
         """For a single loop bounded by index predicates (m <= i: causal; i - m < W: a
@@ -1678,8 +1698,7 @@ class KernelEmitter:
                 if fname in split:
                     # the value's own factors beside the weights: a matrix product where the value
                     # as a whole spans both sides of it (a 3-D broadcast product)
-                    parts = summed_factors(split[fname], frozenset(fold.indices))
-                    factors = [p] + [self.as_float(self.value(f, body)) for f in parts]
+                    factors = [p] + [self.as_float(self.value(f, body)) for f in split[fname]]
                     dot = self.dot_plan(factors, dims(RA))
                     if dot is None:
                         xs = remembered(complete=True)
@@ -1774,11 +1793,12 @@ class KernelEmitter:
               if f"x{k}" not in skip}
         return {x: v if exact and v.kind == "int" else self.as_float(v) for x, v in xs.items()}
 
-    def split_values(self, fold: Reduce) -> tuple[dict[str, Expr], frozenset]:
-        """({field: its value over the fold's arguments} for the rescaled fields whose value
-        spans two sides of a matrix product with the weights while none of its factors does
-        (`K[m,k] * dP[i,m]` beside weights over (i, m): one tl.dot of P * dP and K, where the
-        whole value is a 3-D tile), the arguments only those values read)."""
+    def split_values(self, fold: Reduce) -> tuple[dict[str, list[Expr]], frozenset]:
+        """({field: its value's factors over the fold's arguments} for the rescaled fields
+        whose value spans two sides of a matrix product with the weights while none of its
+        factors does (`K[m,k] * dP[i,m]` beside weights over (i, m): one tl.dot of P * dP
+        and K; `V[m,j] / D[i]`: a tl.dot of P and V times 1 / D, where the whole value is a
+        3-D tile), the arguments only those values read)."""
         s = fold.summary
         reduced = frozenset(fold.indices)
         args = {f"x{k}": a for k, a in enumerate(fold.args)}
@@ -1791,11 +1811,12 @@ class KernelEmitter:
                 if not names or not names <= set(args):
                     continue
                 value = transform(v, lambda n: args[n.name] if isinstance(n, Var) else n)
-                inner = [weights] + [free(f) for f in summed_factors(value, reduced) if free(f) & reduced]
+                parts = summed_factors(value, reduced, beside=(weights,))
+                inner = [weights] + [free(f) for f in parts if free(f) & reduced]
                 shared, _ = contraction_sides(inner, reduced)
                 spans = len(free(value) - shared - reduced)
                 if spans > 1 and all(len(f - shared - reduced) <= 1 for f in inner):
-                    out[fname] = value
+                    out[fname] = parts
         kept = [e for rs in s.rescaled
                 for e in (rs.leader_arg, rs.weight, *(v for f, v in rs.values if f not in out))]
         valued = {f for rs in s.rescaled for f, _ in rs.values} | {rs.leader for rs in s.rescaled}
@@ -2450,6 +2471,14 @@ def rescaled_lowering(s) -> bool:
     return True
 
 
+def parts_lower_apart(s) -> bool:
+    """Whether a summary is a product of independent parts some of which a row above
+    the generic one lowers (two sums fused over one index: two tl.dot, not a
+    tl.reduce of pairs)."""
+    groups = independent_fields(s)
+    return len(groups) > 1 and any(lowering(s.restricted(g)[0]) != "generic_fold" for g in groups)
+
+
 # How a fold's tile updates its state, by the summary's algebra (never its name); the
 # first row whose precondition holds is used.  A user's sum or max lowers like the
 # built-in one.
@@ -2457,5 +2486,11 @@ FOLD_LOWERINGS = (
     ("sum: a contraction (tl.dot) or tl.sum", additive, "sum_fold"),
     ("max / min: a NaN-keeping tile max / min", lambda s: extremum(s) is not None, "extremum_fold"),
     ("rescaled: running leader, repaired fields (FlashAttention)", rescaled_lowering, "rescaled_fold"),
+    ("a product of independent parts: each part by its own row", parts_lower_apart, "product_fold"),
     ("any summary: tl.reduce with its combine (ordered: tl.associative_scan)", lambda s: True, "generic_fold"),
 )
+
+
+def lowering(s) -> str:
+    """The method of the first row of FOLD_LOWERINGS whose precondition `s` meets."""
+    return next(method for _, applies, method in FOLD_LOWERINGS if applies(s))
