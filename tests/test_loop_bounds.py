@@ -309,3 +309,41 @@ def test_a_window_wider_than_the_tiles_visits_each_edge_tile_once(predicate):
         del inputs["D"]
     source = _run_against_the_oracle(attention(predicate), inputs)
     assert "for step_m in range(0, far_m" in source or "for step_i_2 in range(0, far_i_2" in source
+
+
+# ---------------------------------------------------------------- masks that vanish, decided by algebra
+# What a masked argument leaves where the relation fails must be one constant for any
+# finite value of the rest (sympy's evaluation of the else branches, no sampling), and
+# that constant must act as the fold's identity (its lift, or its leader and weight).
+VANISHING = {
+    # under a sum: exp(min(-inf - L, 0)) * dO = 0 * dO = 0 for finite dO
+    "Y[i,c] = sum[m](exp(min(where(m <= i, X[i,m], -inf) - L[i], 0)) * D[m,c])": ["m <= i"],
+    "Y[i] = sum[m](where(m <= i, X[i,m], 0) * Z[m])": ["m <= i"],           # 0 * z = 0
+    # stabilised into a rescaled fold led by max(Z): a masked element still moves the leader
+    "Y[i] = sum[m](where(m <= i, X[i,m], 0) * exp(Z[m]))": [],
+    "Y[i] = max[m](where(m <= i, X[i,m], -inf))": ["m <= i"],
+    "Y[i] = sum[m](where(m <= i, X[i,m], 1))": [],                          # 1 is not the sum's identity
+    "Y[i] = sum[m](where(m <= i, X[i,m], -inf))": [],                       # nor is -inf
+    "Y[i] = max[m](where(m <= i, X[i,m], -inf) * Z[m])": [],                # -inf * z: its sign is z's
+    "Y[i] = sum[m](where(m <= i, X[i,m], 0) + Z[m])": [],                   # 0 + z: not one constant
+    "Y[i] = sum[m](where(m <= i and Z[m] > 0, X[i,m], 0))": ["m <= i"],     # one conjunct suffices
+}
+
+
+@pytest.mark.parametrize("source", list(VANISHING))
+def test_a_mask_bounds_the_loop_where_its_else_branch_is_the_identity(source):
+    program = compiler.compile(source, backend="triton")
+    loops = [loop for kernel in outline(program.factorised, program.outputs).kernels for loop in kernel.loops]
+    assert sorted(b for loop in loops for b in loop.bounds) == VANISHING[source]
+
+
+def test_the_identity_facts_are_derived_once_per_fold():
+    from compiler.ir import Reduce, nodes
+    from compiler.schedule.bounds import acts_as_identity, index_bounds
+    program = compiler.compile(attention("m <= i and i - m < 6"), backend="triton")
+    fold = next(n.fold for st in program.factorised.statements for n in nodes(st.expr)
+                if isinstance(n, Reduce) and index_bounds(n.fold))
+    assert index_bounds(fold) is index_bounds(fold)
+    before = acts_as_identity.cache_info().misses
+    index_bounds(fold.__class__(fold.summary, fold.indices, fold.args))     # an equal fold: cached
+    assert acts_as_identity.cache_info().misses == before

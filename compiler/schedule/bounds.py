@@ -13,9 +13,15 @@ loop and runs it over the live span only: from the first to the last tile where
 the comparison may hold (KernelEmitter.live_span)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from types import MappingProxyType
 
-from ..ir import (Call, Const, Expr, Index, Reduce, Var, constant, format_expr, free_indices, linear_form, nodes,
+import sympy
+
+from ..algebra.formula import to_sympy
+from ..ir import (Call, Const, Expr, Index, Reduce, constant, format_expr, free_indices, linear_form, nodes,
                   reads, transform)
 from ..ops import OPS, PREDICATES
 
@@ -29,30 +35,33 @@ def _conjuncts(e: Expr) -> list[Expr]:
     return [e]
 
 
-def acts_as_identity(summary, k: int, value) -> bool:
-    """Whether an element whose k-th argument is `value` contributes nothing to a
-    fold, whatever the other arguments: its lift is the identity, or (rescaled
-    fields) its leader argument is the leader's identity and its weight is 0.
-    Checked numerically in float64 on random other arguments."""
-    import torch
+def _real(name: str) -> sympy.Symbol:
+    """Any finite real value (an argument, a leader, an element read from memory)."""
+    return sympy.Symbol(name, real=True, finite=True)
 
-    from ..algebra.formula import evaluate
-    g = torch.Generator().manual_seed(0)
-    xs = {f"x{j}": torch.randn(16, generator=g, dtype=torch.float64) * 3 for j in range(summary.arity)}
-    xs[f"x{k}"] = torch.full((16,), float(value), dtype=torch.float64)
-    identity = dict(zip(summary.field_names, (float(c.value) for c in summary.identity)))
-    covered = set()
-    for rs in summary.rescaled:
-        r = torch.randn(16, generator=g, dtype=torch.float64) * 3
-        if not torch.all(evaluate(rs.leader_arg, xs) == identity[rs.leader]):
-            return False
-        if not torch.all(evaluate(rs.weight, {**xs, "r": r}) == 0):
-            return False
-        covered |= {rs.leader} | {f for f, _ in rs.values}
-    for name, lift in zip(summary.field_names, summary.lift):
-        if name not in covered and not torch.all(evaluate(lift, xs).expand(16) == identity[name]):
-            return False
-    return True
+
+@lru_cache(maxsize=None)
+def acts_as_identity(summary, k: int, value: sympy.Expr) -> bool:
+    """Whether an element whose k-th argument is `value` contributes nothing to a
+    fold, whatever the other (finite) arguments: its lift is the identity, or
+    (rescaled fields) its leader argument is the leader's identity and its weight
+    is 0 for any finite leader.  Decided symbolically: each formula with the other
+    arguments as finite real symbols must reduce to the identity itself (sympy's
+    automatic evaluation: exp(-oo) = 0, max(-oo, y) = y, 0 * y = 0)."""
+    xs = {f"x{j}": _real(f"x{j}") for j in range(summary.arity)}
+    xs[f"x{k}"] = value
+    try:
+        identity = {name: to_sympy(c, {}) for name, c in zip(summary.field_names, summary.identity)}
+        covered = set()
+        for rs in summary.rescaled:
+            if to_sympy(rs.leader_arg, xs) != identity[rs.leader] or \
+                    to_sympy(rs.weight, {**xs, "r": _real("r")}) != 0:
+                return False
+            covered |= {rs.leader} | {f for f, _ in rs.values}
+        return all(to_sympy(lift, xs) == identity[name]
+                   for name, lift in zip(summary.field_names, summary.lift) if name not in covered)
+    except (TypeError, ValueError):      # a formula sympy cannot state: no claim
+        return False
 
 
 @dataclass(frozen=True)
@@ -128,13 +137,14 @@ def _bound(c: Expr, index: str, bound: tuple[str, ...]) -> Bound | None:
     return Bound(index, op, other, -own * co if other else 1, offset, c)
 
 
-def index_bounds(fold: Reduce) -> dict[str, list[Bound]]:
+@lru_cache(maxsize=4096)
+def index_bounds(fold: Reduce) -> Mapping[str, tuple[Bound, ...]]:
     """Per bound index b of `fold`: the bounds (b op sign * other + offset) such that
     elements where one fails contribute nothing.  Where the relation fails,
     every where(...) with it among its conjuncts selects its else branch, wherever
     it sits in an argument (the argument itself, a factor of a product, inside an
     exponential); the argument must then be a constant that acts as the identity,
-    for any finite value of everything else (checked numerically).  So
+    for any finite value of everything else (decided symbolically: _vanishes).  So
     where(m <= i, x, -inf) under a softmax's max, K * where(m <= i, g, 0) under a
     sum and exp(min(where(m <= i, x, -inf) - L, 0)) * dO under a sum all bound m.
     A loop over b starts at the first and stops after the last tile where every
@@ -150,10 +160,11 @@ def index_bounds(fold: Reduce) -> dict[str, list[Bound]]:
             # one argument that acts as the identity there suffices, whatever the others are
             if any(_masks(arg, c) and _vanishes(fold, k, arg, c) for k, arg in enumerate(fold.args)):
                 out.setdefault(index, []).append(found)
-    return out
+    return MappingProxyType({index: tuple(found) for index, found in out.items()})   # cached: read-only
 
 
-def tile_tests(fold: Reduce) -> dict[str, list[Expr]]:
+@lru_cache(maxsize=4096)
+def tile_tests(fold: Reduce) -> Mapping[str, tuple[Expr, ...]]:
     """Per bound index b of `fold`: the conjuncts of its masking predicates that
     read a tensor and vary over b (data: no bound follows from them before the
     run), such that elements where one fails contribute nothing, as for
@@ -174,7 +185,7 @@ def tile_tests(fold: Reduce) -> dict[str, list[Expr]]:
             if index in free_indices(c) and any(_masks(arg, c) and _vanishes(fold, k, arg, c)
                                                 for k, arg in enumerate(fold.args)):
                 out.setdefault(index, []).append(c)
-    return out
+    return MappingProxyType({index: tuple(tests) for index, tests in out.items()})   # cached: read-only
 
 
 def _masks(arg: Expr, relation: Expr) -> bool:
@@ -187,31 +198,32 @@ def _selects_by(e: Expr, relation: Expr) -> bool:
 
 def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
     """Whether argument k of `fold` acts as the identity wherever `relation` fails:
-    its masks take their else branches, the rest stands for random finite values."""
-    import torch
+    its masks take their else branches, and what they leave must be one constant
+    whatever the rest holds (each other leaf a finite real symbol, a predicate left
+    standing a boolean one) that acts as the identity (acts_as_identity)."""
+    leaves: dict[Expr, sympy.Symbol] = {}
 
-    from ..algebra.formula import evaluate
-    leaves: dict[Expr, Var] = {}
-
-    def failing(e: Expr) -> Expr | None:
+    def failing(e: Expr) -> sympy.Expr | None:
         if _selects_by(e, relation):
             return failing(e.args[2])
         if not any(_selects_by(w, relation) for w in nodes(e)):
-            return e if constant(e) is not None else leaves.setdefault(e, Var(f"v{len(leaves)}"))
+            if constant(e) is not None:
+                return to_sympy(e, {})
+            if e not in leaves:
+                name = f"v{len(leaves)}"
+                leaves[e] = sympy.Symbol(name) if _predicate(e) else _real(name)
+            return leaves[e]
         if not isinstance(e, Call):
             return None                       # a mask inside a reduction or an access: unknown
         parts = [failing(a) for a in e.args]
-        return None if None in parts else Call(e.op, tuple(parts))
+        return None if None in parts else OPS[e.op].sympy(*parts)
 
-    masked = failing(arg)
-    if masked is None:
+    try:
+        masked = failing(arg)
+    except (TypeError, ValueError):
         return False
-    g = torch.Generator().manual_seed(2)
-    # random finite values; a predicate left standing (another where's condition) random truths
-    env = {v.name: torch.rand(16, generator=g, dtype=torch.float64) < 0.5 if _predicate(e)
-           else torch.randn(16, generator=g, dtype=torch.float64) * 3 for e, v in leaves.items()}
-    values = evaluate(masked, env).expand(16)
-    return bool(torch.all(values == values[0])) and acts_as_identity(fold.summary, k, float(values[0]))
+    return masked is not None and not masked.free_symbols and masked.is_number and masked is not sympy.nan \
+        and acts_as_identity(fold.summary, k, masked)
 
 
 def _predicate(e: Expr) -> bool:
