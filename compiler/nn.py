@@ -1,0 +1,193 @@
+"""torch.nn modules whose forward is an einfold program.
+
+    from compiler import nn                  # (`import compiler` alone stays free of torch)
+    norm = nn.RMSNorm(4096)                  # torch.nn.RMSNorm's signature and state dict
+    attend = nn.Attention(is_causal=True)    # F.scaled_dot_product_attention's semantics
+    layer = nn.Module("Y[i,o] = X[i,c] * W[o,c] + B[o]",
+                      parameters={"W": torch.randn(64, 32), "B": torch.zeros(64)})
+
+Each module is one line of index notation, compiled once per rank of its inputs (the
+leading indices of a tensor of any rank are named in the program, so strided views
+are read in place, never copied); its gradients are einfold's (`Program.__call__`
+under autograd).  The norms and the attention take the parameters, defaults and
+state-dict keys of torch's modules, so a model swaps them in with `load_state_dict`
+unchanged.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from .errors import BindError, CheckError
+from .program import Program, compile as compile_program
+
+
+class Module(torch.nn.Module):
+    """A module from any program.
+
+    Args:
+        source: the program (one or more statements).
+        parameters: inputs of the program the module owns, by name: each becomes an
+            `nn.Parameter` (trained) under that name.
+        buffers: inputs the module owns but does not train (`register_buffer`).
+        outputs: as `compiler.compile`.
+        backend: as `compiler.compile`.
+        **options: as `compiler.compile`.
+
+    `forward(**inputs)` takes the other inputs by keyword and returns what the
+    program returns.
+
+    Raises:
+        CheckError: a parameter or buffer names no input of the program.
+    """
+
+    def __init__(self, source: str, parameters: Mapping[str, torch.Tensor] | None = None,
+                 buffers: Mapping[str, torch.Tensor] | None = None, *, outputs: Iterable[str] | None = None,
+                 backend: str = "auto", **options) -> None:
+        super().__init__()
+        self.program: Program = compile_program(source, outputs=outputs, backend=backend, **options)
+        owned = {**(parameters or {}), **(buffers or {})}
+        names = {i.name for i in self.program.checked.inputs}
+        unknown = sorted(set(owned) - names)
+        if unknown:
+            raise CheckError(f"the module's {', '.join(map(repr, unknown))} name(s) no input of the program "
+                             f"(its inputs: {', '.join(sorted(names))})")
+        for name, value in (parameters or {}).items():
+            self.register_parameter(name, torch.nn.Parameter(torch.as_tensor(value)))
+        for name, value in (buffers or {}).items():
+            self.register_buffer(name, torch.as_tensor(value))
+        self._owned = tuple(owned)
+
+    def forward(self, **inputs):
+        return self.program(**{name: getattr(self, name) for name in self._owned}, **inputs)
+
+
+def _indices(stem: str, count: int) -> list[str]:
+    return [f"{stem}{d}" for d in range(count)]
+
+
+class _ByRank(torch.nn.Module):
+    """A module whose program depends on its input's rank (its `source(rank)`):
+    compiled once per rank."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self._programs: dict[int, Program] = {}
+
+    def _program(self, rank: int) -> Program:
+        if rank not in self._programs:
+            self._programs[rank] = compile_program(self.source(rank), backend=self.backend)
+        return self._programs[rank]
+
+
+class _Norm(_ByRank):
+    """The shared shape of RMSNorm and LayerNorm: statistics over the trailing
+    `normalized_shape`, an optional elementwise weight (and bias)."""
+
+    def __init__(self, normalized_shape, eps, elementwise_affine: bool, bias: bool, device, dtype,
+                 backend: str) -> None:
+        super().__init__(backend)
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, **factory))
+            self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def _names(self, rank: int) -> tuple[str, str, str]:
+        """(the input's subscript, the weight's, the reduced copy of the normalised indices)."""
+        norm = len(self.normalized_shape)
+        if rank < norm:
+            raise BindError(f"{type(self).__name__} normalises the last {norm} dimension(s) "
+                             f"{list(self.normalized_shape)}; the input has {rank}")
+        lead, own, reduced = _indices("b", rank - norm), _indices("k", norm), _indices("n", norm)
+        return ", ".join(lead + own), ", ".join(own), ", ".join(lead + reduced)
+
+    def _affine(self, rank: int, normalised: str) -> str:
+        _, own, _ = self._names(rank)
+        if self.weight is not None:
+            normalised += f" * G[{own}]"
+        if self.bias is not None:
+            normalised += f" + B[{own}]"
+        return normalised
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[x.dim() - len(self.normalized_shape):]) != self.normalized_shape:
+            raise BindError(f"{type(self).__name__}({list(self.normalized_shape)}) got an input of shape "
+                             f"{list(x.shape)}")
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        owned = {"G": self.weight, "B": self.bias}
+        return self._program(x.dim())(X=x, eps=eps, **{n: p for n, p in owned.items() if p is not None})
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class RMSNorm(_Norm):
+    """`torch.nn.RMSNorm`: x / sqrt(mean(x^2) + eps) * weight over the trailing
+    `normalized_shape` (eps None: the input dtype's machine epsilon, as torch)."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
+                 device=None, dtype=None, *, backend: str = "auto") -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, False, device, dtype, backend)
+
+    def source(self, rank: int) -> str:
+        """The program for an input of this rank."""
+        x, _, reduced = self._names(rank)
+        n = reduced.split(", ")[rank - len(self.normalized_shape):]
+        return self._affine(rank, f"Y[{x}] = X[{x}] * rsqrt(mean[{', '.join(n)}](X[{reduced}] ** 2) + eps)")
+
+
+class LayerNorm(_Norm):
+    """`torch.nn.LayerNorm`: (x - mean) / sqrt(var + eps) * weight + bias over the
+    trailing `normalized_shape`, var the biased variance."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, *, backend: str = "auto") -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, backend)
+
+    def source(self, rank: int) -> str:
+        """The program for an input of this rank."""
+        x, _, reduced = self._names(rank)
+        lead = reduced.split(", ")[:rank - len(self.normalized_shape)]
+        n = ", ".join(reduced.split(", ")[rank - len(self.normalized_shape):])
+        row = ", ".join(lead)
+        return (f"mu[{row}] = mean[{n}](X[{reduced}])\n"
+                f"var[{row}] = mean[{n}]((X[{reduced}] - mu[{row}]) ** 2)\n"
+                + self._affine(rank, f"Y[{x}] = (X[{x}] - mu[{row}]) * rsqrt(var[{row}] + eps)"))
+
+
+class Attention(_ByRank):
+    """`torch.nn.functional.scaled_dot_product_attention` as a module: softmax(q k^T *
+    scale) v over the last two dimensions of q [..., L, E], k [..., S, E], v [..., S, Ev],
+    the leading ones shared; `is_causal`: query i sees keys m <= i (torch's top-left
+    alignment); `scale` None: 1 / sqrt(E)."""
+
+    def __init__(self, is_causal: bool = False, scale: float | None = None, *, backend: str = "auto") -> None:
+        super().__init__(backend)
+        self.is_causal = is_causal
+        self.scale = scale
+
+    def source(self, rank: int) -> str:
+        """The program for queries of this rank."""
+        if rank < 2:
+            raise BindError(f"Attention takes [..., L, E] queries; got rank {rank}")
+        lead = ", ".join(_indices("b", rank - 2) + [""])
+        scores = f"Q[{lead}i, k] * K[{lead}m, k] * scale"
+        if self.is_causal:
+            scores = f"where(m <= i, {scores}, -inf)"
+        return f"O[{lead}i, j] = softmax[m]({scores}) * V[{lead}m, j]"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        scale = 1 / math.sqrt(query.shape[-1]) if self.scale is None else self.scale
+        return self._program(query.dim())(Q=query, K=key, V=value, scale=scale)
+
+    def extra_repr(self) -> str:
+        return f"is_causal={self.is_causal}, scale={self.scale}"
