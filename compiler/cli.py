@@ -54,6 +54,8 @@ def _parse_sizes(items: list[str]) -> dict[str, int]:
             raise _UsageError(f"--size takes INDEX=N, got '{item}'")
         if int(value) > MAX_EXTENT:
             raise _UsageError(f"--size {name}={value}: an extent is at most {MAX_EXTENT}")
+        if name in sizes and sizes[name] != int(value):
+            raise _UsageError(f"--size gives {name} twice: {sizes[name]} and {value}")
         sizes[name] = int(value)
     return sizes
 
@@ -186,6 +188,28 @@ def cmd_dump(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    import os
+
+    from .backend.triton import cache
+    folder = cache.cache_dir()
+    modules = sorted(folder.glob("einfold_*.py"))
+    if args.clear:
+        for path in modules:
+            path.unlink(missing_ok=True)
+        print(f"removed {len(modules)} generated module(s) from {folder}")
+        return 0
+    size = sum(path.stat().st_size for path in modules)
+    print(f"generated modules: {folder} ({len(modules)} module(s), {size / 1e6:.1f} MB; "
+          f"{cache.CACHE_ENV} chooses the folder)")
+    import triton
+    knobs = getattr(triton, "knobs", None)
+    triton_cache = getattr(getattr(knobs, "cache", None), "dir", None) or \
+        os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    print(f"compiled kernels and autotuning results: {triton_cache} (Triton's cache)")
+    return 0
+
+
 def cmd_bench(args) -> int:
     import torch
 
@@ -301,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the GPU's compute capability as 10 * major + minor (90: Hopper, whose streamed "
                         "rescaled folds take the Hopper form in Gluon); default: this machine's GPU, or none")
     p.set_defaults(run=cmd_dump)
+
+    p = _command(sub, "cache", "print where generated modules and compiled kernels are kept, or clear the modules",
+                 "einfold cache", "einfold cache --clear", program=False)
+    p.add_argument("--clear", action="store_true",
+                   help="remove einfold's generated modules (they are written again on the next call)")
+    p.set_defaults(run=cmd_cache)
 
     p = _command(sub, "bench", "benchmark the generated kernels against torch baselines (needs a CUDA GPU)",
                  "einfold bench --group attention --quick", "einfold bench --out results/", program=False)

@@ -161,6 +161,24 @@ def test_bad_size(capsys):
     assert err == "einfold: --size takes INDEX=N, got 'i=x'\n"
 
 
+def test_a_size_given_twice_differently(capsys):
+    code, err = usage_error(capsys, "run", "-e", "C[i] = A[i]", "--size", "i=3", "--size", "i=4")
+    assert code == 2
+    assert err == "einfold: --size gives i twice: 3 and 4\n"
+
+
+def test_cache_shows_its_folders_and_clears_the_modules(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("EINFOLD_CACHE_DIR", str(tmp_path))
+    run_cli(capsys, "run", "-e", "Y[i] = X[i] * 2", "--size", "i=3", "--backend", "triton")
+    code, out, _ = run_cli(capsys, "cache")
+    assert code == 0
+    assert out.startswith(f"generated modules: {tmp_path} (1 module(s), ")
+    assert "Triton's cache" in out
+    code, out, _ = run_cli(capsys, "cache", "--clear")
+    assert code == 0 and out == f"removed 1 generated module(s) from {tmp_path}\n"
+    assert not list(tmp_path.glob("einfold_*.py"))
+
+
 def test_size_of_an_unknown_index(capsys):
     code, err = usage_error(capsys, "run", "-e", "C[i] = A[i]", "--size", "q=3")
     assert code == 2
@@ -236,7 +254,7 @@ def test_every_option_has_help_and_every_command_an_example():
     parser = build_parser()
     assert "examples:" in parser.format_help()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"parse", "ir", "run", "explain", "dump", "grad", "bench"}
+    assert set(commands) == {"parse", "ir", "run", "explain", "dump", "grad", "cache", "bench"}
     for name, sub in commands.items():
         text = sub.format_help()
         assert "examples:\n  einfold " + name in text, name
