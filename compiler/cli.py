@@ -7,6 +7,7 @@ exits with status 2 and a message on stderr, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ from .errors import EinfoldError, ImplicitSumWarning
 from .ir import format_program
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+RUN_POINTS = 1 << 16      # einfold run: the index space its default extents fill, about
 BACKEND_CHOICES = ("auto", "triton", "reference")
 BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training", "flex", "host", "distributed")
 MAX_EXTENT = 2 ** 31 - 1            # one index's extent on the command line
@@ -70,15 +72,24 @@ def _seed(text: str) -> int:
     return value
 
 
-def _random_inputs(program, args):
-    """Random inputs for --size/--dtype/--seed, or a usage error naming what is wrong."""
+def _random_inputs(program, args, points: int | None = None):
+    """Random inputs for --size/--dtype/--seed, or a usage error naming what is wrong.
+    `points`: the indices without a --size share one extent (at most DEFAULT_EXTENT,
+    at least 2) such that the program's index space holds about this many points."""
     import torch
 
-    from .random_inputs import random_inputs
+    from .random_inputs import DEFAULT_EXTENT, random_inputs
     sizes = _parse_sizes(args.size)
     unknown = sorted(set(sizes) - {ix for ix, _ in program.checked.extents})
     if unknown:
         raise _UsageError(f"--size names no index of the program: {', '.join(unknown)}")
+    if points is not None:
+        by_symbol = dict(program.checked.extents)
+        given = {by_symbol[ix]: n for ix, n in sizes.items()}
+        free = {symbol for _, symbol in program.checked.extents} - set(given)
+        room = points / max(1, math.prod(given.values()))
+        extent = max(2, min(DEFAULT_EXTENT, int(room ** (1 / len(free)) + 1e-9))) if free else DEFAULT_EXTENT
+        sizes |= {ix: extent for ix, symbol in program.checked.extents if symbol in free}
     try:
         return random_inputs(program.checked, sizes, dtype=getattr(torch, args.dtype),
                              seed=getattr(args, "seed", 0))
@@ -142,7 +153,7 @@ def cmd_run(args) -> int:
     from .bind import bind
     from .random_inputs import relative_error
     program = compile(_read_program(args), backend=args.backend)
-    inputs = _random_inputs(program, args)
+    inputs = _random_inputs(program, args, points=RUN_POINTS)
     outputs = program(**inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     # The oracle evaluates the checked (unfactorised) program, so that the passes are checked too.
@@ -246,9 +257,9 @@ def _command(sub, name: str, help: str, *examples: str, program: bool = True) ->
     return p
 
 
-def _add_inputs(p: argparse.ArgumentParser) -> None:
+def _add_inputs(p: argparse.ArgumentParser, default: str = "16 for every index") -> None:
     p.add_argument("--size", action="append", default=[], metavar="INDEX=N",
-                   help="extent of an index; repeat for several (default 16 for every index)")
+                   help=f"extent of an index; repeat for several (default {default})")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="dtype of the random float inputs (default: %(default)s)")
 
@@ -300,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "run", "run on random inputs and report the error against the float64 oracle",
                  f'einfold run -e "{ATTENTION}" --size i=128 --size m=256 --dtype bfloat16',
                  'einfold run -e "Y[i] = logsumexp[j](X[i,j])" --backend reference')
-    _add_inputs(p)
+    _add_inputs(p, default=f"for the indices without one: one extent, at most 16, such that the program's "
+                           f"index space holds about {RUN_POINTS} points")
     p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
                    help="where to run: 'triton' kernels (on CPU under Triton's interpreter), the "
                         "float64 'reference' oracle, or 'auto' (= triton) (default: %(default)s)")

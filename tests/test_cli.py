@@ -161,6 +161,18 @@ def test_bad_size(capsys):
     assert err == "einfold: --size takes INDEX=N, got 'i=x'\n"
 
 
+def test_run_fills_about_65536_points_by_default(capsys):
+    # six index symbols: 6 ** 6 = 46656 points, not 16 ** 6 (minutes under the interpreter)
+    four_d = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
+    code, out, _ = run_cli(capsys, "run", "-e", four_d, "--backend", "reference")
+    assert code == 0 and "O: shape (6, 6, 6, 6)" in out
+    # given sizes take their share: 4 * 4 leaves 4096 points to four symbols, 8 each
+    code, out, _ = run_cli(capsys, "run", "-e", four_d, "--size", "b=4", "--size", "h=4", "--backend", "reference")
+    assert code == 0 and "O: shape (4, 4, 8, 8)" in out
+    code, out, _ = run_cli(capsys, "run", "-e", "Y[i] = sum[j](X[i,j])", "--backend", "reference")
+    assert code == 0 and "Y: shape (16,)" in out       # few indices keep 16
+
+
 def test_a_size_given_twice_differently(capsys):
     code, err = usage_error(capsys, "run", "-e", "C[i] = A[i]", "--size", "i=3", "--size", "i=4")
     assert code == 2
