@@ -85,7 +85,8 @@ class _ByRank(torch.nn.Module):
 
 class _Norm(_ByRank):
     """The shared shape of RMSNorm and LayerNorm: statistics over the trailing
-    `normalized_shape`, an optional elementwise weight (and bias)."""
+    `normalized_shape`, an optional elementwise weight (and bias); the result in the
+    input's dtype, as torch's."""
 
     def __init__(self, normalized_shape, eps, elementwise_affine: bool, bias: bool, device, dtype,
                  backend: str) -> None:
@@ -124,7 +125,10 @@ class _Norm(_ByRank):
                              f"{list(x.shape)}")
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         owned = {"G": self.weight, "B": self.bias}
-        return self._program(x.dim())(X=x, eps=eps, **{n: p for n, p in owned.items() if p is not None})
+        y = self._program(x.dim())(X=x, eps=eps, **{n: p for n, p in owned.items() if p is not None})
+        # torch's norms return the input's dtype (float32 weights beside bfloat16 activations
+        # give bfloat16): computed in float32, rounded once
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -61,6 +61,14 @@ def test_rmsnorm_without_eps_takes_the_dtypes_epsilon_as_torch():
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("module", ["RMSNorm", "LayerNorm"])
+def test_a_norm_returns_the_inputs_dtype_beside_float32_weights_as_torch(module):
+    x = randn(4, 8, dtype=torch.bfloat16)
+    ours, theirs = getattr(nn, module)(8, eps=1e-5, backend="reference"), getattr(torch.nn, module)(8, eps=1e-5)
+    assert ours(x).dtype == theirs(x).dtype == torch.bfloat16
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_attention_is_scaled_dot_product_attention(is_causal):
     ours = nn.Attention(is_causal=is_causal, backend="reference")
