@@ -102,17 +102,18 @@ class _Norm(_ByRank):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
 
-    def _names(self, rank: int) -> tuple[str, str, str]:
-        """(the input's subscript, the weight's, the reduced copy of the normalised indices)."""
+    def _subscripts(self, rank: int) -> tuple[str, str, str, str]:
+        """(the rows: the leading indices; the input's subscript; the normalised indices
+        as a reduction binds them; the input's subscript under that reduction)."""
         norm = len(self.normalized_shape)
         if rank < norm:
             raise BindError(f"{type(self).__name__} normalises the last {norm} dimension(s) "
-                             f"{list(self.normalized_shape)}; the input has {rank}")
+                            f"{list(self.normalized_shape)}; the input has {rank}")
         lead, own, reduced = _indices("b", rank - norm), _indices("k", norm), _indices("n", norm)
-        return ", ".join(lead + own), ", ".join(own), ", ".join(lead + reduced)
+        return ", ".join(lead), ", ".join(lead + own), ", ".join(reduced), ", ".join(lead + reduced)
 
-    def _affine(self, rank: int, normalised: str) -> str:
-        _, own, _ = self._names(rank)
+    def _affine(self, normalised: str) -> str:
+        own = ", ".join(_indices("k", len(self.normalized_shape)))
         if self.weight is not None:
             normalised += f" * G[{own}]"
         if self.bias is not None:
@@ -144,9 +145,8 @@ class RMSNorm(_Norm):
 
     def source(self, rank: int) -> str:
         """The program for an input of this rank."""
-        x, _, reduced = self._names(rank)
-        n = reduced.split(", ")[rank - len(self.normalized_shape):]
-        return self._affine(rank, f"Y[{x}] = X[{x}] * rsqrt(mean[{', '.join(n)}](X[{reduced}] ** 2) + eps)")
+        _, x, n, xn = self._subscripts(rank)
+        return self._affine(f"Y[{x}] = X[{x}] * rsqrt(mean[{n}](X[{xn}] ** 2) + eps)")
 
 
 class LayerNorm(_Norm):
@@ -159,13 +159,10 @@ class LayerNorm(_Norm):
 
     def source(self, rank: int) -> str:
         """The program for an input of this rank."""
-        x, _, reduced = self._names(rank)
-        lead = reduced.split(", ")[:rank - len(self.normalized_shape)]
-        n = ", ".join(reduced.split(", ")[rank - len(self.normalized_shape):])
-        row = ", ".join(lead)
-        return (f"mu[{row}] = mean[{n}](X[{reduced}])\n"
-                f"var[{row}] = mean[{n}]((X[{reduced}] - mu[{row}]) ** 2)\n"
-                + self._affine(rank, f"Y[{x}] = (X[{x}] - mu[{row}]) * rsqrt(var[{row}] + eps)"))
+        row, x, n, xn = self._subscripts(rank)
+        return (f"mu[{row}] = mean[{n}](X[{xn}])\n"
+                f"var[{row}] = mean[{n}]((X[{xn}] - mu[{row}]) ** 2)\n"
+                + self._affine(f"Y[{x}] = (X[{x}] - mu[{row}]) * rsqrt(var[{row}] + eps)"))
 
 
 class Attention(_ByRank):

@@ -141,28 +141,37 @@ class Summary:
         return _field_arguments(self)[field_name]
 
     def restricted(self, fields: tuple[str, ...]) -> tuple["Summary", tuple[int, ...]]:
-        """This summary on `fields` alone (a union of its independent parts: no combine
-        of theirs reads another field), its element arguments renumbered x0, x1, ... in
-        order of use, and which of this summary's arguments those are.  The fields keep
-        their names, and the rescaled structures and tile blocks over them are kept."""
-        index = [self.field_names.index(f) for f in fields]
-        blocks = [b for b in self.blocks if b.fields[0][0] in fields]
-        rescaled = [rs for rs in self.rescaled if rs.leader in fields]
-        formulas = [*(self.lift[k] for k in index), *(x for b in blocks for _, x in b.sums),
-                    *(e for rs in rescaled for e in (rs.leader_arg, rs.weight, *(v for _, v in rs.values)))]
-        used = tuple(sorted({int(v.name[1:]) for e in formulas for v in walk(e)
-                             if isinstance(v, Var) and v.name[:1] == "x" and v.name[1:].isdigit()}))
+        """This summary on `fields` alone (closed under what their combines read: a
+        union of independent parts, or the fields one projection needs), with just the
+        element arguments those fields read, renumbered x0, x1, ... in order, and which
+        of this summary's arguments they are.  The fields keep their names; the rescaled
+        structures and tile blocks over them are kept, and so is the finalize where it
+        reads only kept fields (else the first field's: every use projects a field)."""
+        if tuple(fields) == self.field_names:
+            return self, tuple(range(self.arity))
+        index = {f: self.field_names.index(f) for f in fields}
+        used = tuple(sorted(set().union(*(self.arguments_of(f) for f in fields))))
         names = {f"x{k}": f"x{j}" for j, k in enumerate(used)}
 
         def renumbered(e: Expr) -> Expr:
             return transform(e, lambda n: Var(names.get(n.name, n.name)) if isinstance(n, Var) else n)
-        part = Summary(
-            name=self.name, fields=tuple(self.fields[k] for k in index), arity=len(used),
-            identity=tuple(self.identity[k] for k in index), lift=tuple(renumbered(self.lift[k]) for k in index),
-            combine=tuple(self.combine[k] for k in index), finalize=Var(fields[0]), commutative=self.commutative,
-            rescaled=tuple(replace(rs, leader_arg=renumbered(rs.leader_arg), weight=renumbered(rs.weight),
-                                   values=tuple((f, renumbered(v)) for f, v in rs.values)) for rs in rescaled),
-            blocks=tuple(replace(b, sums=tuple((n, renumbered(x)) for n, x in b.sums)) for b in blocks))
+        finalize = self.finalize
+        if not {v.name for v in walk(finalize) if isinstance(v, Var)} <= set(fields):
+            finalize = Var(fields[0])
+        rescaled = tuple(
+            replace(rs, leader_arg=renumbered(rs.leader_arg), weight=renumbered(rs.weight),
+                    values=tuple((f, renumbered(v)) for f, v in rs.values if f in index),
+                    shifts=tuple(sh for sh in rs.shifts if sh[0] in index))
+            for rs in self.rescaled if rs.leader in index)
+        # a tile formula stays where its fields all stay (its sums read only their arguments)
+        blocks = tuple(replace(b, sums=tuple((n, renumbered(x)) for n, x in b.sums))
+                       for b in self.blocks if all(f in index for f, _ in b.fields))
+        part = replace(
+            self, fields=tuple(self.fields[index[f]] for f in fields), arity=len(used),
+            identity=tuple(self.identity[index[f]] for f in fields),
+            lift=tuple(renumbered(self.lift[index[f]]) for f in fields),
+            combine=tuple(self.combine[index[f]] for f in fields), finalize=finalize, rescaled=rescaled,
+            blocks=blocks)
         return part, used
 
     def result_type(self, arg_types: tuple[str, ...]) -> str | None:

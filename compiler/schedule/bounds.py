@@ -222,8 +222,8 @@ def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
         masked = failing(arg)
     except (TypeError, ValueError):
         return False
-    return masked is not None and not masked.free_symbols and masked.is_number and masked is not sympy.nan \
-        and acts_as_identity(fold.summary, k, masked)
+    # one constant (no symbol left) that acts as the identity (NaN equals no identity)
+    return masked is not None and masked.is_number and acts_as_identity(fold.summary, k, masked)
 
 
 def _predicate(e: Expr) -> bool:

@@ -95,12 +95,6 @@ def inline(e: Expr, defs: dict[str, Assign], avoid: frozenset, fresh_names: dict
 
 
 # ---------------------------------------------------------------- restricted folds
-def _substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:
-    if isinstance(e, Var):
-        return mapping.get(e.name, e)
-    return with_children(e, tuple(_substitute(c, mapping) for c in children(e)))
-
-
 def restrict(fold: Reduce, available: frozenset) -> Reduce | None:
     """`fold` folding only the fields that vary over no free index outside
     `available`, with just the arguments those fields read (the fold itself when
@@ -137,30 +131,12 @@ def fields_read(s: Summary, name: str) -> list[str]:
 
 def restrict_fields(fold: Reduce, keep: list[str]) -> Reduce:
     """`fold` folding only the fields `keep` (closed under what their combines read), with
-    just the arguments those fields read."""
+    just the arguments those fields read (Summary.restricted)."""
     s = fold.summary
     if len(keep) == len(s.field_names):
         return replace(fold, result=None)
-    used = sorted(set().union(*(s.arguments_of(f) for f in keep)))
-    xs = {f"x{k}": Var(f"x{j}") for j, k in enumerate(used)}
-    index = {f: s.field_names.index(f) for f in keep}
-    finalize = s.finalize
-    if not {v.name for v in nodes(finalize) if isinstance(v, Var)} <= set(keep):
-        finalize = Var(keep[0])            # never evaluated: every use projects a kept field
-    rescaled = tuple(
-        replace(rs, leader_arg=_substitute(rs.leader_arg, xs), weight=_substitute(rs.weight, xs),
-                values=tuple((f, _substitute(v, xs)) for f, v in rs.values if f in index),
-                shifts=tuple(sh for sh in rs.shifts if sh[0] in index))
-        for rs in s.rescaled if rs.leader in index)
-    # a tile formula stays where its fields all stay (its sums read only their arguments)
-    blocks = tuple(replace(b, sums=tuple((n, _substitute(e, xs)) for n, e in b.sums))
-                   for b in s.blocks if all(f in index for f, _ in b.fields))
-    summary = replace(
-        s, fields=tuple(s.fields[index[f]] for f in keep), arity=len(used),
-        identity=tuple(s.identity[index[f]] for f in keep),
-        lift=tuple(_substitute(s.lift[index[f]], xs) for f in keep),
-        combine=tuple(s.combine[index[f]] for f in keep), finalize=finalize, rescaled=rescaled, blocks=blocks,
-        notes=s.notes + (f"restricted to the fields ({', '.join(keep)})",))
+    summary, used = s.restricted(tuple(keep))
+    summary = replace(summary, notes=s.notes + (f"restricted to the fields ({', '.join(keep)})",))
     return replace(fold, summary=summary, args=tuple(fold.args[k] for k in used), result=None)
 
 
@@ -285,13 +261,7 @@ def fold_parts(fold: Reduce) -> list[Reduce]:
     reads: two sums fused over one index are two matrix products, not one tl.reduce
     of a pair.  One part: [the fold itself]."""
     groups = independent_fields(fold.summary) if isinstance(fold.summary, Summary) else ((),)
-    if len(groups) == 1:
-        return [fold.fold]
-    out = []
-    for fields in groups:
-        summary, used = fold.summary.restricted(fields)
-        out.append(Reduce(summary, fold.indices, tuple(fold.args[k] for k in used)))
-    return out
+    return [restrict_fields(fold, list(fields)) for fields in groups] if len(groups) > 1 else [fold.fold]
 
 
 def contractions(e: Expr) -> list[Contraction]:

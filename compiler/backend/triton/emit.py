@@ -63,6 +63,7 @@ from ...schedule.folds import (
     fold_parts,
     free,
     restrict,
+    restrict_fields,
     summed_factors,
 )
 
@@ -1078,8 +1079,7 @@ class KernelEmitter:
             body.lines.append(f"# {', '.join(part.summary.field_names)}: {row}")
             state.update(getattr(self, method)(part, prefix, body, RA, looped, init, finish))
         if rest:
-            summary, used = fold.summary.restricted(tuple(f for f in fold.summary.field_names if f in rest))
-            others = Reduce(summary, fold.indices, tuple(fold.args[k] for k in used))
+            others = restrict_fields(fold, [f for f in fold.summary.field_names if f in rest])
             state.update(self.generic_fold(others, prefix, body, RA, looped, init, finish))
         return state
 
