@@ -230,7 +230,12 @@ SOURCE_CASES += [
 AUTO_SPLIT = [("decode_head_dim_8", "O[h,i,j] = softmax[m](Q[h,i,k] * K[h,m,k] * scale) * V[h,m,j]",
                {"h": 8, "i": 1, "m": 32768, "k": 8, "j": 8}),
               ("decode_head_dim_16", ATTENTION, {"i": 1, "m": 65536, "k": 16, "j": 16}),
-              ("long_logsumexp", "L[i] = logsumexp[j](X[i,j])", {"i": 4, "j": 1 << 20})]
+              ("long_logsumexp", "L[i] = logsumexp[j](X[i,j])", {"i": 4, "j": 1 << 20}),
+              # a scalar result: its one program splits (a loss over 8k rows of 32k logits; the
+              # same from hidden states, a contraction nested in the logsumexp)
+              ("scalar_loss", "L[] = mean[t](logsumexp[v](Z[t,v]))", {"t": 8192, "v": 32000}),
+              ("scalar_linear_loss", "L[] = mean[t](logsumexp[v](sum[k](H[t,k] * W[v,k])))",
+               {"t": 4096, "v": 32000, "k": 2048})]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -249,6 +254,71 @@ def test_every_candidate_binds_every_constexpr(name, src, sizes, split, dtype):
         sig = backend.signature(binding, backend._extents(binding))
         interpreted = backend.build(replace(sig, interpret=True, sm_count=None)).source
         assert "@triton.autotune" not in interpreted and launch_problems(interpreted) == []
+
+
+def test_nested_streamed_folds_share_the_tile_budget():
+    """A fold nested in a streamed one streams its own tiles inside each step, and the
+    enclosing tile makes room for them: a scalar loss over 8k rows of 32k logits was
+    one program holding a [8192, 8192] tile (a BackendError); now each step of t holds
+    one tile of v, and the fold over t splits over many programs."""
+    backend, binding = meta_binding("L[] = mean[t](logsumexp[v](Z[t,v]))", {"t": 8192, "v": 32000},
+                                    torch.bfloat16)
+    gpu = backend.source_for(binding, sm_count=132)
+    blocks = {name: int(size) for name, size in re.findall(r"(BLOCK_\w+)=(\d+)", gpu)}
+    assert blocks["BLOCK_t"] * blocks["BLOCK_v"] <= 8192
+    assert "for start_v in range(0, n_v, BLOCK_v):" in gpu
+    assert int(re.search(r"n_split = (\d+)", gpu).group(1)) >= 32
+
+
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("src, sizes", [("L[] = mean[t](logsumexp[v](Z[t,v]))", {"t": 5, "v": 9000}),
+                                        ("L[] = sum[t](logsumexp[v](sum[k](H[t,k] * W[v,k])))",
+                                         {"t": 7, "v": 300, "k": 5})],
+                         ids=["scalar_loss", "scalar_linear_loss"])
+def test_scalar_results_of_nested_streamed_folds(src, sizes, split):
+    """Scalar results whose fold streams a nested one over several tiles (v = 9000: two
+    tiles of 8192 a row), whole and split over programs, against the oracle."""
+    ref = compiler.compile(src, backend="reference")
+    assert_matches_oracle(src, inputs_for(ref, sizes), split=split)
+
+
+SWIGLU_BLOCK = ("Y[i,e] = sum[f](silu(sum[d](X[i,d] * W1[f,d])) * sum[d](X[i,d] * W3[f,d]) * W2[e,f])",
+                "H[i,f] = silu(sum[d](X[i,d] * W1[f,d])) * sum[d](X[i,d] * W3[f,d])\nY[i,e] = H[i,f] * W2[e,f]")
+
+
+@pytest.mark.parametrize("src", SWIGLU_BLOCK, ids=["inline", "statements"])
+@pytest.mark.parametrize("sizes, kernels", [({"i": 3, "f": 5, "d": 7, "e": 6}, 1),
+                                            ({"i": 3, "f": 5, "d": 700, "e": 300}, 2)],
+                         ids=["recomputed", "stored"])
+def test_a_contraction_chained_behind_another_is_stored_where_recomputing_costs_more(src, sizes, kernels):
+    """The SwiGLU block: one kernel per (i, e) tile recomputes silu(X W1) * (X W3) for every
+    tile of e.  Where e spans several tiles and d is long (recompute_costs), the schedule
+    stores it once (a kernel of its own) and the block is a matrix product by W2; else
+    one fused kernel.  Either spelling, either plan, against the oracle."""
+    ref = compiler.compile(src, backend="reference")
+    inputs = inputs_for(ref, sizes)
+    inputs["X"] = inputs["X"] / sizes["d"] ** 0.5        # unit-sized gates: Y does not cancel to noise
+    assert_matches_oracle(src, inputs)
+    program = compiler.compile(src, backend="triton")
+    plan = program.plan(**inputs)
+    assert len(plan.kernels) == kernels
+    if kernels == 2:
+        assert "whose tiles of e would each recompute it" in plan.kernels[0].why
+    assert "materialised (for the longer extents)" in str(program.schedule)
+
+
+@pytest.mark.parametrize("outputs", [["S", "Y"], ["Y", "S"]])
+def test_an_elementwise_output_is_stored_by_the_kernel_of_its_row_statistic(outputs):
+    """Residual + RMSNorm with both results: S = X + R is stored in the epilogue of the
+    kernel that streams the row's mean square (one pass over the rows, as fused libraries
+    do), not by a kernel of its own that writes what the other recomputes."""
+    src = "S[i,k] = X[i,k] + R[i,k]\nY[i,k] = S[i,k] * rsqrt(mean[n](S[i,n] ** 2) + eps) * G[k]"
+    ref = compiler.compile(src, backend="reference", outputs=outputs)
+    inputs = inputs_for(ref, {"i": 7, "k": 300}, torch.float16)
+    assert_matches_oracle(src, inputs, outputs)
+    program = compiler.compile(src, backend="triton", outputs=outputs)
+    (kernel,) = program.plan(**inputs).kernels
+    assert set(kernel.writes) == {"S", "Y"}
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CRASHES))

@@ -352,6 +352,11 @@ EQUIVALENT = {
     # a row's sum, max and min in any order: one fold of three parts
     "row_range": ("S[i] = sum[j](X[i,j]); U[i] = max[j](X[i,j]); L[i] = min[j](X[i,j]); Y[i] = S[i] + U[i] * L[i]",
                   "L[i] = min[j](X[i,j]); U[i] = max[j](X[i,j]); S[i] = sum[j](X[i,j]); Y[i] = S[i] + L[i] * U[i]"),
+    # the SwiGLU block, its gated hidden layer as a statement or inline: one fold of the two
+    # projections over d (two tl.dot), under the down projection's sum over f; stored apart
+    # where the tiles of e would recompute it (Schedule.materialised)
+    "swiglu_block": ("H[i,f] = silu(sum[d](X[i,d] * W1[f,d])) * sum[d](X[i,d] * W3[f,d]); Y[i,e] = H[i,f] * W2[e,f]",
+                     "Y[i,e] = sum[f](silu(sum[d](X[i,d] * W1[f,d])) * sum[d](X[i,d] * W3[f,d]) * W2[e,f])"),
 }
 
 

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..algebra.properties import additive
 from ..errors import BackendError
 from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr,
                   nodes, reads, substitute, with_children)
 from ..passes.lower import lower
+from ..passes.stabilise import product
 from .bounds import index_bounds, tile_tests
 from .folds import (
     contraction_names,
@@ -40,6 +42,7 @@ from .folds import (
     narrow_projections,
     replace_folds,
     restrict_fields,
+    summed_factors,
     top_folds,
     value_only_names,
 )
@@ -60,6 +63,7 @@ class _Draft:
     dependent: bool = False                # some program fold reads another one
     separate: str = ""                     # why it is not part of the previous kernel
     reads: str = ""                        # buffers it reads instead of recomputing folds
+    recomputes: tuple = ()                 # (grid index, reduced indices of the contractions its tiles recompute)
 
     @property
     def lhs(self) -> tuple[str, ...]:
@@ -88,10 +92,12 @@ def _describe(folds) -> str:
 class Former:
     """Builds the kernel list of a program (independent of extents)."""
 
-    def __init__(self, program: Program, outputs: tuple[str, ...], split: int | None):
+    def __init__(self, program: Program, outputs: tuple[str, ...], split: int | None,
+                 materialise_chains: bool = False):
         self.program = program
         self.outputs = outputs
         self.split = split
+        self.materialise_chains = materialise_chains
         self.avoid = frozenset(i for i, _ in program.extents)
         self.fresh_names: dict[str, str] = {}
         self.kernels: list[_Draft] = []
@@ -99,6 +105,7 @@ class Former:
         self.taken = {s.name for s in program.statements} | {i.name for i in program.inputs}
         self.buffer_indices: dict[str, tuple[str, ...]] = {}
         self.stored: dict[tuple[str, Reduce], str] = {}     # (kernel, projection it stores) -> buffer
+        self.operand_buffers: list[str] = []                  # chained operands stored (Schedule.operand_buffers)
 
     def run(self) -> Schedule:
         defs = {s.name: s for s in self.program.statements}
@@ -136,7 +143,15 @@ class Former:
                 if stored:
                     self.kernels[-1].reads = f"; reads {stored} instead of recomputing it per program"
                     self.kernels[-1].why += self.kernels[-1].reads
-                if last is not None:
+                if last is not None and self._absorbs(self.kernels[-1], last):
+                    own = self.kernels.pop()
+                    self.kernels[-1] = replace(last, grid=own.grid, epilogue=(), why="", reads=own.reads,
+                                               separate=last.separate, recomputes=own.recomputes)
+                    for t in own.statements:
+                        self._join(self.kernels[-1], t)
+                    self.kernels[-1].why += (f"; stores {', '.join(t.name for t in last.statements)} in its "
+                                             f"epilogue (elementwise over the same indices)")
+                elif last is not None:
                     own = self.kernels[-1]
                     earlier = [t.name for k in self.kernels[:-1] for t in k.statements if t.name in reads(expr)]
                     because = (f"reads {', '.join(earlier)} from memory" if earlier else
@@ -145,7 +160,7 @@ class Former:
                     own.why += own.separate
         kernels = tuple(_frozen(k) for k in self.kernels)
         return Schedule(self.program, self.outputs, self.split, kernels, tuple(self.buffer_indices.items()),
-                        tuple(self.fresh_names.items()))
+                        tuple(self.fresh_names.items()), operand_buffers=tuple(self.operand_buffers))
 
     def _widest_first(self, non_outputs: dict[str, Assign]) -> list[Assign]:
         """The output statements in an order that respects what reads what, taking
@@ -169,6 +184,16 @@ class Former:
         return ordered
 
     # ------------------------------------------------------------
+    @staticmethod
+    def _absorbs(own: _Draft, last: _Draft) -> bool:
+        """Whether kernel `own` (just made) can also store the statements of `last`, an
+        elementwise kernel over exactly its output indices whose values it does not read
+        from memory (residual + RMSNorm: S = X + R beside Y = S * rsqrt(mean(S^2)), which
+        recomputes X + R): one pass over the rows instead of two."""
+        return (not last.buffers and not own.buffers and not last.program_folds
+                and all(t.indices == own.lhs and not top_folds(t.expr, t.indices) for t in last.statements)
+                and not {t.name for t in last.statements} & set().union(*(reads(t.expr) for t in own.statements)))
+
     def _join(self, k: _Draft, s: Assign) -> None:
         statements = k.statements + (s,)
         widest = max(statements, key=lambda t: len(t.indices))
@@ -190,6 +215,11 @@ class Former:
             todo = [f for f in folds if free(f) != set(s.indices)]
             s = self._materialise(s, todo, "it shares no output index with the others")
             grid, folds = _grid_of(s.expr, s.indices)
+        chains = _chained_operands(folds, grid)
+        if chains and self.materialise_chains:
+            s = self._materialise_operands(s, chains)
+            grid, folds = _grid_of(s.expr, s.indices)
+            chains = []
         program_folds = tuple(f for f in folds if free(f) == set(grid))
         if self.split and self.split > 1 and _dependent(program_folds):
             # A split kernel merges independent states; materialise what others read.
@@ -204,7 +234,8 @@ class Former:
         self.kernels.append(_Draft(
             name=self._kernel_name(s.name), statements=(s,), grid=grid, epilogue=epilogue, why=why,
             buffers=(s.name,) if buffer else (), program_folds=program_folds,
-            dependent=_dependent(program_folds)))
+            dependent=_dependent(program_folds),
+            recomputes=tuple(dict.fromkeys((g, _contracted(group)) for _, g, group in chains))))
 
     def _reuse(self, expr: Expr, lhs: tuple[str, ...], exclude: _Draft | None = None) -> tuple[Expr, str]:
         """Folds nested in `expr` that miss one of its grid indices are recomputed by
@@ -288,6 +319,68 @@ class Former:
             table[f] = Access(name, indices)
         return replace(s, expr=replace_folds(s.expr, table))
 
+    def _materialise_operands(self, s: Assign, chains: list[tuple[Reduce, str, tuple[Expr, ...]]]) -> Assign:
+        """Each chained operand (_chained_operands) as a buffer over its own indices, the
+        outer contraction's reduced index among them, made by a kernel of its own: the
+        SwiGLU block's silu(X W1) * (X W3) once, then a matrix product by W2."""
+        table: dict[Reduce, Reduce] = {}
+        for fold, g, group in chains:
+            if fold in table:
+                continue
+            operand = product(list(group), [])
+            indices = tuple(i for i in s.indices if i in free(operand)) + tuple(fold.indices)
+            name = self._buffer_name()
+            self.buffer_indices[name] = indices
+            self.operand_buffers.append(name)
+            self._add(Assign(name, indices, operand, "float"), buffer=True)
+            self.kernels[-1].why = (f"materialises {format_expr(operand)} into {name}[{', '.join(indices)}] "
+                                    f"(read by {fold.summary.name}[{', '.join(fold.indices)}], whose tiles of "
+                                    f"{g} would each recompute it)")
+            rest = [f for f in summed_factors(fold.args[0], frozenset(fold.indices)) if f not in group]
+            table[fold] = replace(fold, args=(product(rest + [Access(name, indices)], []),))
+
+        def visit(e: Expr) -> Expr:
+            if isinstance(e, Reduce) and e.fold in table:
+                return replace(table[e.fold], result=e.result)
+            return with_children(e, tuple(visit(c) for c in children(e)))
+        return replace(s, expr=visit(s.expr))
+
+
+def _contracted(operand: tuple[Expr, ...]) -> tuple[tuple[str, ...], ...]:
+    """The reduced indices of each contraction in `operand` (its work per element), each
+    outermost fold once however many of its fields the operand projects."""
+    outermost: dict[Reduce, None] = {}
+    stack = list(operand)
+    while stack:
+        e = stack.pop()
+        if isinstance(e, Reduce):
+            outermost.setdefault(e.fold)
+        else:
+            stack.extend(children(e))
+    return tuple(tuple(sorted(c.reduced)) for fold in outermost for c in contractions(fold))
+
+
+def _chained_operands(folds: list[Reduce], grid: tuple[str, ...]) -> list[tuple[Reduce, str, tuple[Expr, ...]]]:
+    """Contractions chained behind a contraction: (fold, g, operand) where `fold` sums
+    over one index a product of which the factors `operand` do not read the grid index
+    g but hold a contraction of their own, and the other factors read g (the SwiGLU
+    block sum[f](silu(X W1)[i,f] * (X W3)[i,f] * W2[e,f]) with g = e).  One kernel of
+    the chain recomputes the operand for every tile of g; stored once, it is a matrix
+    product's operand read from memory."""
+    found = []
+    for fold in dict.fromkeys(folds):
+        if not (additive(fold.summary) and len(fold.indices) == 1):
+            continue
+        factors = summed_factors(fold.args[0], frozenset(fold.indices))
+        for g in grid:
+            group = tuple(f for f in factors if g not in free(f))
+            rest = [f for f in factors if g in free(f)]
+            if rest and group and any(contractions(f) for f in group) and \
+                    not any(isinstance(n, Reduce) for f in rest for n in nodes(f)):
+                found.append((fold, g, group))
+                break
+    return found
+
 
 def _unread_fields_dropped(k: _Draft) -> _Draft:
     """`k` with each fold restricted to the fields some projection in the kernel reads
@@ -330,7 +423,8 @@ def _frozen(k: _Draft) -> KernelSchedule:
         contractions=tuple(c for e in exprs for c in contractions(e)),
         dot_indices=frozenset().union(*(contraction_names(e) for e in exprs)),
         batch_indices=frozenset().union(*(dot_batch_names(e) for e in exprs)),
-        value_only=frozenset().union(*(value_only_names(e) for e in exprs)))
+        value_only=frozenset().union(*(value_only_names(e) for e in exprs)),
+        recomputes=k.recomputes)
 
 
 def _read_part(node: Reduce) -> Reduce:
@@ -420,4 +514,7 @@ def schedule(program: Program, outputs: tuple[str, ...], split: int | None = Non
     (None: the backend's default) materialises what a forced split cannot merge."""
     if any(isinstance(n, Composite) for s in program.statements for n in nodes(s.expr)):
         program = lower(program)
-    return Former(program, tuple(outputs), split).run()
+    fused = Former(program, tuple(outputs), split).run()
+    if not any(k.recomputes for k in fused.kernels):
+        return fused
+    return replace(fused, materialised=Former(program, tuple(outputs), split, materialise_chains=True).run())

@@ -11,12 +11,13 @@ Schedule to a call's signature (tile sizes, splits) and reports what it
 launches as a Plan."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..ir import Assign, Program, Reduce, format_expr, nodes
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
-from .tiles import describe
+from .tiles import CHAIN_BREAK, WHOLE_MAX, describe, recompute_costs
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class KernelSchedule:
     dot_indices: frozenset = frozenset()   # a contraction's reduced, row or column index: tiles >= 16
     batch_indices: frozenset = frozenset()  # read by every operand of a contraction: one value at a time
     value_only: frozenset = frozenset()    # a rescaled fold's value index: kept whole where it fits
+    # (grid index g, the reduced indices of each contraction chained behind another that every
+    # tile of g recomputes): the SwiGLU block's (e, ((d,), (d,))), X W1 and X W3 per tile of e
+    recomputes: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = ()
 
     @property
     def lhs(self) -> tuple[str, ...]:
@@ -66,6 +70,10 @@ class KernelSchedule:
             lines.append(f"  {s.name}[{', '.join(s.indices)}] = {text}{stored}")
         if self.dependent:
             lines.append("  not splittable: a program fold reads another")
+        for g, work in self.recomputes:
+            lines.append(f"  every tile of {g} recomputes {len(work)} contraction(s) chained behind another: the "
+                         f"materialised schedule where (ceil(n_{g} / {WHOLE_MAX}) - 1) * "
+                         f"({' + '.join('*'.join(f'n_{r}' for r in reduced) for reduced in work)}) > {CHAIN_BREAK}")
         lines += describe(self)
         lines += [f"  {loop}" for loop in self.loops]
         return "\n".join(lines)
@@ -79,6 +87,20 @@ class Schedule:
     kernels: tuple[KernelSchedule, ...]     # in launch order
     buffer_indices: tuple[tuple[str, tuple[str, ...]], ...] = ()   # intermediate buffer -> its indices
     fresh_names: tuple[tuple[str, str], ...] = ()   # bound index renamed by inlining -> the original
+    # the same program with every chained contraction stored once (KernelSchedule.recomputes)
+    materialised: Schedule | None = None
+    # buffers only a contraction reads, as an operand (a chained contraction stored): a backend
+    # may store them in the dtype its matrix product reads
+    operand_buffers: tuple[str, ...] = ()
+
+    def for_extents(self, extent: Callable[[str], int]) -> Schedule:
+        """The schedule to run at these extents: the materialised one where some kernel's
+        tiles would recompute chained contractions at a cost above storing them
+        (tiles.recompute_costs), else this one."""
+        if self.materialised is not None and any(recompute_costs(extent, g, work) for k in self.kernels
+                                                 for g, work in k.recomputes):
+            return self.materialised
+        return self
 
     def indices_of(self, buffer: str) -> tuple[str, ...]:
         return dict(self.buffer_indices)[buffer]
@@ -98,5 +120,8 @@ class Schedule:
         lines += [str(k) for k in self.kernels]
         buffers = ", ".join(f"{b}[{', '.join(ix)}]" for b, ix in self.buffer_indices)
         lines.append(f"intermediate buffers: {buffers or 'none'}")
+        if self.materialised is not None:
+            lines.append("materialised (for the longer extents):")
+            lines += ["  " + line for line in str(self.materialised).splitlines()]
         return "\n".join(lines)
 

@@ -66,6 +66,16 @@ LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 SPLIT_MIN_TILES = 64
 SPLIT_MIN_RUN = 4
 SPLIT_MAX = 64
+# ... or, for a kernel of fewer than 4 programs (a scalar or a few values: a mean loss, a
+# dot product), up to this many splits an SM in all: one program over a 512 MB sum ran
+# 0.19x torch.compile split 64 ways, 0.36x 128 ways and 0.63x 256 ways (H200; the merge of
+# 256 scalar states is cheap beside it)
+SPLITS_PER_SM = 2
+# A GPU's tensor-core FLOPs per byte of memory traffic (H100 bf16: ~990 TFLOP/s over
+# ~3.35 TB/s), and the products per element past which recomputing a chained contraction
+# costs more than a float32 buffer's 8 bytes (recompute_costs)
+FLOPS_PER_BYTE = 300
+CHAIN_BREAK = 8 * FLOPS_PER_BYTE // 2
 PROGRAMS_PER_SM = 8    # a streaming split needs several programs per SM to keep HBM busy
 
 
@@ -99,16 +109,20 @@ def shared_loop_caps(indices: list[tuple[int, bool]], cap: int = STREAM_BLOCK) -
 
 def nested_width(exprs, extent: Callable[[str], int], dot) -> int:
     """The elements each element of a streamed tile carries in the widest chain of
-    folds nested in `exprs` (a fold's arguments) whose indices are held whole and are
-    not tl.dot's: sum[k]((X[i,k] - Y[m,k]) ** 2) under min[m] broadcasts every tile of
-    m over all of k, so a tile of m shares its budget with k's width.  Indices of a
-    nested tl.dot are reduced inside the dot and widen nothing."""
+    folds nested in `exprs` (a fold's arguments), each counted at the tiles it holds
+    at once: an index held whole at its width, a streamed one at its loop tile.
+    sum[k]((X[i,k] - Y[m,k]) ** 2) under min[m] broadcasts every tile of m over all
+    of k, so a tile of m shares its budget with k's width; logsumexp[v] of a 32k-wide
+    row under sum[t] streams tiles of v, so each step of t holds one such tile per
+    row.  Indices of a nested tl.dot are reduced inside the dot and widen nothing."""
     widest = 1
     stack = list(exprs)
     while stack:
         e = stack.pop()
         if isinstance(e, Reduce):
-            own = math.prod(np2(extent(b)) for b in e.indices if b not in dot and held_whole(extent(b), False))
+            caps = fold_caps(e, extent, dot)
+            own = math.prod(np2(extent(b)) if held_whole(extent(b), False) else loop_tile(extent(b), False, c)
+                            for b, c in zip(e.indices, caps) if b not in dot)
             widest = max(widest, own * nested_width(e.args, extent, dot))
         else:
             stack.extend(children(e))
@@ -255,12 +269,38 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
     return GridTiling(blocks, frozenset(whole), cap)
 
 
-def auto_split(programs: int, tiles: int, sm_count: int | None) -> int:
+def nested_steps(exprs, extent: Callable[[str], int], dot) -> int:
+    """The tile steps the folds nested in `exprs` take for each step of the fold that
+    holds them (the longest chain): logsumexp[v] of sum[k](H[t,k] * W[v,k]) under
+    sum[t] steps over every tile of v, and inside each over every tile of k, for each
+    tile of t.  An index held whole is one step."""
+    most = 1
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        if isinstance(e, Reduce):
+            steps = 1
+            for b, c in zip(e.indices, fold_caps(e, extent, dot)):
+                n = extent(b)
+                if not held_whole(n, False):
+                    steps *= -(-n // loop_tile(n, b in dot, c))
+            most = max(most, steps * nested_steps(e.args, extent, dot))
+        else:
+            stack.extend(children(e))
+    return most
+
+
+def auto_split(programs: int, tiles: int, sm_count: int | None, steps: int = 1) -> int:
     """The default number of splits (1: none) for a kernel of `programs` programs whose
-    longest fold streams `tiles` tiles, on a GPU with `sm_count` SMs."""
-    if not sm_count or tiles < SPLIT_MIN_TILES or programs >= 2 * sm_count:
+    longest fold streams `tiles` tiles, each of `steps` steps of the folds nested in it,
+    on a GPU with `sm_count` SMs: every split streams one tile or more and
+    SPLIT_MIN_RUN steps or more, and there are at most SPLIT_MAX splits, or
+    SPLITS_PER_SM programs an SM in all where that is more."""
+    work = tiles * steps
+    if not sm_count or work < SPLIT_MIN_TILES or programs >= 2 * sm_count:
         return 1
-    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles // SPLIT_MIN_RUN, SPLIT_MAX)
+    most = max(SPLIT_MAX, SPLITS_PER_SM * sm_count // max(programs, 1))
+    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles, work // SPLIT_MIN_RUN, most)
     return n if n >= 2 else 1
 
 
@@ -269,6 +309,19 @@ def uniform_work(kernel) -> bool:
     whose loops no index predicate bounds and whose tiles no predicate on data skips."""
     from .bounds import index_bounds, tile_tests
     return bool(kernel.program_folds) and not any(index_bounds(f) or tile_tests(f) for f in kernel.program_folds)
+
+
+def recompute_costs(extent: Callable[[str], int], g: str, work: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether recomputing chained contractions (each element costs one product per
+    value of each contraction's reduced indices, `work`) once per tile of g after the
+    first (a tl.dot side holds at most WHOLE_MAX values) costs more than storing each
+    element once in float32 and reading it back: (tiles - 1) * 2 FLOPs per product
+    against 8 bytes at FLOPS_PER_BYTE.  The SwiGLU block at e = 4096: 15 * 2 * 8192
+    FLOPs against 8 bytes, stored; attention's backward at d = 512 recomputes the
+    scores once more (512 products), which beats a score-sized buffer."""
+    tiles = -(-extent(g) // WHOLE_MAX)
+    products = sum(math.prod(extent(r) for r in reduced) for reduced in work)
+    return (tiles - 1) * products > CHAIN_BREAK
 
 
 def _set(sizes) -> str:
@@ -327,7 +380,7 @@ def describe(kernel) -> list[str]:
                   f"where the float32 state fits {PAIRED_STATE}")
     lines = [f"  tiles: {'; '.join(tiles)}{tuning}"] if tiles else []
     if kernel.program_folds and not kernel.dependent:
-        lines.append(f"  split (unless split= says): under 2 programs per SM and >= {SPLIT_MIN_TILES} tiles, over "
-                     f"min({PROGRAMS_PER_SM} SMs / programs, tiles / {SPLIT_MIN_RUN}, {SPLIT_MAX}) programs, merged in order "
-                     f"by the combine")
+        lines.append(f"  split (unless split= says): under 2 programs per SM and >= {SPLIT_MIN_TILES} tiles (with their "
+                     f"nested steps), over min({PROGRAMS_PER_SM} SMs / programs, tiles, steps / {SPLIT_MIN_RUN}, "
+                     f"max({SPLIT_MAX}, {SPLITS_PER_SM} SMs / programs)) programs, merged in order by the combine")
     return lines

@@ -185,7 +185,9 @@ class TritonBackend:
         with _BUILDING:
             built = self._sources.get(signature)
             if built is None:
-                built = ModuleBuilder(self.schedule, signature, _pass_names()).build()
+                extents = dict(signature.extents)
+                chosen = self.schedule.for_extents(lambda index: extents[index])
+                built = ModuleBuilder(chosen, signature, _pass_names()).build()
                 self._sources[signature] = built
         self._last = built
         return built
@@ -227,7 +229,8 @@ class TritonBackend:
         for name, symbol in self.program.extents:
             if name not in n and symbol in by_symbol:
                 n[name] = by_symbol[symbol]
-        for fresh, original in self.schedule.fresh_names:
+        alternative = self.schedule.materialised
+        for fresh, original in self.schedule.fresh_names + (alternative.fresh_names if alternative else ()):
             n[fresh] = n[original]
         return n
 

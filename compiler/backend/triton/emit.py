@@ -555,9 +555,16 @@ class KernelEmitter:
     def loop_block(self, name: str) -> int:
         return loop_tile(self.ctx.extent(name), name in self.contraction, self.loop_cap)
 
-    def split_block(self, name: str) -> int:
-        """A program fold's tile when the fold is split: small enough for `split` tiles."""
-        return split_tile(self.ctx.extent(name), name in self.contraction, self.split, self.loop_block(name))
+    def fold_block(self, fold: Reduce, p: int) -> int:
+        """The loop tile of `fold`'s p-th index: its share of the streamed budget beside
+        the tiles its nested folds hold (tiles.fold_caps); when a program fold is
+        split, small enough for `split` tiles."""
+        b = fold.indices[p]
+        caps = fold_caps(fold, self.ctx.extent, self.contraction, self.loop_cap)
+        block = loop_tile(self.ctx.extent(b), b in self.contraction, caps[p])
+        if self.split > 1 and fold in self.spec.program_folds and p == 0:
+            return split_tile(self.ctx.extent(b), b in self.contraction, self.split, block)
+        return block
 
     def whole_block(self, name: str) -> int:
         return whole_tile(self.ctx.extent(name), name in self.contraction)
@@ -940,7 +947,6 @@ class KernelEmitter:
         bound: list[Axis] = []
         singles = self.one_at_a_time(fold)
         batch = set().union(*(dot_batch_names(a) for a in fold.args))
-        caps = fold_caps(fold, self.ctx.extent, self.contraction, self.loop_cap)
         for p, b in enumerate(fold.indices):
             if not s.commutative and b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
@@ -951,10 +957,8 @@ class KernelEmitter:
                 ax = self.whole_axis(b)
             elif b in singles:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
-            elif T is self.root and p == 0 and self.split > 1:
-                ax = self.new_axis(b, T.level + 1, "loop", self.split_block(b))
             else:
-                ax = self.new_axis(b, T.level + 1, "loop", loop_tile(self.ctx.extent(b), b in self.contraction, caps[p]))
+                ax = self.new_axis(b, T.level + 1, "loop", self.fold_block(fold, p))
                 if b in self.contraction and self.tuned:
                     self.tunable[ax.block_name] = ("loop", b)
             bound.append(ax)

@@ -9,10 +9,11 @@ counter) calls the `_merge` function, which folds the N states in order with
 the summary's combine (the rescaled merge for rescaled fields), finalizes and
 runs the rest of the kernel: one launch.  `split=N` forces N; by default (`split=None`) a kernel is split
 when it launches fewer than 2 programs per SM and its longest program fold
-streams at least SPLIT_MIN_TILES tiles (a long reduction: decoding against a
-long KV cache, a few very long rows): N = min(ceil(8 * SMs / programs),
-tiles // SPLIT_MIN_RUN, SPLIT_MAX), so that every split still streams four tiles or more
-(the schedule's split policy: compiler.schedule.tiles).
+streams at least SPLIT_MIN_TILES tiles, counting the steps of the folds nested in
+each (a long reduction: decoding against a long KV cache, a few very long rows, a
+loss reduced to a scalar): N = min(ceil(8 * SMs / programs), tiles, steps //
+SPLIT_MIN_RUN, max(SPLIT_MAX, 2 * SMs / programs)), so that every split still
+streams four steps or more (the schedule's split policy: compiler.schedule.tiles).
 Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
 (the interpreter) the default never splits."""
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
-from ...schedule.tiles import auto_split
+from ...schedule.tiles import auto_split, nested_steps
 from . import hopper
 from .emit import (PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo,
                    tensors_read)
@@ -102,11 +103,22 @@ class ModuleBuilder:
         self.hopper: dict[str, hopper.HopperCode] = {}       # tl kernel name -> its Hopper form
         self.notes: list[str] = []
 
+    def buffer_dtype(self, name: str) -> torch.dtype:
+        """An intermediate buffer's dtype: the float type the kernels compute in, except
+        that a buffer only a contraction reads (Schedule.operand_buffers) is stored as
+        tl.dot will read it, in the inputs' dtype where all of them are float16 or
+        bfloat16 (the same products, half the bytes)."""
+        low = self.sig.dtype in (torch.float16, torch.bfloat16) and all(
+            dtype == self.sig.dtype for _, kind, _, dtype in self.sig.inputs
+            if kind == "tensor" and dtype.is_floating_point)
+        if low and name in self.schedule.operand_buffers:
+            return self.sig.dtype
+        return torch.float64 if self.sig.dtype == torch.float64 else torch.float32
+
     def _register(self, spec: KernelSchedule) -> None:
-        cdt = torch.float64 if self.sig.dtype == torch.float64 else torch.float32
         for st in spec.statements:
             if st.name in spec.buffers:
-                self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), cdt)
+                self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), self.buffer_dtype(st.name))
             else:
                 dtype = {"float": self.sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
                 self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), dtype)
@@ -121,17 +133,16 @@ class ModuleBuilder:
             ax = full.root.env[g]
             n = self.ctx.extent(g)
             programs *= n if ax.scalar else math.ceil(n / ax.block)
-        tiles = 0
+        tiles, steps = 0, 1
         for f in spec.program_folds:
             b = f.indices[0]
-            if full.one_at_a_time(f):
-                block = 1
-            else:
-                block = full.split_block(b) if full.split > 1 else full.loop_block(b)
+            block = 1 if full.one_at_a_time(f) else full.fold_block(f, 0)
             tiles = max(tiles, math.ceil(self.ctx.extent(b) / block))
+            steps = max(steps, nested_steps(f.args, self.ctx.extent, full.contraction))
         if self.split is None:
-            n = auto_split(programs, tiles, self.sig.sm_count)
-            why = f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream" if n > 1 else ""
+            n = auto_split(programs, tiles, self.sig.sm_count, steps)
+            why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
+                   + (f" of {steps} nested steps each" if steps > 1 else "")) if n > 1 else ""
             return n, why
         n = max(1, min(self.split, tiles))
         return n, f"split={self.split} requested" + (f" (capped at {tiles} tiles)" if n < self.split else "")
@@ -281,9 +292,8 @@ class ModuleBuilder:
         for spec in self.schedule.kernels:
             for b in spec.buffers:
                 shape = ", ".join(f'n["{i}"]' for i in self.schedule.indices_of(b))
-                dtype = "torch.float64" if self.sig.dtype == torch.float64 else "torch.float32"
-                lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), dtype={dtype}, '
-                                f'device=device)')
+                lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), '
+                                f'dtype={self.buffer_dtype(b)}, device=device)')
         return lines
 
     def source(self) -> str:
