@@ -1,9 +1,10 @@
 """`einfold bench`: the generated kernels against what a user would pick
 instead, side by side in one run on the GPU, as ratios.
 
-Every case checks ours against the first baseline before timing (relative
-error in float64), times each contender with the median of
-triton.testing.do_bench, and reports TFLOP/s (FLOP-bound cases) or GB/s
+Every case checks each contender against its float64 oracle where it has one,
+else against the first baseline (relative error in float64), times each
+contender with the median of triton.testing.do_bench, records the peak GPU
+memory one call allocates, and reports TFLOP/s (FLOP-bound cases) or GB/s
 (memory-bound cases, each input read once and each output written once).
 Results go to stdout as a table and to OUT/bench.{csv,json,png}.
 """
@@ -15,6 +16,7 @@ import math
 import platform
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,12 +31,17 @@ class Case:
     work: float                      # FLOPs or bytes
     unit: str                        # "TFLOP/s" or "GB/s"
     make: Callable[[], dict]         # -> inputs
+    # each contender returns a tensor, or a tuple of them for a program with several outputs
     ours: Callable[[dict], torch.Tensor]
     baselines: dict[str, Callable[[dict], torch.Tensor]]
     tolerance: float = 2e-2
     # ours compiled afresh from its source, then called: when given, run_case times this
     # first call against the first baseline's first call (two "compile" rows)
     fresh: Callable[[dict], torch.Tensor] | None = None
+    # the exact answer (float64_oracle of a baseline): when given, every contender's error is
+    # against it instead of against the first baseline
+    reference: Callable[[dict], torch.Tensor] | None = None
+    note: str = ""                   # said on ours' row
 
 
 @dataclass
@@ -47,6 +54,7 @@ class Row:
     unit: str
     ratio_ours_over_this: float | None = None
     error: float | None = None
+    peak_mib: float | None = None    # GPU memory one call allocates at its peak, its output included
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -55,9 +63,43 @@ def _rate(work: float, unit: str, ms: float) -> float:
     return work / (ms * 1e-3) / (1e12 if unit == "TFLOP/s" else 1e9)
 
 
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+def _error(got, want) -> float:
+    """Relative error in float64; of several outputs (tuples), the largest of theirs. Another
+    shape or number of outputs is infinitely wrong (not broadcast)."""
+    if isinstance(want, tuple) or isinstance(got, tuple):
+        if not (isinstance(want, tuple) and isinstance(got, tuple)) or len(got) != len(want):
+            return math.inf
+        return max(_error(g, w) for g, w in zip(got, want))
+    if got.shape != want.shape:
+        return math.inf
     got, want = got.double(), want.double()
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+class _Float64Inputs(Mapping):
+    """A case's inputs with each floating tensor copied to float64 when first read, so that an
+    oracle copies only the inputs it reads (a float64 one-hot beside int labels would be GiBs)."""
+
+    def __init__(self, inputs: dict):
+        self._inputs, self._copies = inputs, {}
+
+    def __getitem__(self, name):
+        if name not in self._copies:
+            value = self._inputs[name]
+            is_float = isinstance(value, torch.Tensor) and value.is_floating_point()
+            self._copies[name] = value.detach().double() if is_float else value
+        return self._copies[name]
+
+    def __iter__(self):
+        return iter(self._inputs)
+
+    def __len__(self):
+        return len(self._inputs)
+
+
+def float64_oracle(fn: Callable[[dict], torch.Tensor]) -> Callable[[dict], torch.Tensor]:
+    """fn run on float64 copies of the inputs: a case's `reference`."""
+    return lambda x: fn(_Float64Inputs(x))
 
 
 # ---------------------------------------------------------------- cases
@@ -487,6 +529,7 @@ def matmul_cases(compile_, quick: bool) -> list[Case]:
     return cases
 
 
+# the groups of this module; compiler/bench_general.py (which imports this one) adds "general"
 GROUPS = {"attention": attention_cases, "decode": decode_cases, "memory": memory_cases,
           "matmul": matmul_cases, "backward": backward_cases, "training": training_cases,
           "flex": flex_cases}
@@ -587,19 +630,38 @@ def _cold(source: str) -> str:
     return f"{source}  # cold {time.perf_counter_ns()}"
 
 
+def _peak_mib(fn, x) -> float:
+    """MiB that one warm call of fn(x) allocates on the GPU at its peak, its output included,
+    above what was allocated before (the inputs, earlier results)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(x)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
 def run_case(case: Case) -> list[Row]:
     import triton.testing
     x = case.make()
     first = next(iter(case.baselines))
+    want, against, oracle_note = None, first, ""
+    if case.reference is not None:
+        try:
+            want, against = case.reference(x), "float64 oracle"
+        except Exception as e:          # out of memory, say: errors against the first baseline instead
+            oracle_note = f"oracle failed ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
     rows, timings, outputs, first_calls, fresh_ms = [], {}, {}, {}, None
     for name, fn in [("einfold", case.ours), *case.baselines.items()]:
         try:
             if name == "einfold" and case.fresh is not None:    # first: nothing of the case has run yet
                 fresh_ms = _first_call(case.fresh, x)[1]
             outputs[name], first_calls[name] = _first_call(fn, x)
+            peak = _peak_mib(fn, x)
             ms = triton.testing.do_bench(lambda fn=fn: fn(x), warmup=25, rep=100, return_mode="median")
             timings[name] = ms
-            rows.append(Row(case.group, case.name, name, ms, _rate(case.work, case.unit, ms), case.unit))
+            rows.append(Row(case.group, case.name, name, ms, _rate(case.work, case.unit, ms), case.unit,
+                            peak_mib=peak))
         except Exception as e:
             # a baseline backend this device or shape does not support, or a program of
             # ours that fails: a row that says so, and the run goes on to the other cases
@@ -608,12 +670,16 @@ def run_case(case: Case) -> list[Row]:
                                  f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
     ours = timings.get("einfold")
     for row in rows:
-        if first in outputs and row.contender in outputs:      # errors against the first baseline
+        if want is not None and row.contender in outputs:
+            row.error = _error(outputs[row.contender], want)
+        elif first in outputs and row.contender in outputs:      # errors against the first baseline
             row.error = _error(outputs[row.contender], outputs[first]) if row.contender != first else 0.0
         if ours and row.contender in timings:
             row.ratio_ours_over_this = timings[row.contender] / ours   # >1: einfold is faster
+    mismatch = ""
     if rows[0].error is not None and rows[0].error > case.tolerance:
-        rows[0].note = f"MISMATCH vs {first}: rel err {rows[0].error:.2e}"
+        mismatch = f"MISMATCH vs {against}: rel err {rows[0].error:.2e}"
+    rows[0].note = "; ".join(note for note in (rows[0].note, mismatch, oracle_note, case.note) if note)
     if fresh_ms is not None:
         note = ("einfold: compile + first call of a new program text; the baseline: its first call "
                 "(tracing, compiling); Triton's and Inductor's on-disk caches may be warm")
@@ -647,11 +713,15 @@ def compile_cost() -> list[Row]:
     return rows
 
 
-def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | None = None) -> list[Row]:
+def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | None = None,
+         cases_of: dict[str, Callable] | None = None) -> list[Row]:
+    """Run `groups` side by side and write the table; `cases_of`: each group's case maker
+    (default: this module's GROUPS)."""
+    cases_of = GROUPS if cases_of is None else cases_of
     import compiler
     import triton
     out.mkdir(parents=True, exist_ok=True)
-    compile_ = lambda src: compiler.compile(src, backend="triton")  # noqa: E731
+    compile_ = lambda src, **options: compiler.compile(src, backend="triton", **options)  # noqa: E731
     rows: list[Row] = []
     bandwidth = copy_bandwidth()
     for group in groups:
@@ -659,7 +729,7 @@ def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | No
             rows += [r for r in ROW_GROUPS[group](compile_) if not only or any(text in r.name for text in only)]
             print(f"  done {group}", flush=True)
             continue
-        for case in GROUPS[group](compile_, quick):
+        for case in cases_of[group](compile_, quick):
             if only and not any(text in case.name for text in only):
                 continue
             rows += run_case(case)
@@ -681,12 +751,15 @@ def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | No
 def format_table(rows: list[Row], meta: dict) -> str:
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
              f"copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s",
-             f"{'case':42} {'contender':26} {'ms':>9} {'rate':>10} {'ours/this':>9}  note"]
+             f"{'case':60} {'contender':28} {'ms':>9} {'rate':>10} {'ours/this':>9} {'rel err':>8} "
+             f"{'peak MiB':>9}  note"]
     for r in rows:
         ratio = f"{r.ratio_ours_over_this:.2f}x" if r.ratio_ours_over_this else ""
         rate = f"{r.rate:.1f}" if r.rate == r.rate else ""
-        lines.append(f"{r.group + ' ' + r.name:42} {r.contender:26} {r.ms:9.3f} {rate:>10} {ratio:>9}  "
-                     f"{r.unit if rate else ''} {r.note}")
+        error = f"{r.error:.1e}" if r.error is not None else ""
+        peak = f"{r.peak_mib:.0f}" if r.peak_mib is not None else ""
+        lines.append(f"{r.group + ' ' + r.name:60} {r.contender:28} {r.ms:9.3f} {rate:>10} {ratio:>9} {error:>8} "
+                     f"{peak:>9}  {r.unit if rate else ''} {r.note}")
     return "\n".join(lines)
 
 

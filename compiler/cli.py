@@ -19,7 +19,8 @@ from .ir import format_program
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 RUN_POINTS = 1 << 16      # einfold run: the index space its default extents fill, about
 BACKEND_CHOICES = ("auto", "triton", "reference")
-BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training", "flex", "host", "distributed")
+BENCH_GROUPS = ("attention", "decode", "memory", "matmul", "backward", "training", "flex", "general", "host",
+                "distributed")
 MAX_EXTENT = 2 ** 31 - 1            # one index's extent on the command line
 MAX_SEED = 2 ** 63 - 1
 ATTENTION = "O[i,j] = softmax[m](Q[i,k] * K[m,k] * scale) * V[m,j]"
@@ -224,16 +225,17 @@ def cmd_cache(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import bench
+    from . import bench, bench_general
     if not torch.cuda.is_available():
         raise _UsageError("bench needs a CUDA GPU (the benchmarks compare kernels on one)")
-    groups = args.group or [*bench.GROUPS, *bench.ROW_GROUPS]      # the default: every group of one GPU
+    cases_of = {**bench.GROUPS, **bench_general.GROUPS}
+    groups = args.group or [*cases_of, *bench.ROW_GROUPS]      # the default: every group of one GPU
     if "distributed" in groups:
         from . import bench_distributed
         bench_distributed.main(Path(args.out), quick=args.quick, only=args.case)
         groups = [g for g in groups if g != "distributed"]
     if groups:
-        bench.main(Path(args.out), groups, quick=args.quick, only=args.case)
+        bench.main(Path(args.out), groups, quick=args.quick, only=args.case, cases_of=cases_of)
     return 0
 
 
