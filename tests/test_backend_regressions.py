@@ -307,6 +307,23 @@ def test_a_contraction_chained_behind_another_is_stored_where_recomputing_costs_
     assert "materialised (for the longer extents)" in str(program.schedule)
 
 
+@pytest.mark.parametrize("sizes, kernels", [({"i": 5, "k": 7, "n": 7}, 1), ({"i": 5, "k": 700, "n": 700}, 2)],
+                         ids=["recomputed", "stored"])
+def test_a_row_statistic_nested_in_a_column_sum_is_stored_where_its_tiles_would_recompute_it(sizes, kernels):
+    """RMSNorm's weight gradient written directly: the row statistic nested in the sum
+    over rows varies over no column, so a kernel over tiles of the columns recomputes it
+    for each (35 ms where torch.compile takes 0.14, H200, 16384 x 4096); where the columns
+    span several tiles it is a buffer of one value a row, made once."""
+    src = "dG[k] = sum[i](dY[i,k] * X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps))"
+    ref = compiler.compile(src, backend="reference")
+    inputs = inputs_for(ref, sizes)
+    assert_matches_oracle(src, inputs)
+    plan = compiler.compile(src, backend="triton").plan(**inputs)
+    assert len(plan.kernels) == kernels
+    if kernels == 2:
+        assert plan.buffers and "whose tiles of k would each recompute it" in plan.kernels[0].why
+
+
 @pytest.mark.parametrize("outputs", [["S", "Y"], ["Y", "S"]])
 def test_an_elementwise_output_is_stored_by_the_kernel_of_its_row_statistic(outputs):
     """Residual + RMSNorm with both results: S = X + R is stored in the epilogue of the

@@ -1015,12 +1015,13 @@ def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl
 
 def test_column_sums_tile_the_columns_and_every_tiling_fits_triton():
     # dG[k] = sum[i](...) over a row-major X: a tile of 64 contiguous columns, rows
-    # streamed in the rest of the tile budget (one column per program read memory
-    # with a stride per element)
-    module = _gpu_module(CORPUS["layernorm"][0], {"X": (4097, 1000), "G": (1000,), "dY": (4097, 1000)})
-    # (4097 rows over 16 column tiles: split over 8 programs each on 132 SMs)
+    # streamed in the rest of the column tile's budget (one column per program read
+    # memory with a stride per element)
+    module = _gpu_module(CORPUS["layernorm"][0], {"X": (16385, 1000), "G": (1000,), "dY": (16385, 1000)})
+    # (16385 rows in 65 tiles of 256 over 16 column tiles: split over 16 programs each on 132 SMs)
     launch = module.split("einfold_dG_partial[(grid, n_split)](")[1].splitlines()[1]
-    assert launch.endswith("BLOCK_k=64, BLOCK_i=64)")
+    assert launch.endswith("BLOCK_k=64, BLOCK_i=256)")
+    assert "n_split = 16" in module
     # the cross-entropy backward builds (every tile within Triton's 2**20 elements), and
     # dH, dW are one contraction each (tl.dot), not a fold of a pair of sums over 3-D tiles
     kernels = _kernels(_gpu_module(CORPUS["cross_entropy"][0], {"H": (509, 256), "W": (5003, 256), "Y": (509, 5003),

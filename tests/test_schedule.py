@@ -27,7 +27,7 @@ schedule: 1 kernel(s), outputs S
 kernel einfold_S: grid (i)  # one program per (i) tile; folds fold1_s1_s1_p1_s1_p0[k] streamed over their indices
   f0 = fold1_s1_s1_p1_s1_p0[k](X[i, k], -(G[k] * W[k] / len(k)), G[k] * W[k] * X[i, k])  # one per program
   S[i] = f0.s1_p0 + f0.s1_p1 * f0.s1
-  tiles: BLOCK_i in {64, 128} (tl.dot rows, tuned); BLOCK_k in {32, 64, 128} (tl.dot, streamed, tuned); also 128 x 128 at 128 registers a thread (two programs an SM) where the float32 state fits 96
+  tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
   split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop k: fold1_s1_s1_p1_s1_p0
 intermediate buffers: none"""),

@@ -281,7 +281,7 @@ def contractions(e: Expr) -> list[Contraction]:
             read = tuple(f for f in (frozenset(free_indices(p)) for p in factors or ()) if f & reduced)
             if read:
                 batch, sides = contraction_sides(list(read), reduced)
-                if sides:
+                if two_sided(read, sides):
                     out.append(Contraction(reduced, sides, batch, read, bound))
         inner = bound | set(n.indices) if isinstance(n, Reduce) else bound
         for c in children(n):
@@ -289,6 +289,16 @@ def contractions(e: Expr) -> list[Contraction]:
 
     visit(e, frozenset())
     return out
+
+
+def two_sided(factors: tuple[frozenset, ...], sides: frozenset) -> bool:
+    """Whether the factors of a product over a reduced index form two operands, each
+    with a side index the other lacks (X[i,k] * W[j,k]: rows i, columns j): a matrix
+    product, for tl.dot.  A product whose sides one factor holds all of, beside factors
+    over the reduced index alone (sum[n](G[n] * X[i,n] * dY[i,n]), a matrix times a
+    vector), reads each element once: a row reduction, not a tl.dot padded to 16
+    columns."""
+    return any(sides & (a - b) and sides & (b - a) for a in factors for b in factors)
 
 
 def contraction_names(e: Expr) -> set[str]:

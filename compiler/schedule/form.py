@@ -215,7 +215,7 @@ class Former:
             todo = [f for f in folds if free(f) != set(s.indices)]
             s = self._materialise(s, todo, "it shares no output index with the others")
             grid, folds = _grid_of(s.expr, s.indices)
-        chains = _chained_operands(folds, grid)
+        chains = _recomputed(folds, grid)
         if chains and self.materialise_chains:
             s = self._materialise_operands(s, chains)
             grid, folds = _grid_of(s.expr, s.indices)
@@ -235,7 +235,7 @@ class Former:
             name=self._kernel_name(s.name), statements=(s,), grid=grid, epilogue=epilogue, why=why,
             buffers=(s.name,) if buffer else (), program_folds=program_folds,
             dependent=_dependent(program_folds),
-            recomputes=tuple(dict.fromkeys((g, _contracted(group)) for _, g, group in chains))))
+            recomputes=tuple(dict.fromkeys((part.index, part.work) for part in chains))))
 
     def _reuse(self, expr: Expr, lhs: tuple[str, ...], exclude: _Draft | None = None) -> tuple[Expr, str]:
         """Folds nested in `expr` that miss one of its grid indices are recomputed by
@@ -319,66 +319,132 @@ class Former:
             table[f] = Access(name, indices)
         return replace(s, expr=replace_folds(s.expr, table))
 
-    def _materialise_operands(self, s: Assign, chains: list[tuple[Reduce, str, tuple[Expr, ...]]]) -> Assign:
-        """Each chained operand (_chained_operands) as a buffer over its own indices, the
-        outer contraction's reduced index among them, made by a kernel of its own: the
-        SwiGLU block's silu(X W1) * (X W3) once, then a matrix product by W2."""
-        table: dict[Reduce, Reduce] = {}
-        for fold, g, group in chains:
-            if fold in table:
+    def _materialise_operands(self, s: Assign, found: list[_Recomputed]) -> Assign:
+        """Each recomputed part (_recomputed) as a buffer over its own indices, the outer
+        fold's reduced index among them, made by a kernel of its own: the SwiGLU block's
+        silu(X W1) * (X W3) once, then a matrix product by W2; an RMSNorm weight
+        gradient's row statistic once, then the column sum that reads it."""
+        regrouped: dict[Reduce, Reduce] = {}
+        stored: dict[Expr, Access] = {}
+        for part in found:
+            if part.fold in regrouped or (not part.factors and part.operand[0] in stored):
                 continue
-            operand = product(list(group), [])
-            indices = tuple(i for i in s.indices if i in free(operand)) + tuple(fold.indices)
+            operand = product(list(part.operand), [])
+            indices = (tuple(i for i in s.indices if i in free(operand))
+                       + tuple(i for i in part.fold.indices if i in free(operand)))
             name = self._buffer_name()
             self.buffer_indices[name] = indices
-            self.operand_buffers.append(name)
+            if part.factors:
+                self.operand_buffers.append(name)
             self._add(Assign(name, indices, operand, "float"), buffer=True)
             self.kernels[-1].why = (f"materialises {format_expr(operand)} into {name}[{', '.join(indices)}] "
-                                    f"(read by {fold.summary.name}[{', '.join(fold.indices)}], whose tiles of "
-                                    f"{g} would each recompute it)")
-            rest = [f for f in summed_factors(fold.args[0], frozenset(fold.indices)) if f not in group]
-            table[fold] = replace(fold, args=(product(rest + [Access(name, indices)], []),))
+                                    f"(read by {part.fold.summary.name}[{', '.join(part.fold.indices)}], whose "
+                                    f"tiles of {part.index} would each recompute it)")
+            if part.factors:
+                rest = [f for f in summed_factors(part.fold.args[0], frozenset(part.fold.indices))
+                        if f not in part.operand]
+                regrouped[part.fold] = replace(part.fold, args=(product(rest + [Access(name, indices)], []),))
+            else:
+                stored[part.operand[0]] = Access(name, indices)
 
         def visit(e: Expr) -> Expr:
-            if isinstance(e, Reduce) and e.fold in table:
-                return replace(table[e.fold], result=e.result)
+            if isinstance(e, Reduce) and e.fold in regrouped:
+                return replace(regrouped[e.fold], result=e.result)
             return with_children(e, tuple(visit(c) for c in children(e)))
-        return replace(s, expr=visit(s.expr))
+        return replace(s, expr=substitute(visit(s.expr), stored))
+
+
+@dataclass(frozen=True)
+class _Recomputed:
+    """A part of a top fold's body that one kernel recomputes for every tile of the grid
+    index `index`, which it does not vary over: a contraction chained behind the fold's
+    own (`factors`: the factors of the fold's summed product that form it, stored
+    together and regrouped, the SwiGLU block's silu(X W1) * (X W3) under the sum over f
+    by W2[e,f]), or a fold nested in it that reads the fold's index (one node, stored
+    where it stands: an RMSNorm weight gradient's row statistic under the sum over i,
+    for every tile of the columns k)."""
+    fold: Reduce
+    index: str
+    operand: tuple[Expr, ...]
+    factors: bool
+
+    @property
+    def work(self) -> tuple[tuple[str, ...], ...]:
+        """The reduced indices of each fold the part recomputes (its work per element)."""
+        if not self.factors:
+            return (tuple(self.operand[0].indices),)
+        return _contracted(self.operand)
 
 
 def _contracted(operand: tuple[Expr, ...]) -> tuple[tuple[str, ...], ...]:
-    """The reduced indices of each contraction in `operand` (its work per element), each
-    outermost fold once however many of its fields the operand projects."""
-    outermost: dict[Reduce, None] = {}
-    stack = list(operand)
+    """The reduced indices of each contraction in `operand`, each outermost fold once
+    however many of its fields the operand projects."""
+    return tuple(tuple(sorted(c.reduced)) for fold in _outermost(operand) for c in contractions(fold))
+
+
+def _outermost(exprs) -> list[Reduce]:
+    """The folds in `exprs` that no other fold there holds, each once."""
+    found: dict[Reduce, None] = {}
+    stack = list(exprs)
     while stack:
         e = stack.pop()
         if isinstance(e, Reduce):
-            outermost.setdefault(e.fold)
+            found.setdefault(e.fold)
         else:
             stack.extend(children(e))
-    return tuple(tuple(sorted(c.reduced)) for fold in outermost for c in contractions(fold))
+    return list(found)
 
 
-def _chained_operands(folds: list[Reduce], grid: tuple[str, ...]) -> list[tuple[Reduce, str, tuple[Expr, ...]]]:
-    """Contractions chained behind a contraction: (fold, g, operand) where `fold` sums
-    over one index a product of which the factors `operand` do not read the grid index
-    g but hold a contraction of their own, and the other factors read g (the SwiGLU
-    block sum[f](silu(X W1)[i,f] * (X W3)[i,f] * W2[e,f]) with g = e).  One kernel of
-    the chain recomputes the operand for every tile of g; stored once, it is a matrix
-    product's operand read from memory."""
+def _weighted(operand) -> bool:
+    """Whether `operand` reads a rescaled fold (a softmax's running max, its weights): stored,
+    it would be a score-sized buffer, [rows, keys] (a cross-entropy backward's
+    probabilities over the vocabulary), which the FlashAttention-style fold exists to
+    avoid; the schedule recomputes those instead."""
+    return any(isinstance(n, Reduce) and getattr(n.summary, "rescaled", ()) for e in operand for n in nodes(e))
+
+
+def _reads_past_the_tile(inner: Reduce, fold: Reduce, grid: tuple[str, ...]) -> bool:
+    """Whether `inner` reduces a tensor along a dimension that `fold` reads elsewhere by
+    a grid index: each program has one tile of it, and `inner` reads all of it (the row
+    statistic of X[i, n] beside X[i, k], tiled by k), so recomputing it costs memory
+    traffic; a norm of the keys a kernel loads anyway (cosine attention's sum[c](K[m,c]
+    ** 2) beside the scores' K[m,c]) costs none."""
+    tiled = {(n.tensor, p) for n in nodes(fold) if isinstance(n, Access)
+             for p, index in enumerate(n.indices) if index in grid}
+    return any((n.tensor, p) in tiled for n in nodes(inner) if isinstance(n, Access)
+               for p, index in enumerate(n.indices) if index in inner.indices)
+
+
+def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]:
+    """The parts of the top folds' bodies that a kernel over `grid` recomputes for every
+    tile of a grid index they do not vary over.  A contraction chained behind a sum's own
+    (the sum's factors that do not read g but hold a contraction, beside factors that
+    read g) is one part; else each fold nested in the body that reads the top fold's
+    index, holds no contraction (a contraction there is the attention-like fusion, whose
+    values the schedule keeps whole), misses g and reads past the program's tile
+    (_reads_past_the_tile).  Neither may read a rescaled fold (_weighted).  Stored once, a chained contraction
+    is a matrix product's operand read from memory, a nested fold a vector."""
     found = []
     for fold in dict.fromkeys(folds):
-        if not (additive(fold.summary) and len(fold.indices) == 1):
+        chained = None
+        if additive(fold.summary) and len(fold.indices) == 1:
+            factors = summed_factors(fold.args[0], frozenset(fold.indices))
+            for g in grid:
+                group = tuple(f for f in factors if g not in free(f))
+                rest = [f for f in factors if g in free(f)]
+                if rest and group and any(contractions(f) for f in group) and \
+                        not any(isinstance(n, Reduce) for f in rest for n in nodes(f)) and not _weighted(group):
+                    chained = _Recomputed(fold, g, group, True)
+                    break
+        if chained is not None:
+            found.append(chained)
             continue
-        factors = summed_factors(fold.args[0], frozenset(fold.indices))
-        for g in grid:
-            group = tuple(f for f in factors if g not in free(f))
-            rest = [f for f in factors if g in free(f)]
-            if rest and group and any(contractions(f) for f in group) and \
-                    not any(isinstance(n, Reduce) for f in rest for n in nodes(f)):
-                found.append((fold, g, group))
-                break
+        for inner in _outermost(fold.args):
+            missing = [g for g in grid if g not in free(inner)]
+            if missing and free(inner) & set(fold.indices) and not contractions(inner) and \
+                    _reads_past_the_tile(inner, fold, grid) and not _weighted((inner,)):
+                node = next(n for n in nodes(fold) if isinstance(n, Reduce) and n.fold == inner)
+                found.append(_Recomputed(fold, missing[0], (node,), False))
     return found
 
 

@@ -36,8 +36,8 @@ class KernelSchedule:
     dot_indices: frozenset = frozenset()   # a contraction's reduced, row or column index: tiles >= 16
     batch_indices: frozenset = frozenset()  # read by every operand of a contraction: one value at a time
     value_only: frozenset = frozenset()    # a rescaled fold's value index: kept whole where it fits
-    # (grid index g, the reduced indices of each contraction chained behind another that every
-    # tile of g recomputes): the SwiGLU block's (e, ((d,), (d,))), X W1 and X W3 per tile of e
+    # (grid index g, the reduced indices of each fold nested in another that every tile of g
+    # recomputes, form._recomputed): the SwiGLU block's (e, ((d,), (d,))), X W1 and X W3 per tile of e
     recomputes: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = ()
 
     @property
@@ -71,7 +71,7 @@ class KernelSchedule:
         if self.dependent:
             lines.append("  not splittable: a program fold reads another")
         for g, work in self.recomputes:
-            lines.append(f"  every tile of {g} recomputes {len(work)} contraction(s) chained behind another: the "
+            lines.append(f"  every tile of {g} recomputes {len(work)} fold(s) nested in another: the "
                          f"materialised schedule where (ceil(n_{g} / {WHOLE_MAX}) - 1) * "
                          f"({' + '.join('*'.join(f'n_{r}' for r in reduced) for reduced in work)}) > {CHAIN_BREAK}")
         lines += describe(self)
@@ -87,7 +87,7 @@ class Schedule:
     kernels: tuple[KernelSchedule, ...]     # in launch order
     buffer_indices: tuple[tuple[str, tuple[str, ...]], ...] = ()   # intermediate buffer -> its indices
     fresh_names: tuple[tuple[str, str], ...] = ()   # bound index renamed by inlining -> the original
-    # the same program with every chained contraction stored once (KernelSchedule.recomputes)
+    # the same program with every recomputed nested fold stored once (KernelSchedule.recomputes)
     materialised: Schedule | None = None
     # buffers only a contraction reads, as an operand (a chained contraction stored): a backend
     # may store them in the dtype its matrix product reads
@@ -95,7 +95,7 @@ class Schedule:
 
     def for_extents(self, extent: Callable[[str], int]) -> Schedule:
         """The schedule to run at these extents: the materialised one where some kernel's
-        tiles would recompute chained contractions at a cost above storing them
+        tiles would recompute nested folds at a cost above storing them
         (tiles.recompute_costs), else this one."""
         if self.materialised is not None and any(recompute_costs(extent, g, work) for k in self.kernels
                                                  for g, work in k.recomputes):

@@ -26,6 +26,9 @@ STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 
                       # that an epilogue re-reading it finds it in cache
 TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
 COLUMN_BLOCK = 64     # grid tile of an index contiguous in memory under a streamed row index
+COLUMN_TILE = 16384   # elements of a column sum's tile: COLUMN_BLOCK columns by 256 rows a step (H200,
+                      # bf16 column mean and variance, 262144 x 256: 0.175 ms at 4096 elements, 0.112 at
+                      # 8192, 0.072 at 16384, torch.compile 0.091; 65536 x 4096: 0.596, 0.302, 0.239, 0.259)
 
 # Autotuned tilings, by the shape of a kernel's tl.dot tiles (not by what it computes):
 # (rows, keys, warps, stages) for one tuned grid tile x one tuned loop tile (a fold
@@ -72,8 +75,8 @@ SPLIT_MAX = 64
 # 256 scalar states is cheap beside it)
 SPLITS_PER_SM = 2
 # A GPU's tensor-core FLOPs per byte of memory traffic (H100 bf16: ~990 TFLOP/s over
-# ~3.35 TB/s), and the products per element past which recomputing a chained contraction
-# costs more than a float32 buffer's 8 bytes (recompute_costs)
+# ~3.35 TB/s), and the products per element past which recomputing a nested fold per
+# tile costs more than a float32 buffer's 8 bytes (recompute_costs)
 FLOPS_PER_BYTE = 300
 CHAIN_BREAK = 8 * FLOPS_PER_BYTE // 2
 PROGRAMS_PER_SM = 8    # a streaming split needs several programs per SM to keep HBM busy
@@ -107,33 +110,43 @@ def shared_loop_caps(indices: list[tuple[int, bool]], cap: int = STREAM_BLOCK) -
     return caps
 
 
-def nested_width(exprs, extent: Callable[[str], int], dot) -> int:
-    """The elements each element of a streamed tile carries in the widest chain of
-    folds nested in `exprs` (a fold's arguments), each counted at the tiles it holds
+def nested_width(fold, extent: Callable[[str], int], dot) -> int:
+    """The elements each element of `fold`'s streamed tile carries in the widest chain of
+    folds nested in its arguments that run inside its loop (they read its indices; one
+    that does not is computed once, outside the loop), each counted at the tiles it holds
     at once: an index held whole at its width, a streamed one at its loop tile.
-    sum[k]((X[i,k] - Y[m,k]) ** 2) under min[m] broadcasts every tile of m over all
-    of k, so a tile of m shares its budget with k's width; logsumexp[v] of a 32k-wide
-    row under sum[t] streams tiles of v, so each step of t holds one such tile per
-    row.  Indices of a nested tl.dot are reduced inside the dot and widen nothing."""
+    sum[k]((X[i,k] - Y[m,k]) ** 2) under min[m] broadcasts every tile of m over all of
+    k, so a tile of m shares its budget with k's width; logsumexp[v] of a 32k-wide row
+    under sum[t] streams tiles of v, so each step of t holds one such tile per row.
+    Indices of a nested tl.dot are reduced inside the dot and widen nothing."""
     widest = 1
-    stack = list(exprs)
+    for e in _nested_in_loop(fold):
+        caps = fold_caps(e, extent, dot)
+        own = math.prod(np2(extent(b)) if held_whole(extent(b), False) else loop_tile(extent(b), False, c)
+                        for b, c in zip(e.indices, caps) if b not in dot)
+        widest = max(widest, own * nested_width(e, extent, dot))
+    return widest
+
+
+def _nested_in_loop(fold) -> list:
+    """The outermost folds in `fold`'s arguments that read its indices: they run inside
+    its loop (the others are hoisted out of it: a row constant in a gradient's sum)."""
+    found, stack = [], list(fold.args)
     while stack:
         e = stack.pop()
         if isinstance(e, Reduce):
-            caps = fold_caps(e, extent, dot)
-            own = math.prod(np2(extent(b)) if held_whole(extent(b), False) else loop_tile(extent(b), False, c)
-                            for b, c in zip(e.indices, caps) if b not in dot)
-            widest = max(widest, own * nested_width(e.args, extent, dot))
+            if set(free_indices(e)) & set(fold.indices):
+                found.append(e)
         else:
             stack.extend(children(e))
-    return widest
+    return found
 
 
 def fold_caps(fold, extent: Callable[[str], int], dot, cap: int = STREAM_BLOCK) -> list[int]:
     """The cap of each streamed tile of `fold` (shared_loop_caps), within `cap`
     elements counted with the width its nested folds hold whole (nested_width)."""
     indices = [(extent(b), b in dot) for b in fold.indices]
-    return shared_loop_caps(indices, max(1, cap // nested_width(fold.args, extent, dot)))
+    return shared_loop_caps(indices, max(1, cap // nested_width(fold, extent, dot)))
 
 
 def one_at_a_time(fold, dot) -> tuple[str, ...]:
@@ -189,7 +202,7 @@ def streamed_width(kernel, extent: Callable[[str], int], cap: int = STREAM_BLOCK
             if isinstance(n, Reduce):
                 indices = [(extent(b), b in dot) for b in n.indices]
                 caps = fold_caps(n, extent, dot, cap)
-                widest = max(widest, nested_width(n.args, extent, dot)
+                widest = max(widest, nested_width(n, extent, dot)
                              * math.prod(loop_tile(e, False, c) for (e, d), c in zip(indices, caps) if not d))
     for e in kernel.epilogue:
         if not free_tile(extent(e), e in dot, e in kernel.value_only):
@@ -257,7 +270,7 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
             # column wide would read memory with a stride per element; a tile of
             # columns reads whole lines, and the streamed rows share the budget
             b = min(n, COLUMN_BLOCK)
-            cap = max(1, TILE_BUDGET // b)
+            cap = max(1, COLUMN_TILE // b)
         if not b:
             if streamed:        # the streamed tile and the other grid tiles share the budget
                 b = min(n, max(1, TILE_BUDGET // (streamed * max(blocks.values(), default=1))))
@@ -269,24 +282,19 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
     return GridTiling(blocks, frozenset(whole), cap)
 
 
-def nested_steps(exprs, extent: Callable[[str], int], dot) -> int:
-    """The tile steps the folds nested in `exprs` take for each step of the fold that
-    holds them (the longest chain): logsumexp[v] of sum[k](H[t,k] * W[v,k]) under
-    sum[t] steps over every tile of v, and inside each over every tile of k, for each
-    tile of t.  An index held whole is one step."""
+def nested_steps(fold, extent: Callable[[str], int], dot) -> int:
+    """The tile steps the folds nested in `fold`'s loop take for each of its steps (the
+    longest chain): logsumexp[v] of sum[k](H[t,k] * W[v,k]) under sum[t] steps over every
+    tile of v, and inside each over every tile of k, for each tile of t.  An index held
+    whole is one step."""
     most = 1
-    stack = list(exprs)
-    while stack:
-        e = stack.pop()
-        if isinstance(e, Reduce):
-            steps = 1
-            for b, c in zip(e.indices, fold_caps(e, extent, dot)):
-                n = extent(b)
-                if not held_whole(n, False):
-                    steps *= -(-n // loop_tile(n, b in dot, c))
-            most = max(most, steps * nested_steps(e.args, extent, dot))
-        else:
-            stack.extend(children(e))
+    for e in _nested_in_loop(fold):
+        steps = 1
+        for b, c in zip(e.indices, fold_caps(e, extent, dot)):
+            n = extent(b)
+            if not held_whole(n, False):
+                steps *= -(-n // loop_tile(n, b in dot, c))
+        most = max(most, steps * nested_steps(e, extent, dot))
     return most
 
 
@@ -312,13 +320,15 @@ def uniform_work(kernel) -> bool:
 
 
 def recompute_costs(extent: Callable[[str], int], g: str, work: tuple[tuple[str, ...], ...]) -> bool:
-    """Whether recomputing chained contractions (each element costs one product per
-    value of each contraction's reduced indices, `work`) once per tile of g after the
-    first (a tl.dot side holds at most WHOLE_MAX values) costs more than storing each
-    element once in float32 and reading it back: (tiles - 1) * 2 FLOPs per product
-    against 8 bytes at FLOPS_PER_BYTE.  The SwiGLU block at e = 4096: 15 * 2 * 8192
-    FLOPs against 8 bytes, stored; attention's backward at d = 512 recomputes the
-    scores once more (512 products), which beats a score-sized buffer."""
+    """Whether recomputing nested folds (each element costs one step per value of each
+    fold's reduced indices, `work`) once per tile of g after the first (a tile holds at
+    most WHOLE_MAX values of g) costs more than storing each element once in float32
+    and reading it back: (tiles - 1) * 2 FLOPs per product against 8 bytes at
+    FLOPS_PER_BYTE; a step of a fold without a contraction reads memory, so the bound
+    errs towards recomputing it.  The SwiGLU block at e = 4096: 15 * 2 * 8192 FLOPs
+    against 8 bytes, stored; an RMSNorm weight gradient's row statistic over 4096
+    columns, for each of 16 tiles of them, stored; attention's backward at d = 512
+    recomputes the scores once more (512 products), which beats a score-sized buffer."""
     tiles = -(-extent(g) // WHOLE_MAX)
     products = sum(math.prod(extent(r) for r in reduced) for reduced in work)
     return (tiles - 1) * products > CHAIN_BREAK
@@ -370,7 +380,8 @@ def describe(kernel) -> list[str]:
         sizes = (f"np2(n_{elementwise[0]})" if len(elementwise) == 1 else "np2 of each") + f" up to {ROW_BLOCK}"
         tiles.append(f"{names} = {sizes}{', the last first' if len(elementwise) > 1 else ''}, the program's "
                      f"tiles within {TILE_BUDGET} elements (elementwise grid tile{'s' * (len(elementwise) > 1)}"
-                     + "".join(f"; {COLUMN_BLOCK} for {g}, contiguous in memory" for g in columns) + ")")
+                     + "".join(f"; {COLUMN_BLOCK} for {g}, contiguous in memory, beside streamed rows within {COLUMN_TILE} "
+                             f"elements" for g in columns) + ")")
     ones = sorted(kernel.batch_indices | singles | (set(kernel.grid) - set(tiled)))
     if ones:
         tiles.append(f"{', '.join(ones)}: one value at a time")

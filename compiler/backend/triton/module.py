@@ -138,7 +138,7 @@ class ModuleBuilder:
             b = f.indices[0]
             block = 1 if full.one_at_a_time(f) else full.fold_block(f, 0)
             tiles = max(tiles, math.ceil(self.ctx.extent(b) / block))
-            steps = max(steps, nested_steps(f.args, self.ctx.extent, full.contraction))
+            steps = max(steps, nested_steps(f, self.ctx.extent, full.contraction))
         if self.split is None:
             n = auto_split(programs, tiles, self.sig.sm_count, steps)
             why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
