@@ -347,10 +347,15 @@ class Former:
             else:
                 stored[part.operand[0]] = Access(name, indices)
 
+        done: dict[int, Expr] = {}
+
         def visit(e: Expr) -> Expr:
-            if isinstance(e, Reduce) and e.fold in regrouped:
-                return replace(regrouped[e.fold], result=e.result)
-            return with_children(e, tuple(visit(c) for c in children(e)))
+            if id(e) not in done:            # a subtree shared by several parents, rewritten once
+                if isinstance(e, Reduce) and e.fold in regrouped:
+                    done[id(e)] = replace(regrouped[e.fold], result=e.result)
+                else:
+                    done[id(e)] = with_children(e, tuple(visit(c) for c in children(e)))
+            return done[id(e)]
         return replace(s, expr=substitute(visit(s.expr), stored))
 
 
@@ -419,10 +424,11 @@ def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]
     """The parts of the top folds' bodies that a kernel over `grid` recomputes for every
     tile of a grid index they do not vary over.  A contraction chained behind a sum's own
     (the sum's factors that do not read g but hold a contraction, beside factors that
-    read g) is one part; else each fold nested in the body that reads the top fold's
-    index, holds no contraction (a contraction there is the attention-like fusion, whose
-    values the schedule keeps whole), misses g and reads past the program's tile
-    (_reads_past_the_tile).  Neither may read a rescaled fold (_weighted).  Stored once, a chained contraction
+    read g) is one part; else, in a sum, each plain fold nested in its body (no fold
+    inside it, no contraction: a contraction there is the attention-like fusion, whose
+    values the schedule keeps whole) that reads the sum's index, misses g and reads
+    past the program's tile (_reads_past_the_tile).  Neither may read a rescaled fold
+    (_weighted).  Stored once, a chained contraction
     is a matrix product's operand read from memory, a nested fold a vector."""
     found = []
     for fold in dict.fromkeys(folds):
@@ -439,10 +445,13 @@ def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]
         if chained is not None:
             found.append(chained)
             continue
+        if not additive(fold.summary):
+            continue
         for inner in _outermost(fold.args):
             missing = [g for g in grid if g not in free(inner)]
             if missing and free(inner) & set(fold.indices) and not contractions(inner) and \
-                    _reads_past_the_tile(inner, fold, grid) and not _weighted((inner,)):
+                    not _outermost(inner.args) and _reads_past_the_tile(inner, fold, grid) and \
+                    not _weighted((inner,)):
                 node = next(n for n in nodes(fold) if isinstance(n, Reduce) and n.fold == inner)
                 found.append(_Recomputed(fold, missing[0], (node,), False))
     return found

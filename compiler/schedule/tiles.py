@@ -110,7 +110,7 @@ def shared_loop_caps(indices: list[tuple[int, bool]], cap: int = STREAM_BLOCK) -
     return caps
 
 
-def nested_width(fold, extent: Callable[[str], int], dot) -> int:
+def nested_width(fold, extent: Callable[[str], int], dot, memo: dict | None = None) -> int:
     """The elements each element of `fold`'s streamed tile carries in the widest chain of
     folds nested in its arguments that run inside its loop (they read its indices; one
     that does not is computed once, outside the loop), each counted at the tiles it holds
@@ -118,35 +118,51 @@ def nested_width(fold, extent: Callable[[str], int], dot) -> int:
     sum[k]((X[i,k] - Y[m,k]) ** 2) under min[m] broadcasts every tile of m over all of
     k, so a tile of m shares its budget with k's width; logsumexp[v] of a 32k-wide row
     under sum[t] streams tiles of v, so each step of t holds one such tile per row.
-    Indices of a nested tl.dot are reduced inside the dot and widen nothing."""
+    Indices of a nested tl.dot are reduced inside the dot and widen nothing.  `memo`:
+    each nested fold's width, found once (eight nested softmaxes share their subtrees)."""
+    memo = {} if memo is None else memo
+    if fold in memo:
+        return memo[fold]
     widest = 1
     for e in _nested_in_loop(fold):
-        caps = fold_caps(e, extent, dot)
+        inner = nested_width(e, extent, dot, memo)
+        caps = _caps_within(e, extent, dot, STREAM_BLOCK, inner)
         own = math.prod(np2(extent(b)) if held_whole(extent(b), False) else loop_tile(extent(b), False, c)
                         for b, c in zip(e.indices, caps) if b not in dot)
-        widest = max(widest, own * nested_width(e, extent, dot))
+        widest = max(widest, own * inner)
+    memo[fold] = widest
     return widest
 
 
 def _nested_in_loop(fold) -> list:
-    """The outermost folds in `fold`'s arguments that read its indices: they run inside
-    its loop (the others are hoisted out of it: a row constant in a gradient's sum)."""
-    found, stack = [], list(fold.args)
+    """The outermost folds in `fold`'s arguments that read its indices, each once: they
+    run inside its loop (the others are hoisted out of it: a row constant in a
+    gradient's sum)."""
+    found: dict = {}
+    seen: set[int] = set()
+    stack = list(fold.args)
     while stack:
         e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
         if isinstance(e, Reduce):
             if set(free_indices(e)) & set(fold.indices):
-                found.append(e)
+                found.setdefault(e)
         else:
             stack.extend(children(e))
-    return found
+    return list(found)
 
 
 def fold_caps(fold, extent: Callable[[str], int], dot, cap: int = STREAM_BLOCK) -> list[int]:
     """The cap of each streamed tile of `fold` (shared_loop_caps), within `cap`
     elements counted with the width its nested folds hold whole (nested_width)."""
+    return _caps_within(fold, extent, dot, cap, nested_width(fold, extent, dot))
+
+
+def _caps_within(fold, extent: Callable[[str], int], dot, cap: int, width: int) -> list[int]:
     indices = [(extent(b), b in dot) for b in fold.indices]
-    return shared_loop_caps(indices, max(1, cap // nested_width(fold, extent, dot)))
+    return shared_loop_caps(indices, max(1, cap // width))
 
 
 def one_at_a_time(fold, dot) -> tuple[str, ...]:
@@ -282,19 +298,24 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
     return GridTiling(blocks, frozenset(whole), cap)
 
 
-def nested_steps(fold, extent: Callable[[str], int], dot) -> int:
+def nested_steps(fold, extent: Callable[[str], int], dot, memo: dict | None = None) -> int:
     """The tile steps the folds nested in `fold`'s loop take for each of its steps (the
     longest chain): logsumexp[v] of sum[k](H[t,k] * W[v,k]) under sum[t] steps over every
     tile of v, and inside each over every tile of k, for each tile of t.  An index held
-    whole is one step."""
+    whole is one step.  `memo`: each nested fold's steps, found once."""
+    memo = {} if memo is None else memo
+    if fold in memo:
+        return memo[fold]
     most = 1
+    widths: dict = {}
     for e in _nested_in_loop(fold):
         steps = 1
-        for b, c in zip(e.indices, fold_caps(e, extent, dot)):
+        for b, c in zip(e.indices, _caps_within(e, extent, dot, STREAM_BLOCK, nested_width(e, extent, dot, widths))):
             n = extent(b)
             if not held_whole(n, False):
                 steps *= -(-n // loop_tile(n, b in dot, c))
-        most = max(most, steps * nested_steps(e, extent, dot))
+        most = max(most, steps * nested_steps(e, extent, dot, memo))
+    memo[fold] = most
     return most
 
 
