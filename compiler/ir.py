@@ -285,6 +285,23 @@ def nodes(e: Expr) -> Iterator[Expr]:
             stack.extend(reversed(kids))
 
 
+def outer_reductions(exprs) -> list[Expr]:
+    """The Reduce nodes in `exprs` that no other Reduce there holds, each node once
+    (a shared subtree is walked once), in first-occurrence order."""
+    found: dict[Expr, None] = {}
+    stack, seen = list(reversed(exprs)), set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, Reduce):
+            found.setdefault(e)
+        else:
+            stack.extend(reversed(children(e)))
+    return list(found)
+
+
 def transform(e: Expr, fn: Callable[[Expr], Expr]) -> Expr:
     """Post-order rewrite: children first, then `fn` on the rebuilt node
     (iterative: any depth).  `fn` is a function of the node: equal subtrees are

@@ -307,14 +307,19 @@ def test_a_contraction_chained_behind_another_is_stored_where_recomputing_costs_
     assert "materialised (for the longer extents)" in str(program.schedule)
 
 
+RMS_WEIGHT_GRADIENT = ("dG[k] = sum[i](dY[i,k] * X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps))",
+                       "R[i] = rsqrt(mean[n](X[i,n] ** 2) + eps)\ndG[k] = sum[i](dY[i,k] * X[i,k] * R[i])")
+
+
+@pytest.mark.parametrize("src", RMS_WEIGHT_GRADIENT, ids=["inline", "statements"])
 @pytest.mark.parametrize("sizes, kernels", [({"i": 5, "k": 7, "n": 7}, 1), ({"i": 5, "k": 700, "n": 700}, 2)],
                          ids=["recomputed", "stored"])
-def test_a_row_statistic_nested_in_a_column_sum_is_stored_where_its_tiles_would_recompute_it(sizes, kernels):
+def test_a_row_statistic_nested_in_a_column_sum_is_stored_where_its_tiles_would_recompute_it(src, sizes, kernels):
     """RMSNorm's weight gradient written directly: the row statistic nested in the sum
     over rows varies over no column, so a kernel over tiles of the columns recomputes it
     for each (35 ms where torch.compile takes 0.14, H200, 16384 x 4096); where the columns
-    span several tiles it is a buffer of one value a row, made once."""
-    src = "dG[k] = sum[i](dY[i,k] * X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps))"
+    span several tiles it is a buffer of one value a row, made once.  The statistic
+    inline or as a statement of its own: one plan."""
     ref = compiler.compile(src, backend="reference")
     inputs = inputs_for(ref, sizes)
     assert_matches_oracle(src, inputs)

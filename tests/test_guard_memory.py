@@ -162,6 +162,8 @@ SPLITS = {
     "split attention": ("O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k]) * V[b,h,m,j]", 3,
                         {"b": 2, "h": 3, "i": 1, "j": 5, "m": 131, "k": 7}),
     "split logsumexp": ("L[i] = logsumexp[j](X[i,j])", 2, {"i": 3, "j": 67}),
+    # a scalar whose split fold streams a nested one over two ragged tiles of 8192 a row
+    "split scalar loss": ("L[] = mean[t](logsumexp[v](Z[t,v]))", 3, {"t": 5, "v": 8200}),
 }
 
 
@@ -183,6 +185,11 @@ BUFFERS = {
     "a materialised sum": ("Y[i] = X[i] / sum[j](X[j])", {"i": 37}),
     "two materialised folds": ("Y[i,j] = max[k](A[i,k]) * sum[k](B[j,k]) + C[i,j]",
                                {"i": 13, "j": 11, "k": 7}),
+    # Schedule.materialised: a chained contraction stored over (i, f), a row statistic over i
+    "a stored chained contraction": ("Y[i,e] = sum[f](silu(sum[d](X[i,d] * W1[f,d])) * sum[d](X[i,d] * W3[f,d])"
+                                     " * W2[e,f])", {"i": 3, "f": 5, "d": 700, "e": 300}),
+    "a stored row statistic": ("dG[k] = sum[i](dY[i,k] * X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps))",
+                               {"i": 5, "k": 700, "n": 700}),
 }
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from ..algebra.properties import additive
 from ..errors import BackendError
 from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr,
-                  nodes, reads, substitute, with_children)
+                  nodes, outer_reductions, reads, substitute, with_children)
 from ..passes.lower import lower
 from ..passes.stabilise import product
 from .bounds import index_bounds, tile_tests
@@ -384,20 +384,8 @@ class _Recomputed:
 def _contracted(operand: tuple[Expr, ...]) -> tuple[tuple[str, ...], ...]:
     """The reduced indices of each contraction in `operand`, each outermost fold once
     however many of its fields the operand projects."""
-    return tuple(tuple(sorted(c.reduced)) for fold in _outermost(operand) for c in contractions(fold))
-
-
-def _outermost(exprs) -> list[Reduce]:
-    """The folds in `exprs` that no other fold there holds, each once."""
-    found: dict[Reduce, None] = {}
-    stack = list(exprs)
-    while stack:
-        e = stack.pop()
-        if isinstance(e, Reduce):
-            found.setdefault(e.fold)
-        else:
-            stack.extend(children(e))
-    return list(found)
+    folds = dict.fromkeys(n.fold for n in outer_reductions(operand))
+    return tuple(tuple(sorted(c.reduced)) for fold in folds for c in contractions(fold))
 
 
 def _weighted(operand) -> bool:
@@ -447,12 +435,12 @@ def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]
             continue
         if not additive(fold.summary):
             continue
-        for inner in _outermost(fold.args):
+        for node in outer_reductions(fold.args):
+            inner = node.fold
             missing = [g for g in grid if g not in free(inner)]
             if missing and free(inner) & set(fold.indices) and not contractions(inner) and \
-                    not _outermost(inner.args) and _reads_past_the_tile(inner, fold, grid) and \
+                    not outer_reductions(inner.args) and _reads_past_the_tile(inner, fold, grid) and \
                     not _weighted((inner,)):
-                node = next(n for n in nodes(fold) if isinstance(n, Reduce) and n.fold == inner)
                 found.append(_Recomputed(fold, missing[0], (node,), False))
     return found
 

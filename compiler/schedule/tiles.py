@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ir import Access, Reduce, children, free_indices, nodes
+from ..ir import Access, Reduce, free_indices, nodes, outer_reductions
 
 DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
@@ -135,23 +135,9 @@ def nested_width(fold, extent: Callable[[str], int], dot, memo: dict | None = No
 
 
 def _nested_in_loop(fold) -> list:
-    """The outermost folds in `fold`'s arguments that read its indices, each once: they
-    run inside its loop (the others are hoisted out of it: a row constant in a
-    gradient's sum)."""
-    found: dict = {}
-    seen: set[int] = set()
-    stack = list(fold.args)
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, Reduce):
-            if set(free_indices(e)) & set(fold.indices):
-                found.setdefault(e)
-        else:
-            stack.extend(children(e))
-    return list(found)
+    """The outermost folds in `fold`'s arguments that read its indices: they run inside
+    its loop (the others are hoisted out of it: a row constant in a gradient's sum)."""
+    return [e for e in outer_reductions(fold.args) if set(free_indices(e)) & set(fold.indices)]
 
 
 def fold_caps(fold, extent: Callable[[str], int], dot, cap: int = STREAM_BLOCK) -> list[int]:
