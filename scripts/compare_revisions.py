@@ -16,7 +16,8 @@ Prints each earlier revision's time over this tree's (> 1: this tree is
 faster) and writes the rows to $OUT/compare.json.  COMPARE_CASES=TEXT[,TEXT]
 keeps the cases whose name contains one of the texts (compiling and
 autotuning every case twice takes minutes); COMPARE_QUICK=1 takes the groups'
---quick cases.
+--quick cases; COMPARE_BASELINES=1 times the case's baselines (cuDNN, torch.compile)
+in the same rounds, and prints their time over this tree's too.
 """
 from __future__ import annotations
 
@@ -43,8 +44,12 @@ def main(names: list[str], groups: list[str]) -> None:
         backend = importlib.import_module(f"{package.__name__}.backend.triton.backend")
         backend.load = lambda source, key, interpret, load=backend.load, tag=tag: load(source, f"{key} {tag}",
                                                                                      interpret)
+        # and its own torch ops: op names are digests of the program, so under one namespace
+        # the revisions' forward and backward ops would be one op, registered once
+        importlib.import_module(f"{package.__name__}.autograd").NAMESPACE = f"einfold_{tag}"
     benches = {"new": new_bench, **{n: importlib.import_module(f"{n}.bench") for n in names}}
     rows = []
+    baselines = bool(os.environ.get("COMPARE_BASELINES"))
     for group in groups:
         quick = bool(os.environ.get("COMPARE_QUICK"))
         per_revision = {tag: bench.GROUPS[group](lambda src, p=packages[tag]: p.compile(src, backend="triton"), quick)
@@ -59,20 +64,24 @@ def main(names: list[str], groups: list[str]) -> None:
             x = cases["new"].make()
             ref = next(iter(cases["new"].baselines.values()))(x)
             errors = {tag: new_bench._error(c.ours(x), ref) for tag, c in cases.items()}
-            times = {tag: [] for tag in cases}
+            runs = {tag: c.ours for tag, c in cases.items()}
+            if baselines:
+                runs |= cases["new"].baselines
+            times = {tag: [] for tag in runs}
             for _ in range(3):
-                for tag, c in cases.items():
-                    times[tag].append(triton.testing.do_bench(lambda c=c: c.ours(x), warmup=25, rep=100,
+                for tag, run in runs.items():
+                    times[tag].append(triton.testing.do_bench(lambda run=run: run(x), warmup=25, rep=100,
                                                               return_mode="median"))
             ms = {tag: sorted(t)[1] for tag, t in times.items()}
             rows.append({"group": group, "case": name, "ms": ms, "errors": errors})
             print(f"  done {group}: {name}", flush=True)
     out = Path(os.environ.get("OUT", "."))
     (out / "compare.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print(f"{'case':40} {'new ms':>8} " + " ".join(f"{n + '/new':>18}" for n in names) + "  rel err (new)")
+    others = [n for n in rows[0]["ms"] if n != "new"] if rows else names
+    print(f"{'case':40} {'new ms':>8} " + " ".join(f"{n + '/new':>18}" for n in others) + "  rel err (new)")
     for r in rows:
         print(f"{r['group'] + ' ' + r['case']:40} {r['ms']['new']:8.3f} "
-              + " ".join(f"{r['ms'][n] / r['ms']['new']:18.3f}" for n in names) + f"  {r['errors']['new']:.1e}")
+              + " ".join(f"{r['ms'][n] / r['ms']['new']:18.3f}" for n in others) + f"  {r['errors']['new']:.1e}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import re
 from dataclasses import FrozenInstanceError
 
 import pytest
+import torch
 
 import compiler
 from compiler.random_inputs import random_inputs
@@ -197,3 +198,50 @@ def test_the_module_tiles_its_grid_as_the_schedule_decides(name):
                 assert fixed and all(int(b) == tiling.blocks[g] for b in fixed), (g, fixed)
         else:
             assert f'n["{g}"]' in grid and f"BLOCK_{g}" not in module, (g, grid)
+
+
+# ---------------------------------------------------------------- folds that share a loop
+SIBLINGS = ("A[m,k] = sum[i](exp(sum[c](X[i,c] * W[m,c])) * Y[i,k])\n"
+            "B[m,j] = sum[i](exp(sum[c](X[i,c] * W[m,c])) * Z[i,j])")
+
+
+def test_sibling_folds_that_recompute_the_same_nested_fold_share_one_loop():
+    from compiler.algebra.summary import independent_fields
+    """Two statements folding over i, each recomputing the same nested fold in every step
+    (an attention backward's dK and dV, here written without attention): one kernel over
+    the union of their grids, one loop carrying the product of their summaries, and each
+    statement its own field; values as the float64 oracle's at ragged sizes."""
+    program = compiler.compile(SIBLINGS, backend="triton", outputs=["A", "B"])
+    (kernel,) = program.schedule.kernels
+    assert [s.name for s in kernel.statements] == ["A", "B"] and set(kernel.grid) == {"m", "k", "j"}
+    (fold,) = kernel.program_folds            # exp(s) * Y: a rescaled fold each, one state
+    assert fold.summary.field_names == ("r", "u", "r_2", "u2") and len(independent_fields(fold.summary)) == 2
+    assert "A, B share one loop over (i)" in kernel.why
+    assert [str(loop) for loop in kernel.loops] == [f"loop i: {fold.summary.name} {{ loop c: sum }}"]
+    inputs = random_inputs(program.checked, {"i": 37, "m": 19, "c": 5, "k": 3, "j": 7})
+    oracle = compiler.compile(SIBLINGS, backend="reference", outputs=["A", "B"])(**inputs)
+    weights = torch.exp(inputs["W"] @ inputs["X"].T)                  # the same in torch, float32
+    for got, want, same in zip(program(**inputs), oracle, (weights @ inputs["Y"], weights @ inputs["Z"])):
+        error = ((got.double() - want.double()).abs() / want.double().abs()).max()
+        assert error <= 2 * ((same.double() - want.double()).abs() / want.double().abs()).max() + 1e-6
+
+
+def test_sibling_folds_that_share_nothing_nested_keep_their_kernels():
+    # nothing recomputed twice: one loop would only hold two accumulators at once
+    program = compiler.compile("A[m,k] = sum[i](X[i,m] * Y[i,k])\nB[m,j] = sum[i](X[i,m] * Z[i,j])",
+                               backend="triton", outputs=["A", "B"])
+    assert [[s.name for s in k.statements] for k in program.schedule.kernels] == [["A"], ["B"]]
+
+
+def test_a_product_of_summaries_keeps_each_part_apart():
+    from compiler.algebra import BUILTINS
+    from compiler.algebra.laws import require_laws
+    from compiler.algebra.summary import independent_fields, product_of
+    product, names = product_of((BUILTINS["sum"], BUILTINS["argmax"], BUILTINS["sum"]))
+    assert names == ({"acc": "acc"}, {"m": "m", "p": "p"}, {"acc": "acc_2"})
+    assert product.arity == 4 and not product.commutative
+    assert [str(e) for e in (product.lift[3], product.combine[3])] == [str(compiler.ir.Var("x3")),
+                                                                     str(BUILTINS["sum"].combine[0]).replace(
+                                                                         "acc", "acc_2")]
+    assert independent_fields(product) == (("acc",), ("m", "p"), ("acc_2",))
+    assert require_laws(product).laws.ok

@@ -235,6 +235,53 @@ def independent_fields(summary: Summary) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(fields) for fields in groups.values())
 
 
+def product_of(parts: tuple[Summary, ...]) -> tuple[Summary, tuple[dict[str, str], ...]]:
+    """The product of independent summaries: one state holding every part's fields
+    (renamed apart where two parts share a name: acc, acc_2), the parts' element
+    arguments one after the other, each part's combine on its own fields.  A product
+    of monoids is a monoid, so each part's law report stands for it (checked where
+    the part was made).  Returns it and, per part, its field names in the product."""
+    taken: set[str] = set()
+    renames: list[dict[str, str]] = []
+    for part in parts:
+        names = {}
+        for f in part.field_names:
+            new, n = f, 1
+            while new in taken:
+                n += 1
+                new = f"{f}_{n}"
+            taken.add(new)
+            names[f] = new
+        renames.append(names)
+    fields, identity, lift, combine, rescaled, blocks, notes = [], [], [], [], [], [], []
+    offset = 0
+    for part, names in zip(parts, renames):
+        arguments = {f"x{k}": f"x{k + offset}" for k in range(part.arity)}
+        states = {f"{side}.{f}": f"{side}.{g}" for f, g in names.items() for side in "ab"}
+
+        def moved(e: Expr, table=arguments) -> Expr:
+            return transform(e, lambda n: Var(table.get(n.name, n.name)) if isinstance(n, Var) else n)
+        fields += [replace(f, name=names[f.name]) for f in part.fields]
+        identity += part.identity
+        lift += [moved(e) for e in part.lift]
+        combine += [moved(e, states) for e in part.combine]
+        # a rescaled structure's and a block's formulas read x-vars and their own names
+        # (r, r_new, the block's sums), never a field
+        rescaled += [replace(rs, leader=names[rs.leader], leader_arg=moved(rs.leader_arg), weight=moved(rs.weight),
+                             values=tuple((names[f], moved(v)) for f, v in rs.values),
+                             shifts=tuple((names[f], s, names[w]) for f, s, w in rs.shifts))
+                     for rs in part.rescaled]
+        blocks += [replace(b, sums=tuple((n, moved(x)) for n, x in b.sums),
+                           fields=tuple((names[f], x) for f, x in b.fields)) for b in part.blocks]
+        notes += part.notes
+        offset += part.arity
+    product = Summary(name="_".join(p.name for p in parts), fields=tuple(fields), arity=offset,
+                      identity=tuple(identity), lift=tuple(lift), combine=tuple(combine),
+                      finalize=Var(fields[0].name), commutative=all(p.commutative for p in parts),
+                      rescaled=tuple(rescaled), blocks=tuple(blocks), notes=tuple(notes))
+    return product, tuple(renames)
+
+
 @lru_cache(maxsize=1024)
 def _field_arguments(s: Summary) -> dict[str, frozenset[int]]:
     def vars_of(e: Expr) -> set[str]:

@@ -41,15 +41,15 @@ def _real(name: str) -> sympy.Symbol:
 
 
 @lru_cache(maxsize=None)
-def acts_as_identity(summary, k: int, value: sympy.Expr) -> bool:
-    """Whether an element whose k-th argument is `value` contributes nothing to a
-    fold, whatever the other (finite) arguments: its lift is the identity, or
+def acts_as_identity(summary, masked: tuple[tuple[int, sympy.Expr], ...]) -> bool:
+    """Whether an element whose arguments k are the values `masked` ((k, value) each)
+    contributes nothing to a fold, whatever the other (finite) arguments: its lift is the identity, or
     (rescaled fields) its leader argument is the leader's identity and its weight
     is 0 for any finite leader.  Decided symbolically: each formula with the other
     arguments as finite real symbols must reduce to the identity itself (sympy's
     automatic evaluation: exp(-oo) = 0, max(-oo, y) = y, 0 * y = 0)."""
     xs = {f"x{j}": _real(f"x{j}") for j in range(summary.arity)}
-    xs[f"x{k}"] = value
+    xs.update({f"x{k}": value for k, value in masked})
     try:
         identity = {name: to_sympy(c, {}) for name, c in zip(summary.field_names, summary.identity)}
         covered = set()
@@ -144,7 +144,7 @@ def index_bounds(fold: Reduce) -> Mapping[str, tuple[Bound, ...]]:
     every where(...) with it among its conjuncts selects its else branch, wherever
     it sits in an argument (the argument itself, a factor of a product, inside an
     exponential); the argument must then be a constant that acts as the identity,
-    for any finite value of everything else (decided symbolically: _vanishes).  So
+    for any finite value of everything else (decided symbolically: _contributes_nothing).  So
     where(m <= i, x, -inf) under a softmax's max, K * where(m <= i, g, 0) under a
     sum and exp(min(where(m <= i, x, -inf) - L, 0)) * dO under a sum all bound m.
     A loop over b starts at the first and stops after the last tile where every
@@ -157,8 +157,7 @@ def index_bounds(fold: Reduce) -> Mapping[str, tuple[Bound, ...]]:
             found = _bound(c, index, fold.indices)
             if found is None or found in out.get(index, []):
                 continue
-            # one argument that acts as the identity there suffices, whatever the others are
-            if any(_masks(arg, c) and _vanishes(fold, k, arg, c) for k, arg in enumerate(fold.args)):
+            if _contributes_nothing(fold, c):
                 out.setdefault(index, []).append(found)
     return MappingProxyType({index: tuple(found) for index, found in out.items()})   # cached: read-only
 
@@ -182,8 +181,7 @@ def tile_tests(fold: Reduce) -> Mapping[str, tuple[Expr, ...]]:
         if not reads(c) or reads(c) & rest:
             continue
         for index in fold.indices:
-            if index in free_indices(c) and any(_masks(arg, c) and _vanishes(fold, k, arg, c)
-                                                for k, arg in enumerate(fold.args)):
+            if index in free_indices(c) and _contributes_nothing(fold, c):
                 out.setdefault(index, []).append(c)
     return MappingProxyType({index: tuple(tests) for index, tests in out.items()})   # cached: read-only
 
@@ -196,11 +194,22 @@ def _selects_by(e: Expr, relation: Expr) -> bool:
     return isinstance(e, Call) and e.op == "where" and relation in _conjuncts(e.args[0])
 
 
-def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
-    """Whether argument k of `fold` acts as the identity wherever `relation` fails:
-    its masks take their else branches, and what they leave must be one constant
-    whatever the rest holds (each other leaf a finite real symbol, a predicate left
-    standing a boolean one) that acts as the identity (acts_as_identity)."""
+def _contributes_nothing(fold: Reduce, relation: Expr) -> bool:
+    """Whether an element of `fold` where `relation` fails contributes nothing: one
+    masked argument that acts as the identity there suffices, whatever the others are
+    (a softmax's scores); else every argument `relation` masks, taken together (a
+    product of two sums, each over its own masked argument: dK's and dV's)."""
+    masked = [(k, _masked_value(arg, relation)) for k, arg in enumerate(fold.args) if _masks(arg, relation)]
+    masked = [(k, v) for k, v in masked if v is not None]
+    if any(acts_as_identity(fold.summary, ((k, v),)) for k, v in masked):
+        return True
+    return len(masked) > 1 and acts_as_identity(fold.summary, tuple(masked))
+
+
+def _masked_value(arg: Expr, relation: Expr) -> sympy.Expr | None:
+    """The constant `arg` is wherever `relation` fails, or None: its masks take their
+    else branches, and what they leave must be one constant whatever the rest holds
+    (each other leaf a finite real symbol, a predicate left standing a boolean one)."""
     leaves: dict[Expr, sympy.Symbol] = {}
 
     def failing(e: Expr) -> sympy.Expr | None:
@@ -221,9 +230,9 @@ def _vanishes(fold: Reduce, k: int, arg: Expr, relation: Expr) -> bool:
     try:
         masked = failing(arg)
     except (TypeError, ValueError):
-        return False
-    # one constant (no symbol left) that acts as the identity (NaN equals no identity)
-    return masked is not None and masked.is_number and acts_as_identity(fold.summary, k, masked)
+        return None
+    # one constant (no symbol left); NaN then equals no identity
+    return masked if masked is not None and masked.is_number else None
 
 
 def _predicate(e: Expr) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..algebra.properties import additive
+from ..algebra.summary import product_of
 from ..errors import BackendError
 from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr,
                   nodes, outer_reductions, reads, substitute, with_children)
@@ -112,7 +113,7 @@ class Former:
         non_outputs = {n: s for n, s in defs.items() if n not in self.outputs}
         for s in self._widest_first(non_outputs):
             last = self.kernels[-1] if self.kernels else None
-            joined = None
+            joined, sibling = None, False
             if last is not None and not last.buffers:
                 group_defs = {**non_outputs, **{t.name: t for t in last.statements}}
                 wide = inline(s.expr, group_defs, self.avoid, self.fresh_names, (s.name,))
@@ -128,11 +129,19 @@ class Former:
                     # folds' states, and the programs of the first tile of each missing grid
                     # index store it
                     joined = replace(s, expr=wide)
+                elif _siblings(last.program_folds, top_folds(expr, s.indices), grid, last.grid):
+                    # the same loop as the kernel's fold, recomputing the same nested folds
+                    # (a backward's dK beside dV): one program streams both, over the union
+                    # of their grids, and each statement stores its own indices
+                    joined, sibling = replace(s, expr=expr), True
             if joined is not None:
                 expr, stored = self._reuse(joined.expr, s.indices, exclude=last)
                 if stored and stored not in last.reads:
                     last.reads += f"; {s.name} reads {stored} instead of recomputing it per program"
-                self._join(last, replace(joined, expr=expr))
+                if sibling:
+                    self._share_loop(last, replace(joined, expr=expr))
+                else:
+                    self._join(last, replace(joined, expr=expr))
             else:
                 if s.name in reads(s.expr):
                     raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
@@ -206,6 +215,32 @@ class Former:
         k.program_folds = tuple(f for f in folds if free(f) == set(k.grid))
         k.dependent = _dependent(k.program_folds)
         k.why = _why(k.grid, epilogue, folds, len(statements)) + k.reads + k.separate
+
+    def _share_loop(self, k: _Draft, s: Assign) -> None:
+        """Join `s` to kernel `k`, whose one program fold streams the same indices as
+        the one top fold of `s` (_siblings): the two become one fold of the product of
+        their summaries (algebra.summary.product_of), so that one loop carries both states
+        and computes the nested folds they share once per tile; each statement projects
+        its own fields.  The grid is the union of both grids."""
+        theirs, = k.program_folds
+        mine, = top_folds(s.expr, s.indices)
+        grid = _grid_of(s.expr, s.indices)[0]
+        # the nested folds both recompute, spelled alike (a bound index that a grid index
+        # of one statement renamed in it is the other's name again), so each is one value
+        spelled = {alpha_key(n): n for n in nodes(theirs) if isinstance(n, Reduce)}
+        summary, names = product_of((theirs.summary, mine.summary))
+        shared = Reduce(summary, theirs.indices, theirs.args + _respelled(mine, spelled).args)
+        parts = {theirs: names[0], mine: names[1]}
+
+        def projected(node: Reduce) -> Expr:
+            return replace(shared, result=parts[node.fold][_field_of(node)])
+        k.grid += tuple(g for g in grid if g not in k.grid)
+        statements = tuple(replace(t, expr=_folds_replaced(t.expr, parts, projected))
+                           for t in k.statements + (s,))
+        k.statements = ()
+        for t in statements:
+            self._join(k, t)
+        k.why += f"; {', '.join(t.name for t in k.statements)} share one loop over ({', '.join(theirs.indices)})"
 
     def _add(self, s: Assign, buffer: bool) -> None:
         grid, folds = _grid_of(s.expr, s.indices)
@@ -443,6 +478,69 @@ def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]
                     not _weighted((inner,)):
                 found.append(_Recomputed(fold, missing[0], (node,), False))
     return found
+
+
+def _field_of(fold: Reduce) -> str:
+    """The field a fold's value is: its projection, or the field its finalize reads."""
+    return fold.result if fold.result is not None else fold.summary.finalize.name
+
+
+def _siblings(program_folds, folds: list[Reduce], grid: tuple[str, ...], kernel_grid: tuple[str, ...]) -> bool:
+    """Whether a statement whose one top fold is `folds` and whose grid is `grid` shares
+    the loop of a kernel whose one program fold is `program_folds`: both fold over the
+    same indices, each value is one field of its state, the grids differ in one index
+    each, a side of a matrix product of its own fold (so that the kernel can hold both
+    whole, tiles.held_whole_in_grid, rather than recompute one fold per tile of the
+    other's index), and both recompute a nested fold (up to index names) in every step,
+    which one loop computes once: dK[m, k] = sum[i](dS[i, m] * Q[i, k]) beside
+    dV[m, j] = sum[i](P[i, m] * dO[i, j]), whose dS and P both read the scores
+    sum[k](Q[i, k] * K[m, k])."""
+    if len(program_folds) != 1 or len(folds) != 1:
+        return False
+    theirs, mine = program_folds[0], folds[0]
+    own, other = set(grid) - set(kernel_grid), set(kernel_grid) - set(grid)
+    if len(own) != 1 or len(other) != 1 or not own <= _sides(mine) or not other <= _sides(theirs):
+        return False
+    if theirs.indices != mine.indices or free(mine) != set(grid):
+        return False
+    if not all(f.result is not None or isinstance(f.summary.finalize, Var) for f in (theirs, mine)):
+        return False
+    nested = {alpha_key(n) for n in nodes(theirs) if isinstance(n, Reduce) and n is not theirs}
+    return any(alpha_key(n) in nested for n in nodes(mine) if isinstance(n, Reduce) and n is not mine)
+
+
+def _folds_replaced(e: Expr, folds, by) -> Expr:
+    """`e` with every node of one of `folds` (a projection of it too) replaced by
+    `by(node)`; a fold's node is free of the bound indices around it (a top fold)."""
+    done: dict[int, Expr] = {}
+
+    def visit(n: Expr) -> Expr:
+        if id(n) not in done:
+            done[id(n)] = (by(n) if isinstance(n, Reduce) and n.fold in folds
+                           else with_children(n, tuple(visit(c) for c in children(n))))
+        return done[id(n)]
+    return visit(e)
+
+
+def _sides(fold: Reduce) -> set[str]:
+    """The free indices that are a row or column of one of `fold`'s own matrix products."""
+    return {i for c in contractions(fold) if c.reduced == frozenset(fold.indices) for i in c.sides}
+
+
+def _respelled(e: Expr, spelled: dict) -> Expr:
+    """`e` with each fold equal up to index names to one of `spelled` (by alpha_key)
+    written as that one, where its free indices are the same names."""
+    done: dict[int, Expr] = {}
+
+    def visit(n: Expr) -> Expr:
+        if id(n) not in done:
+            other = spelled.get(alpha_key(n)) if isinstance(n, Reduce) else None
+            if other is not None and other is not n and free(other) == free(n):
+                done[id(n)] = other
+            else:
+                done[id(n)] = with_children(n, tuple(visit(c) for c in children(n)))
+        return done[id(n)]
+    return visit(e)
 
 
 def _unread_fields_dropped(k: _Draft) -> _Draft:

@@ -233,11 +233,47 @@ def tiled_grid(kernel, extent: Callable[[str], int]) -> tuple[str, ...]:
     candidates = [g for g in kernel.grid if extent(g) > 1]
     tiled: list[str] = []
     for g in reversed([g for g in candidates if g not in batch]):
-        if len(tiled) < 2 and not any(c.clashes(g, t) for c in kernel.contractions for t in tiled):
+        if any(c.clashes(g, t) for c in kernel.contractions for t in tiled):
+            continue
+        if held_whole_in_grid(kernel, g, extent) or len([t for t in tiled if not
+                                                        held_whole_in_grid(kernel, t, extent)]) < 2:
             tiled.insert(0, g)
     if not tiled and not kernel.contractions:
         tiled = candidates[-2:]
     return tuple(tiled)
+
+
+def held_whole_in_grid(kernel, g: str, extent: Callable[[str], int]) -> bool:
+    """Whether `kernel` holds its grid index g whole (one tile, not tuned): tl.dot or a
+    rescaled fold's values read it, it fits WHOLE_MAX, and some field the kernel projects
+    does not vary over it, so that tiles of g would each recompute that field (attention's
+    r and l over the value index j; dK's sum beside dV's in one loop, over j and k).
+    Such an index is a whole tile of every program, beside the (up to two) tiled ones."""
+    n = extent(g)
+    return bool(free_tile(n, g in kernel.dot_indices, g in kernel.value_only)) and np2(n) <= WHOLE_MAX \
+        and g in lacked(kernel)
+
+
+def lacked(kernel) -> frozenset:
+    """The grid indices that some field `kernel` projects does not vary over."""
+    return frozenset(g for g in kernel.grid for st in kernel.statements for n in nodes(st.expr)
+                     if isinstance(n, Reduce) and n.result is not None and g not in free_indices(n))
+
+
+def held_whole_in_epilogue(kernel, e: str, extent: Callable[[str], int]) -> bool:
+    """Whether `kernel` loops over its epilogue index e in one whole tile: tl.dot or a
+    rescaled fold's values read it, it fits WHOLE_MAX, and a fold over e in the loop
+    recomputes folds nested in it that do not read e in every tile of e (the scores and
+    dO V^T of an attention backward's dQ, for every tile of the head dimension k)."""
+    n = extent(e)
+    return bool(free_tile(n, e in kernel.dot_indices, e in kernel.value_only)) and np2(n) <= WHOLE_MAX \
+        and _recomputed_per_tile(kernel, e)
+
+
+def _recomputed_per_tile(kernel, e: str) -> bool:
+    """Whether a fold over epilogue index e nests folds that do not read e."""
+    return any(e in free_indices(f) and any(e not in free_indices(x) for x in _nested_in_loop(f))
+               for st in kernel.statements for f in outer_reductions((st.expr,)))
 
 
 @dataclass(frozen=True)
@@ -252,8 +288,6 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
     dot = kernel.dot_indices
     tiled = tiled_grid(kernel, extent)
     streamed = streamed_width(kernel, extent) if streams(kernel) else 0
-    projections = [n for st in kernel.statements for n in nodes(st.expr)
-                   if isinstance(n, Reduce) and n.result is not None]
     blocks: dict[str, int] = {}
     whole: set[str] = set()
     cap = STREAM_BLOCK
@@ -262,9 +296,7 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
             continue
         n = np2(extent(g))
         b = free_tile(extent(g), g in dot, g in kernel.value_only)
-        if b and n <= WHOLE_MAX and any(g not in free_indices(p) for p in projections):
-            # tiles of g would each recompute the fields that do not vary over g
-            # (attention's r and l over the value index j): keep g whole
+        if held_whole_in_grid(kernel, g, extent):
             b = max(16, n)
             whole.add(g)
         if not b and streamed and contiguous(kernel, g):
@@ -350,9 +382,10 @@ def describe(kernel) -> list[str]:
     policy, as the schedule prints them."""
     dot = kernel.dot_indices
     singles = {b for f in kernel.program_folds for b in one_at_a_time(f, dot)}
-    folded = {b for f in kernel.program_folds for b in f.indices} - singles
-    loops = sorted(folded & dot)
-    rows = sorted(g for g in kernel.grid if g in dot and g not in kernel.value_only)
+    # the streamed index of an outermost contraction (the emitter tunes its tile)
+    loops = sorted({i for c in kernel.contractions if not c.bound for i in c.reduced} - singles)
+    whole = (lacked(kernel) & dot) - kernel.value_only
+    rows = sorted(g for g in kernel.grid if g in dot and g not in kernel.value_only and g not in whole)
     streamed = len(rows) == 1 and len(loops) == 1
     matmul = len(rows) == 2 and len(loops) == 1
     tiles = []
@@ -363,10 +396,17 @@ def describe(kernel) -> list[str]:
                      f"{', tuned' if streamed or matmul else ''})")
     for g in sorted(kernel.value_only):
         tiles.append(f"BLOCK_{g} = np2(n_{g}) up to {WHOLE_MAX} (values held whole), else {DOT_BLOCK}")
+    for e in kernel.epilogue:
+        if (e in dot or e in kernel.value_only) and _recomputed_per_tile(kernel, e):
+            tiles.append(f"BLOCK_{e} = np2(n_{e}) up to {WHOLE_MAX} (epilogue: a tile of it would recompute "
+                         f"the folds nested in its fold), else {DOT_BLOCK}")
+    for g in sorted(whole):
+        tiles.append(f"BLOCK_{g} = np2(n_{g}) up to {WHOLE_MAX} (a field does not vary over it: held whole), "
+                     f"else {DOT_BLOCK}")
     for b in loops:
         sizes = {k for _, k, *_ in STREAMED} if streamed else {t[2] for t in MATMUL} if matmul else {DOT_BLOCK}
         tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''})")
-    for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices - singles):
+    for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices - singles - whole):
         tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX}, {EXACT_DOT_WHOLE_MAX} for float32 without TF32 "
                      f"(nested tl.dot, whole), else {DOT_BLOCK}")
     for f in kernel.program_folds:

@@ -51,6 +51,7 @@ from ...schedule.tiles import (
     free_tile,
     grid_tiling,
     held_whole,
+    held_whole_in_epilogue,
     loop_tile,
     one_at_a_time,
     split_tile,
@@ -58,6 +59,7 @@ from ...schedule.tiles import (
     whole_tile,
 )
 from ...schedule.folds import (
+    contraction_names,
     contraction_sides,
     dot_batch_names,
     fold_parts,
@@ -959,7 +961,7 @@ class KernelEmitter:
                 ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
             else:
                 ax = self.new_axis(b, T.level + 1, "loop", self.fold_block(fold, p))
-                if b in self.contraction and self.tuned:
+                if b in self.contraction and self.tuned and b in contraction_names(fold):
                     self.tunable[ax.block_name] = ("loop", b)
             bound.append(ax)
             if ax.kind == "loop":
@@ -2068,7 +2070,10 @@ class KernelEmitter:
             epi = Scope(root, 1, dict(root.env), "epilogue")
             headers = []
             for depth, e in enumerate(spec.epilogue):
-                b = self.free_block(e) or self.loop_block(e)
+                if held_whole_in_epilogue(spec, e, self.ctx.extent):
+                    b = self.whole_block(e)
+                else:
+                    b = self.free_block(e) or self.loop_block(e)
                 ax = self.new_axis(e, 1, "epilogue", b)
                 epi.env[e] = ax
                 header = f"for start_{ax.var} in range(0, {self.extent_param(e)}, {ax.block_name}):"
