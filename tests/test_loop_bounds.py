@@ -33,6 +33,7 @@ CASES = {
     "i - m < 6": ["m > i - 6"],                                       # only a lower bound
     "m <= i + len(m) - len(i)": ["m <= i + (len(m) - len(i))"],       # bottom-right causal
     "m + start <= i": ["m <= i - start"],                             # a scalar offset (float)
+    "m < i + start": ["m < i + start"],                               # strict, rounded down: ceil - 1
     "m >= start": ["m >= start"],                                     # no other index
     "m + i < len(m)": ["m < -i + len(m)"],                            # the other index negated
     "2 * m <= i": [],                                                 # not +-1: no bound, still right

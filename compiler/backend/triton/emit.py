@@ -1309,7 +1309,7 @@ class KernelEmitter:
             outward = largest == b.upper        # rounding that widens the range
             if b.upper:
                 spare = "+ 2" if outward else "- 1"
-                rounded = f"tl.floor({clamped})" if b.op == "le" or not outward else f"tl.ceil({clamped}) - 1"
+                rounded = f"tl.floor({clamped})" if b.op == "le" or not outward else f"(tl.ceil({clamped}) - 1)"
                 return f"({rounded}.to(tl.int32) {spare})"
             spare = "- 1" if outward else "+ 1"
             return f"(tl.ceil({clamped}).to(tl.int32) {spare})"
