@@ -1063,3 +1063,22 @@ def test_the_attention_backward_holds_both_head_dimensions_whole_and_tunes_its_t
     assert all(c["BLOCK_k"] == c["BLOCK_j"] == "128" for c in tuned["einfold_dK"])
     assert len({(c["BLOCK_m"], c["BLOCK_i"]) for c in tuned["einfold_dK"]}) > 1
     assert kernels["einfold_dK"].count("tl.dot(") == 4      # scores, dO V^T, dK's and dV's products
+
+
+def test_a_slope_gradient_is_summed_in_the_loop_that_has_the_scores():
+    # ALiBi's dA[h] = sum[i, m](sum[b](dS) * |i - m|) was a kernel of its own over every
+    # score, one program per head and i one value at a time (99 ms against 6 for the rest
+    # of the backward on an H200); as partial sums over i it joins dK and dV's loop, which
+    # recomputes dS anyway, and a sum over (b, m) of one value per (b, h, m) finishes it
+    source = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale - A[h] * abs(i - m)) * V[b,h,m,j]"
+    backward = compiler.grad(source, backend="triton", saved=True, wrt=("Q", "K", "V", "A"))
+    shapes = {"Q": (2, 3, 37, 8), "K": (2, 3, 29, 8), "V": (2, 3, 29, 5), "dO": (2, 3, 37, 5)}
+    inputs = {n: randn(*s) for n, s in shapes.items()} | {"A": torch.rand(3), "scale": 0.3}
+    inputs |= {"O": randn(2, 3, 37, 5), "lse_O": randn(2, 3, 37) + 3}
+    plan = backward.plan(**inputs)
+    assert [(k.name, k.writes) for k in plan.kernels] == [
+        ("einfold_dQ", ("buf0", "dQ")), ("einfold_dK", ("dK", "dV", "buf1")), ("einfold_dA", ("dA",))]
+    assert [str(loop) for loop in plan.kernels[2].loops] == ["loop m, b: sum"]
+    oracle = compiler.grad(source, backend="reference", saved=True, wrt=("Q", "K", "V", "A"))(**inputs)
+    for got, want in zip(backward(**inputs), oracle):
+        torch.testing.assert_close(got.double(), want.double(), rtol=2e-4, atol=2e-5)

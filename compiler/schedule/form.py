@@ -38,6 +38,8 @@ from .folds import (
     contractions,
     dot_batch_names,
     fields_read,
+    flatten_mul,
+    fold_parts,
     free,
     inline,
     narrow_projections,
@@ -129,7 +131,8 @@ class Former:
                     # folds' states, and the programs of the first tile of each missing grid
                     # index store it
                     joined = replace(s, expr=wide)
-                elif _siblings(last.program_folds, top_folds(expr, s.indices), grid, last.grid):
+                elif not last.epilogue and set(s.indices) == set(grid) and \
+                        _siblings(last.program_folds, top_folds(expr, s.indices), grid, last.grid):
                     # the same loop as the kernel's fold, recomputing the same nested folds
                     # (a backward's dK beside dV): one program streams both, over the union
                     # of their grids, and each statement stores its own indices
@@ -147,6 +150,7 @@ class Former:
                     raise BackendError(f"statement '{s.name}' reads itself; the IR is not a program")
                 expr = narrow_projections(inline(s.expr, non_outputs, self.avoid, self.fresh_names, (s.name,)),
                                           s.indices)
+                expr = self._partial_sum(last, replace(s, expr=expr)) or expr
                 expr, stored = self._reuse(expr, s.indices)
                 self._add(replace(s, expr=expr), buffer=False)
                 if stored:
@@ -241,6 +245,34 @@ class Former:
         for t in statements:
             self._join(k, t)
         k.why += f"; {', '.join(t.name for t in k.statements)} share one loop over ({', '.join(theirs.indices)})"
+
+    def _partial_sum(self, k: _Draft | None, s: Assign) -> Expr | None:
+        """Where the one top fold of `s` is a sum over the indices of kernel `k`'s loop and
+        more, its partial sum over those indices, the rest of its indices among `k`'s grid,
+        joins `k`'s loop (_siblings) and is stored, and `s` sums that buffer over the rest:
+        an ALiBi slope's gradient dA[h] = sum[i, m](sum[b](dS) * |i - m|) is partial sums
+        over i beside dK and dV (which recompute dS anyway), one per (b, h, m), then a sum
+        of those over (b, m), in order (deterministic), not a score-sized fold of its own.
+        The expression of `s` then, or None."""
+        if k is None or k.buffers or k.epilogue or len(k.program_folds) != 1:
+            return None
+        folds = top_folds(s.expr, s.indices)
+        if len(folds) != 1:
+            return None
+        within = k.program_folds[0].indices
+        flat = _flattened(folds[0])
+        if not additive(flat.summary) or flat.result is not None or not set(within) < set(flat.indices):
+            return None
+        inner = Reduce(flat.summary, within, flat.args)
+        indices = tuple(g for g in k.grid if g in free(inner))
+        if not free(inner) <= set(k.grid) or not _siblings(k.program_folds, [inner], indices, k.grid):
+            return None
+        name = self._buffer_name()
+        self.buffer_indices[name] = indices
+        self._share_loop(k, Assign(name, indices, self._reuse(inner, indices, exclude=k)[0], "float"))
+        k.buffers += (name,)
+        rest = Reduce(flat.summary, tuple(i for i in flat.indices if i not in within), (Access(name, indices),))
+        return _folds_replaced(s.expr, {folds[0]}, lambda node: rest)
 
     def _add(self, s: Assign, buffer: bool) -> None:
         grid, folds = _grid_of(s.expr, s.indices)
@@ -488,25 +520,47 @@ def _field_of(fold: Reduce) -> str:
 def _siblings(program_folds, folds: list[Reduce], grid: tuple[str, ...], kernel_grid: tuple[str, ...]) -> bool:
     """Whether a statement whose one top fold is `folds` and whose grid is `grid` shares
     the loop of a kernel whose one program fold is `program_folds`: both fold over the
-    same indices, each value is one field of its state, the grids differ in one index
-    each, a side of a matrix product of its own fold (so that the kernel can hold both
-    whole, tiles.held_whole_in_grid, rather than recompute one fold per tile of the
-    other's index), and both recompute a nested fold (up to index names) in every step,
-    which one loop computes once: dK[m, k] = sum[i](dS[i, m] * Q[i, k]) beside
-    dV[m, j] = sum[i](P[i, m] * dO[i, j]), whose dS and P both read the scores
-    sum[k](Q[i, k] * K[m, k])."""
+    same indices, each value is one field of its state, both recompute a nested fold (up
+    to index names) in every step, which one loop computes once, and one program can
+    hold what the other tiles: over the union of the grids, every index some field does
+    not vary over is a side of a matrix product (held whole, tiles.held_whole_in_grid),
+    and an index every field varies over is one too (the tiles the programs share).  So
+    dK[m, k] = sum[i](dS[i, m] * Q[i, k]) joins dV[m, j] = sum[i](P[i, m] * dO[i, j]),
+    both reading the scores sum[k](Q[i, k] * K[m, k]) (one program per tile of m over
+    whole k and j), and an ALiBi slope's partial sum over i, over (b, h, m), joins them;
+    a sink's dS[h] = sum[i](...) does not: every field would be recomputed per tile of m."""
     if len(program_folds) != 1 or len(folds) != 1:
         return False
     theirs, mine = program_folds[0], folds[0]
-    own, other = set(grid) - set(kernel_grid), set(kernel_grid) - set(grid)
-    if len(own) != 1 or len(other) != 1 or not own <= _sides(mine) or not other <= _sides(theirs):
+    if grid == kernel_grid or theirs.indices != mine.indices or free(mine) != set(grid):
         return False
-    if theirs.indices != mine.indices or free(mine) != set(grid):
+    parts = fold_parts(theirs) + [mine]
+    union = set(kernel_grid) | set(grid)
+    lacked = {g for g in union if any(g not in free(p) for p in parts)}
+    sides = set().union(*(_sides(p) for p in parts))
+    if not lacked <= sides or not (union - lacked) & sides:
         return False
     if not all(f.result is not None or isinstance(f.summary.finalize, Var) for f in (theirs, mine)):
         return False
     nested = {alpha_key(n) for n in nodes(theirs) if isinstance(n, Reduce) and n is not theirs}
     return any(alpha_key(n) in nested for n in nodes(mine) if isinstance(n, Reduce) and n is not mine)
+
+
+def _flattened(fold: Reduce) -> Reduce:
+    """`fold` with the sums nested in its summed product taken into its own indices:
+    sum[I](sum[J](x) * c) is sum[I, J](x * c) where c does not read J (a sum distributes
+    over a product)."""
+    while additive(fold.summary) and fold.result is None and len(fold.args) == 1:
+        factors = flatten_mul(fold.args[0])
+        nested = [f for f in factors if isinstance(f, Reduce) and f.summary == fold.summary and f.result is None
+                  and len(f.args) == 1]
+        if len(nested) != 1:
+            break
+        rest = [f for f in factors if f is not nested[0]]
+        if set(nested[0].indices) & (set(fold.indices) | set().union(*(free(f) for f in rest))):
+            break
+        fold = Reduce(fold.summary, fold.indices + nested[0].indices, (product(rest + [nested[0].args[0]], []),))
+    return fold
 
 
 def _folds_replaced(e: Expr, folds, by) -> Expr:
