@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 import sympy
@@ -353,15 +353,17 @@ def _node_type(e: Expr, arg_types: tuple[str, ...], tensor_type: Callable[[str],
         result = op.result(arg_types)
         what = f"'{op.symbol}'" if op.syntax != "function" else f"{op.symbol}(...)"
     elif isinstance(e, Reduce):
-        fields = e.summary.field_types(arg_types) if e.result is not None and BOOL not in arg_types else {}
-        result = fields.get(e.result) or e.summary.result_type(arg_types)
+        result = e.summary.result_type(arg_types)
+        if result is not None and e.result is not None:     # a field projected (factorised IR)
+            result = e.summary.field_types(arg_types)[e.result]
         what = f"{e.summary.name}[...]"
     else:
         result = FLOAT if arg_types[0] in (INT, FLOAT) else None
         what = f"{e.op}[...]"
     if result is None and isinstance(e, Call) and e.op == "where" and arg_types[0] != BOOL:
+        article = "an" if arg_types[0] == INT else "a"
         raise CheckError(f"where(...) takes a predicate (a comparison) as its condition, "
-                         f"not a{'n' * (arg_types[0] == INT)} {arg_types[0]} value", source, e.args[0].span)
+                         f"not {article} {arg_types[0]} value", source, e.args[0].span)
     if result is None:
         logical = isinstance(e, Call) and OPS[e.op].result((BOOL,) * OPS[e.op].arity) == BOOL
         hint = ("; a predicate selects with where(cond, x, y)"
@@ -376,13 +378,13 @@ def specialised(program: Program, dtypes: Mapping[str, str]) -> Program:
     (ops.INT for an integer tensor) and every statement typed again: an integer
     input's exact arithmetic stays integral (Y[i] + 1 is an int statement).  A
     CheckError where a statement cannot take them."""
-    inputs = tuple(Input(i.name, i.rank, i.span, dtypes.get(i.name, i.dtype)) for i in program.inputs)
+    inputs = tuple(replace(i, dtype=dtypes.get(i.name, i.dtype)) for i in program.inputs)
     types = {i.name: i.dtype for i in inputs}
     statements = []
     for st in program.statements:
         types[st.name] = expression_type(st.expr, types.__getitem__, program.source)
-        statements.append(Assign(st.name, st.indices, st.expr, types[st.name], st.span))
-    return Program(tuple(statements), inputs, program.outputs, program.extents, program.source, program.notes)
+        statements.append(replace(st, dtype=types[st.name]))
+    return replace(program, inputs=inputs, statements=tuple(statements))
 
 
 def _condition_reads(statements, index_names: set[str]) -> set[str]:

@@ -93,7 +93,7 @@ class Program:
     # gradient programs, custom ops, the key torch.compile names the program by, and what
     # the cached properties made on first use; an unpickled program makes them again.
     _PER_PROCESS = frozenset(("_runners", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
-                              "_saving", "_variants"))
+                              "_saving", "_variants", "_last_typed"))
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
@@ -118,6 +118,7 @@ class Program:
         self._batches: dict[tuple[str, ...], tuple[Program, str]] = {}     # see _batched()
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
         self._variants: dict[tuple[tuple[str, str], ...], Program] = {}     # see _specialised()
+        self._last_typed = self         # the program that the last call ran (_typed): its source is shown
         self._key = f"program_{next(_keys)}"
         LIVE[self._key] = self
 
@@ -239,10 +240,8 @@ class Program:
         binding = self.binder(inputs)
         changed = tuple((i.name, binding.input_types[i.name]) for i in self.checked.inputs
                         if binding.input_types[i.name] != i.dtype)
-        if not changed:
-            return self, binding
-        program = self._specialised(changed)
-        return program, program.binder(inputs)
+        self._last_typed = self._specialised(changed) if changed else self
+        return (self, binding) if not changed else (self._last_typed, self._last_typed.binder(inputs))
 
     def _specialised(self, types: tuple[tuple[str, str], ...]) -> Program:
         """This program with the inputs `types` names of those types ((name, ops.INT):
@@ -340,8 +339,9 @@ class Program:
     def source(self) -> str:
         """The generated module: for the Triton backend, the Triton source of
         the last call (before any call, the module for float32 inputs with
-        every extent 128); for the reference backend, the IR it evaluates."""
-        return deep(lambda: self.backend.source, what="the program", source=self.text)
+        every extent 128); for the reference backend, the IR it evaluates
+        (of the program typed for the last call's integer inputs, if any)."""
+        return deep(lambda: self._last_typed.backend.source, what="the program", source=self.text)
 
     def shard(self, index: str, group=None, layout: str = "contiguous", rows: str | None = None):
         """This program with the reduction over `index` sharded across the ranks
