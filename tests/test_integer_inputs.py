@@ -136,9 +136,7 @@ def test_bool_mask_in_where_and_logic(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bool_mask_under_a_softmax_matches_masked_attention(backend):
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(5, n, generator=g) for n in (4, 4, 3))
-    k = torch.randn(7, 4, generator=g)
-    v = torch.randn(7, 3, generator=g)
+    q, k, v = torch.randn(5, 4, generator=g), torch.randn(7, 4, generator=g), torch.randn(7, 3, generator=g)
     mask = torch.rand(5, 7, generator=g) > 0.4
     mask[:, 0] = True                                   # every row keeps a key
     attention = compiler.compile("O[i, j] = softmax[m](where(M[i, m], Q[i, k] * K[m, k], -inf)) * V[m, j]",
