@@ -166,12 +166,12 @@ def _make_ops(program, kinds: tuple[str, ...]):
 
     @op.register_fake
     def _(*args):
-        binding = forward.binder(dict(zip(names, args)))
+        typed, binding = forward._typed(dict(zip(names, args)))      # integer inputs may make int results
         wide = forward.schedule_options.get("float32_outputs", ())
         shaped = tuple(torch.empty([binding.extents[i] for i in s.indices],
                                    dtype=_DTYPES.get(s.dtype) or binding.float_dtype(s.name in wide),
                                    device=binding.device)
-                       for s in outputs)
+                       for s in (typed.checked.statement(o) for o in forward.outputs))
         return shaped[0] if len(shaped) == 1 else shaped
 
     def gradient_inputs(gradient, inputs: dict, statistics, produced, upstream) -> dict:

@@ -358,12 +358,12 @@ FAMILIES = [
            ({"i": 262144, "c": 1024, "k": 64},), {"i": 65536, "c": 256, "k": 64},
            lambda n, _: 3 * n["i"] * n["c"] * n["k"], "TFLOP/s", dtype=torch.float32,
            spellings={"expanded": expanded_kmeans},
-           note="einfold's argmin is a float index, compared as a value; 3 FLOPs per (point, centre, coordinate)"),
+           note="3 FLOPs per (point, centre, coordinate)"),
     Family("linear cross-entropy", LINEAR_CROSS_ENTROPY, bench.torch_cross_entropy, make_linear_cross_entropy,
            ({"i": 8192, "k": 2048, "v": 32000},), {"i": 2048, "k": 1024, "v": 16000},
            lambda n, _: 2 * n["i"] * n["k"] * n["v"], "TFLOP/s",
            libraries={"liger fused linear CE": liger_linear_cross_entropy, "cut cross-entropy": cut_cross_entropy},
-           note="einfold reads the labels as a dense one-hot Y (no integer tensors in the language yet), "
+           note="einfold reads the labels as a dense one-hot Y here (integer labels would skip it), "
                 "the others as int64; forward only; FLOPs of the logits' matmul"),
     Family("sinkhorn step", SINKHORN, torch_sinkhorn, make_sinkhorn,
            ({"i": 4096, "j": 4096},), {"i": 2048, "j": 2048},

@@ -16,9 +16,12 @@ import torch
 
 from .errors import BindError
 from .ir import Access, Program, walk
-from .ops import BOOL, INT
+from .ops import BOOL, FLOAT, INT
 
-SUPPORTED_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+# each dtype einfold reads -> the language's type of its values (ops.FLOAT, INT, BOOL)
+DTYPE_TYPES = {**dict.fromkeys((torch.float16, torch.bfloat16, torch.float32, torch.float64), FLOAT),
+               **dict.fromkeys((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64), INT),
+               torch.bool: BOOL}
 _CPU = torch.device("cpu")
 _BYTES = {INT: 8, BOOL: 1}          # an output's bytes per element, where its dtype is not the float one
 
@@ -57,6 +60,7 @@ class Binding:
     extents: dict[str, int]          # index name -> size
     dtype: torch.dtype               # dtype of float results
     device: torch.device
+    input_types: dict[str, str]      # input name -> the type of its values (DTYPE_TYPES; numbers FLOAT)
 
     def float_dtype(self, wide: bool = False) -> torch.dtype:
         """The dtype of a float result; at least float32 for a `wide` one (an
@@ -95,15 +99,16 @@ class Binder:
         if inputs.keys() != self.declared.keys():
             self._names_error(inputs)
         src = self.program.source
-        tensor_dtypes, devices = [], set()
+        tensor_dtypes, devices, input_types = [], set(), {}
         for name, decl in self.declared.items():
             value = inputs[name]
             if isinstance(value, torch.Tensor):
                 if value.layout is not torch.strided:
                     raise BindError(f"input '{name}' is a {str(value.layout).removeprefix('torch.')} tensor; "
                                     f"einfold reads dense tensors: pass {name}.to_dense()", src, decl.span)
-                if value.dtype not in SUPPORTED_DTYPES:
+                if value.dtype not in DTYPE_TYPES:
                     raise BindError(_dtype_message(name, value.dtype), src, decl.span)
+                input_types[name] = DTYPE_TYPES[value.dtype]
                 if value.device.type == "meta":
                     raise BindError(f"input '{name}' is a meta tensor (a shape without data); pass a "
                                     f"tensor on the CPU or a GPU", src, decl.span)
@@ -111,16 +116,20 @@ class Binder:
                     raise BindError(f"input '{name}' has {_dims(value.dim())} but the program "
                                     f"reads it with {decl.rank} ind{'ex' if decl.rank == 1 else 'ices'}",
                                     src, decl.span)
-                if decl.rank and name not in self.statistics:   # nor do 0-d tensors, like numbers
+                # nor do 0-d tensors, like numbers, nor integer and bool tensors
+                if decl.rank and name not in self.statistics and value.dtype.is_floating_point:
                     tensor_dtypes.append(value.dtype)
                 devices.add(value.device)
             elif isinstance(value, Real) and not isinstance(value, bool):
                 if decl.rank != 0:
                     raise BindError(f"input '{name}' is a number but the program reads it with "
                                     f"{decl.rank} indices; pass a tensor", src, decl.span)
+                input_types[name] = FLOAT
             else:
                 raise BindError(f"input '{name}' must be a torch tensor or a number, "
                                 f"not {type(value).__name__}", src, decl.span)
+            if (input_types[name] == BOOL) != (decl.dtype == BOOL):
+                raise BindError(_condition_message(name, decl.dtype, value), src, decl.span)
         if len(devices) > 1:
             raise BindError(f"inputs live on different devices: {', '.join(sorted(map(str, devices)))}")
 
@@ -148,7 +157,7 @@ class Binder:
         device = devices.pop() if devices else _CPU
         self._check_output_sizes(extents, dtype, device)
         values = {name: readable(v) if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
-        return Binding(values, extents, dtype, device)
+        return Binding(values, extents, dtype, device, input_types)
 
     def _check_output_sizes(self, extents: dict, dtype: torch.dtype, device: torch.device) -> None:
         """Outputs that together need more memory than `device` has are refused before
@@ -186,7 +195,18 @@ class Binder:
 def _dtype_message(name: str, dtype: torch.dtype) -> str:
     hint = (f" (complex values are not supported: pass the real and imaginary parts, {name}.real and "
             f"{name}.imag, as two inputs)" if dtype.is_complex else "")
-    return f"input '{name}' has dtype {dtype}; einfold takes float16, bfloat16, float32 or float64 tensors{hint}"
+    return (f"input '{name}' has dtype {dtype}; einfold takes float16, bfloat16, float32, float64, integer "
+            f"(int8, int16, int32, int64, uint8) or bool tensors{hint}")
+
+
+def _condition_message(name: str, declared: str, value) -> str:
+    """A bool tensor where the program reads a number, or the reverse."""
+    given = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else "a number"
+    if declared == BOOL:
+        return (f"input '{name}' is read as a condition (where's first argument, or an operand of and, or, not), "
+                f"so it takes a bool tensor, not {given}; pass a comparison such as {name} != 0")
+    return (f"input '{name}' is a bool tensor but the program reads it as a number; read it as a condition "
+            f"(where({name}[...], 1, 0) counts) or pass {name}.float()")
 
 
 def bind(program: Program, inputs: Mapping[str, object]) -> Binding:

@@ -36,8 +36,8 @@ class CapturedProgram:
             raise BackendError(f"capture() needs CUDA tensors (a CUDA graph records GPU launches); "
                                f"{', '.join(off_gpu)} {'is' if len(off_gpu) == 1 else 'are'} on "
                                f"{inputs[off_gpu[0]].device.type}")
-        binding = program.binder(inputs)
-        runner = program.backend.runner(binding)
+        typed, binding = program._typed(inputs)
+        runner = typed.backend.runner(binding)
         values = {name: v.detach().clone() if isinstance(v, torch.Tensor) else v
                   for name, v in binding.values.items()}
         self.inputs = {n: v for n, v in values.items() if isinstance(v, torch.Tensor)}

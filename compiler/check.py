@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 import sympy
@@ -21,7 +21,7 @@ from . import config
 from .config import deep
 from .errors import CheckError, ImplicitSumWarning, LimitError, Span
 from .ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce,
-                 bound_indices, children, free_indices, walk, with_children)
+                 bound_indices, children, free_indices, postorder, walk, with_children)
 from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
 
 
@@ -51,6 +51,7 @@ class _Checker:
     index_names: set[str] = field(default_factory=set)
     parent: dict[str, str] = field(default_factory=dict)     # union-find over indices and tensor dims
     first_use: dict[str, Span] = field(default_factory=dict)
+    conditions: set[str] = field(default_factory=set)        # names read directly as conditions
     notes: list[ImplicitSumWarning] = field(default_factory=list)   # warnings, given once the program checks
 
     @property
@@ -66,6 +67,7 @@ class _Checker:
         if not statements:
             raise CheckError("the program has no statements", self.source, Span(0, max(1, len(self.source))))
         self._collect_index_names()
+        self.conditions = _condition_reads(statements, self.index_names)
         names = [s.name for s in statements]
         defined: dict[str, syn.Statement] = {}
         for st in statements:       # before reading: a reread of a twice-assigned name is no forward read
@@ -211,7 +213,9 @@ class _Checker:
                                  f"ind{'ex' if len(indices) == 1 else 'ices'} here but with {rank} "
                                  f"at line {first[0]}, column {first[1]}", node.span)
         else:
-            self.inputs[name] = Input(name, len(indices), node.span)
+            # an input read as a condition holds bools; any other, numbers (float until a call
+            # passes an integer tensor: Program._specialised)
+            self.inputs[name] = Input(name, len(indices), node.span, BOOL if name in self.conditions else FLOAT)
         for d, ix in enumerate(indices):
             self._union(f"{name}#{d}", ix)
         return Access(name, indices, node.span)
@@ -295,33 +299,9 @@ class _Checker:
                                          f"body does not use '{ix}'", node.span)
 
     def _type(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return INT if isinstance(e.value, int) else FLOAT
-        if isinstance(e, Index | Extent):
-            return INT
-        if isinstance(e, Access):
-            return FLOAT if e.tensor in self.inputs else self.types[e.tensor]
-        arg_types = tuple(self._type(c) for c in children(e))
-        if isinstance(e, Call):
-            op = OPS[e.op]
-            result = op.result(arg_types)
-            what = f"'{op.symbol}'" if op.syntax != "function" else f"{op.symbol}(...)"
-        elif isinstance(e, Reduce):
-            result = e.summary.result_type(arg_types)
-            what = f"{e.summary.name}[...]"
-        else:
-            result = FLOAT if arg_types[0] in (INT, FLOAT) else None
-            what = f"{e.op}[...]"
-        if result is None and isinstance(e, Call) and e.op == "where" and arg_types[0] != BOOL:
-            raise self.error(f"where(...) takes a predicate (a comparison) as its condition, "
-                             f"not a {arg_types[0]} value", e.args[0].span)
-        if result is None:
-            logical = isinstance(e, Call) and OPS[e.op].result((BOOL,) * OPS[e.op].arity) == BOOL
-            hint = ("; a predicate selects with where(cond, x, y)"
-                    if BOOL in arg_types and not logical else "")
-            raise self.error(f"{what} cannot take {' and '.join(dict.fromkeys(arg_types))} "
-                             f"operands{hint}", e.span)
-        return result
+        def tensor_type(name: str) -> str:
+            return self.inputs[name].dtype if name in self.inputs else self.types[name]
+        return expression_type(e, tensor_type, self.source)
 
     # ------------------------------------------------------------ extents
     def _find(self, x: str) -> str:
@@ -348,6 +328,81 @@ class _Checker:
             if self._find(ix) not in measured:
                 raise self.error(f"index '{ix}' has no extent: no input tensor is indexed by it "
                                  f"(directly or through a statement's result)", self.first_use[ix])
+
+
+# ---------------------------------------------------------------- types
+def expression_type(e: Expr, tensor_type: Callable[[str], str], source: str) -> str:
+    """The type (ops.FLOAT, INT or BOOL) of `e`, whose accesses read tensors of
+    `tensor_type(name)`; a CheckError at the first ill-typed node, operands first.
+    Each node object once (a lowered softmax shares its argument)."""
+    types: dict[int, str] = {}
+    for node in postorder(e, unique=True):
+        types[id(node)] = _node_type(node, tuple(types[id(c)] for c in children(node)), tensor_type, source)
+    return types[id(e)]
+
+
+def _node_type(e: Expr, arg_types: tuple[str, ...], tensor_type: Callable[[str], str], source: str) -> str:
+    if isinstance(e, Const):
+        return INT if isinstance(e.value, int) else FLOAT
+    if isinstance(e, Index | Extent):
+        return INT
+    if isinstance(e, Access):
+        return tensor_type(e.tensor)
+    if isinstance(e, Call):
+        op = OPS[e.op]
+        result = op.result(arg_types)
+        what = f"'{op.symbol}'" if op.syntax != "function" else f"{op.symbol}(...)"
+    elif isinstance(e, Reduce):
+        result = e.summary.result_type(arg_types)
+        if result is not None and e.result is not None:     # a field projected (factorised IR)
+            result = e.summary.field_types(arg_types)[e.result]
+        what = f"{e.summary.name}[...]"
+    else:
+        result = FLOAT if arg_types[0] in (INT, FLOAT) else None
+        what = f"{e.op}[...]"
+    if result is None and isinstance(e, Call) and e.op == "where" and arg_types[0] != BOOL:
+        article = "an" if arg_types[0] == INT else "a"
+        raise CheckError(f"where(...) takes a predicate (a comparison) as its condition, "
+                         f"not {article} {arg_types[0]} value", source, e.args[0].span)
+    if result is None:
+        logical = isinstance(e, Call) and OPS[e.op].result((BOOL,) * OPS[e.op].arity) == BOOL
+        hint = ("; a predicate selects with where(cond, x, y)"
+                if BOOL in arg_types and not logical else "")
+        raise CheckError(f"{what} cannot take {' and '.join(dict.fromkeys(arg_types))} "
+                         f"operands{hint}", source, e.span)
+    return result
+
+
+def specialised(program: Program, dtypes: Mapping[str, str]) -> Program:
+    """`program` (IR of any stage) with the inputs named in `dtypes` of those types
+    (ops.INT for an integer tensor) and every statement typed again: an integer
+    input's exact arithmetic stays integral (Y[i] + 1 is an int statement).  A
+    CheckError where a statement cannot take them."""
+    inputs = tuple(replace(i, dtype=dtypes.get(i.name, i.dtype)) for i in program.inputs)
+    types = {i.name: i.dtype for i in inputs}
+    statements = []
+    for st in program.statements:
+        types[st.name] = expression_type(st.expr, types.__getitem__, program.source)
+        statements.append(replace(st, dtype=types[st.name]))
+    return replace(program, inputs=inputs, statements=tuple(statements))
+
+
+def _condition_reads(statements, index_names: set[str]) -> set[str]:
+    """The tensor names read directly as a condition: where's first argument, an
+    operand of and, or, not (`where(M[i,m], x, y)`): such an input holds bools."""
+    found = set()
+    stack = [st.expr for st in statements]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, syn.Call) and node.name == "where":
+            conditions = node.args[:1]
+        elif isinstance(node, syn.Operator) and node.op in ("and", "or", "not"):
+            conditions = node.operands
+        else:
+            conditions = ()
+        found |= {c.name for c in conditions if isinstance(c, syn.Access | syn.Name) and c.name not in index_names}
+        stack.extend(_syntax_children(node))
+    return found
 
 
 # ---------------------------------------------------------------- Einstein convention

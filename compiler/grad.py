@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from .arguments import check_options, check_source, checked_outputs, checked_user_summaries, checked_wrt
 from .check import check
 from .config import deep
-from .errors import CheckError
+from .errors import BindError, CheckError
 from .ir import format_program
 from .ops import FLOAT
 from .parse import parse
@@ -57,6 +57,17 @@ class GradientProgram(Program):
         # the saved statistics (float32 beside bf16 inputs, as the saving forward stores
         # them) leave the gradients and their tensor-core operands in bf16
         self.statistic_inputs = frozenset(s.name for s in self.saved)
+
+    def _specialised(self, types: tuple[tuple[str, str], ...]) -> Program:
+        """As Program's, but an integer tensor for an input it is the gradient with
+        respect to is refused: an integer input has no gradient."""
+        for name, _ in types:
+            if name in self.wrt:
+                decl = next(i for i in self.checked.inputs if i.name == name)
+                raise BindError(f"input '{name}' is an integer tensor, which has no gradient, but this is the "
+                                f"gradient program with respect to {', '.join(self.wrt)}; make it with wrt= "
+                                f"naming float inputs only", self.checked.source, decl.span)
+        return super()._specialised(types)
 
     def _read(self, inputs: dict) -> dict:
         declared = {i.name for i in self.checked.inputs}
@@ -147,7 +158,7 @@ def saving_forward(forward) -> Statistics:
     summary without a derivative is on a path: that backward recomputes)."""
     statements = {s.name: s for s in forward.statements}
     flowing = tuple(o for o in forward.outputs if statements[o].dtype == FLOAT)
-    wrt = tuple(i.name for i in forward.inputs)
+    wrt = tuple(i.name for i in forward.inputs if i.dtype == FLOAT)
     if not flowing or not wrt:
         return Statistics((), ())
     try:

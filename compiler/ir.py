@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping
 import sympy
 
 from .errors import Span
-from .ops import OPS, PREC_ADD, PREC_ATOM, PREC_CMP, PREC_UNARY
+from .ops import FLOAT, OPS, PREC_ADD, PREC_ATOM, PREC_CMP, PREC_UNARY
 
 _node = dataclass(frozen=True, slots=True)
 
@@ -216,6 +216,9 @@ class Input:
     name: str
     rank: int
     span: Span | None = _span_field()   # first use
+    # ops.FLOAT / INT / BOOL, as Assign.dtype: bool where the program reads it as a condition,
+    # else float, or int in a program specialised to an integer tensor (Program._specialised)
+    dtype: str = FLOAT
 
 
 @_node

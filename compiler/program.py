@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from .bind import Binding
+
 from . import backend as backends
 from .algebra import Summary
 from .arguments import (LEAST_POSITIVE, MOST_POSITIVE, SCHEDULE_OPTIONS, check_options, check_source, checked_outputs,
@@ -91,7 +93,7 @@ class Program:
     # gradient programs, custom ops, the key torch.compile names the program by, and what
     # the cached properties made on first use; an unpickled program makes them again.
     _PER_PROCESS = frozenset(("_runners", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
-                              "_saving"))
+                              "_saving", "_variants", "_last_typed"))
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
@@ -115,6 +117,8 @@ class Program:
         self._gradients: dict[tuple[tuple[str, ...], bool], Program] = {}
         self._batches: dict[tuple[str, ...], tuple[Program, str]] = {}     # see _batched()
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
+        self._variants: dict[tuple[tuple[str, str], ...], Program] = {}     # see _specialised()
+        self._last_typed = self         # the program that the last call ran (_typed): its source is shown
         self._key = f"program_{next(_keys)}"
         LIVE[self._key] = self
 
@@ -221,13 +225,44 @@ class Program:
             key, _ = self._key_of(inputs)
         runner = self._runners.get(key)
         if runner is None:
-            binding = self.binder(inputs)
-            runner = deep(lambda: self.backend.runner(binding), what="the program", source=self.text)
+            program, binding = self._typed(inputs)
+            runner = deep(lambda: program.backend.runner(binding), what="the program", source=self.text)
             self._runners[key] = runner
         results = runner(inputs)
         if len(self.outputs) == 1:
             return results[self.outputs[0]]
         return tuple(results[name] for name in self.outputs)
+
+    def _typed(self, inputs: dict) -> tuple[Program, Binding]:
+        """(the program that runs `inputs`: this one, or where an integer tensor comes for
+        an input it reads as a float, its specialisation to such inputs (_specialised);
+        `inputs` bound to that program)."""
+        binding = self.binder(inputs)
+        changed = tuple((i.name, binding.input_types[i.name]) for i in self.checked.inputs
+                        if binding.input_types[i.name] != i.dtype)
+        self._last_typed = self._specialised(changed) if changed else self
+        return (self, binding) if not changed else (self._last_typed, self._last_typed.binder(inputs))
+
+    def _specialised(self, types: tuple[tuple[str, str], ...]) -> Program:
+        """This program with the inputs `types` names of those types ((name, ops.INT):
+        an integer tensor), made on first use and kept: its IR typed again
+        (check.specialised), then the passes.  Integers stay exact in it (a comparison
+        with an index compares integers) and a statement on integers alone is an int;
+        its kernels read the integer tensors as such."""
+        found = self._variants.get(types)
+        if found is None:
+            from .check import specialised
+            found = object.__new__(type(self))
+            found.__dict__.update(self.__getstate__())
+            typed = deep(lambda: specialised(self.checked, dict(types)), what="the program", source=self.text)
+            if self.trace[0][0] == "check":
+                found.trace = deep(lambda: _passes_of(typed), what="the program", source=self.text)
+            else:           # a rewrite's IR (a sharded program's parts): already past the passes
+                found.trace = (("rewrite", typed),)
+            found.checked, found.factorised = found.trace[0][1], found.trace[-1][1]
+            found._start_runtime()
+            self._variants[types] = found
+        return found
 
     def _gradient(self, wrt: tuple[str, ...], saved: bool = False) -> Program:
         """The gradient program for inputs `wrt`, reading the statistics that
@@ -297,15 +332,16 @@ class Program:
         for these sizes."""
         if args:
             self._positional_error(args)
-        binding = self.binder(inputs)
-        return deep(lambda: self.backend.plan(binding), what="the program", source=self.text)
+        program, binding = self._typed(inputs)
+        return deep(lambda: program.backend.plan(binding), what="the program", source=self.text)
 
     @property
     def source(self) -> str:
         """The generated module: for the Triton backend, the Triton source of
         the last call (before any call, the module for float32 inputs with
-        every extent 128); for the reference backend, the IR it evaluates."""
-        return deep(lambda: self.backend.source, what="the program", source=self.text)
+        every extent 128); for the reference backend, the IR it evaluates
+        (of the program typed for the last call's integer inputs, if any)."""
+        return deep(lambda: self._last_typed.backend.source, what="the program", source=self.text)
 
     def shard(self, index: str, group=None, layout: str = "contiguous", rows: str | None = None):
         """This program with the reduction over `index` sharded across the ranks
@@ -400,8 +436,13 @@ def _choose_triton_interpreter() -> None:
 
 def _front_end(syntax, outputs, summaries) -> tuple[tuple[str, IRProgram], ...]:
     """The trace of the front end: ("check", IR), then (pass name, IR) per pass."""
-    trace = [("check", check(syntax, outputs=outputs, summaries=summaries))]
-    run_pipeline(trace[0][1], observe=lambda name, ir: trace.append((name, ir)))
+    return _passes_of(check(syntax, outputs=outputs, summaries=summaries))
+
+
+def _passes_of(checked: IRProgram) -> tuple[tuple[str, IRProgram], ...]:
+    """("check", `checked`), then (pass name, IR) per pass."""
+    trace = [("check", checked)]
+    run_pipeline(checked, observe=lambda name, ir: trace.append((name, ir)))
     return tuple(trace)
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 
 from .ir import Program
+from .ops import BOOL
 
 DEFAULT_EXTENT = 16
 
 
 def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float32, seed: int = 0,
                   device="cpu") -> dict[str, torch.Tensor | float]:
-    """Standard-normal tensors for every input (numbers for rank-0 inputs).
-    Indices sharing an extent take the size given for any of them."""
+    """Standard-normal tensors for every input (numbers for rank-0 inputs), a
+    random mask for an input read as a condition (bool).  Indices sharing an
+    extent take the size given for any of them."""
     symbols = dict(program.extents)
     by_symbol = {symbols[i]: n for i, n in sizes.items() if i in symbols}
     generator = torch.Generator().manual_seed(seed)
@@ -23,7 +25,8 @@ def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float3
             continue
         access = _first_access(program, decl.name)
         shape = [by_symbol.get(symbols[i], DEFAULT_EXTENT) for i in access]
-        inputs[decl.name] = torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
+        values = torch.randn(shape, generator=generator, dtype=torch.float64)
+        inputs[decl.name] = (values > 0 if decl.dtype == BOOL else values.to(dtype)).to(device)
     return inputs
 
 

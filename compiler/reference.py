@@ -230,7 +230,8 @@ def _run(program, inputs, extents, outputs, chunking):
     for decl in program.inputs:
         value = inputs[decl.name]
         t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
-        values[decl.name] = Labelled(t.to("cpu", torch.float64), ())
+        # integers as int64 (exact, as torch compares and adds them), bools as bools
+        values[decl.name] = Labelled(t.to("cpu", _RESULT_DTYPES.get(decl.dtype, torch.float64)), ())
     evaluator = _Evaluator(values, extents, chunking)
     results = {}
     for st in program.statements:

@@ -204,7 +204,7 @@ def meta_binding(src, sizes, dtype, outputs=None, split=None):
         access = next(n for st in ref.checked.statements for n in walk(st.expr)
                       if isinstance(n, Access) and n.tensor == decl.name)
         inputs[decl.name] = torch.empty([extents[i] for i in access.indices], dtype=dtype, device="meta")
-    return backend, Binding(inputs, extents, dtype, torch.device("cpu"))
+    return backend, Binding(inputs, extents, dtype, torch.device("cpu"), {name: "float" for name in inputs})
 
 
 def test_the_launch_checker_finds_an_unbound_tile():

@@ -54,7 +54,7 @@ def tiny_inputs(family, dtype=torch.float64, device="cpu"):
 
 
 def assert_same(got, want, rtol=1e-9, atol=1e-9):
-    """One output or several (a tuple), value by value; an argmin's float index against torch's int64."""
+    """One output or several (a tuple), value by value."""
     if isinstance(want, tuple):
         assert isinstance(got, tuple) and len(got) == len(want)
         for g, w in zip(got, want):

@@ -188,15 +188,21 @@ def test_predicate_used_as_a_number():
 
 
 def test_number_used_as_a_predicate():
-    msg = check_error("C[i] = where(A[i], 1.0, 0.0)")
+    msg = check_error("C[i] = where(A[i] * 2.0, 1.0, 0.0)")
     assert "where(...) takes a predicate (a comparison) as its condition, not a float value" in msg
+    assert pointed(msg) == "A[i] * 2.0"
+
+
+def test_float_tensor_for_an_input_read_as_a_condition():
+    msg = bind_error("C[i] = where(A[i], 1.0, 0.0)", A=torch.randn(3))
+    assert "input 'A' is read as a condition" in msg and "takes a bool tensor, not a torch.float32 tensor" in msg
     assert pointed(msg) == "A[i]"
 
 
 def test_logic_on_numbers():
-    msg = check_error("C[i] = where(A[i] and B[i], 1.0, 0.0)")
+    msg = check_error("C[i] = where(A[i] + 1.0 and B[i] - 1.0, 1.0, 0.0)")
     assert "'and' cannot take float operands" in msg
-    assert pointed(msg) == "A[i] and B[i]"
+    assert pointed(msg) == "A[i] + 1.0 and B[i] - 1.0"
 
 
 def test_reduction_of_a_predicate():
@@ -316,10 +322,11 @@ def test_number_for_a_tensor():
     assert "input 'A' is a number but the program reads it with 1 indices; pass a tensor" in msg
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e5m2])
 def test_unsupported_dtype(dtype):
     msg = bind_error(MATMUL, A=torch.zeros(2, 3, dtype=dtype), B=torch.randn(3, 4))
-    assert f"input 'A' has dtype {dtype}; einfold takes float16, bfloat16, float32 or float64" in msg
+    assert (f"input 'A' has dtype {dtype}; einfold takes float16, bfloat16, float32, float64, integer "
+            f"(int8, int16, int32, int64, uint8) or bool tensors") in msg
     assert pointed(msg) == "A[i, k]"
 
 

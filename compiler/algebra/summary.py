@@ -175,10 +175,11 @@ class Summary:
         return part, used
 
     def result_type(self, arg_types: tuple[str, ...]) -> str | None:
-        """Builtins keep their argument's type (an integer sum stays integral)."""
-        if any(t not in ("int", "float") for t in arg_types):
+        """The type of finalize over the fields' types (field_types): an integer sum
+        stays integral, argmax's position is an int; None for non-number arguments."""
+        if any(t not in (INT, FLOAT) for t in arg_types):
             return None
-        return arg_types[0] if self.name in BUILTINS and len(arg_types) == 1 else FLOAT
+        return formula_type(self.finalize, self.field_types(arg_types))
 
     def field_types(self, arg_types: tuple[str, ...]) -> dict[str, str]:
         """The type each field holds when the elements have `arg_types`: a field is

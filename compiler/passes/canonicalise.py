@@ -534,8 +534,8 @@ class ExpressionTypes:
     """The type (int or float) of an expression of a program, memoised: a chain whose
     float terms cancel keeps its type (rule 3)."""
 
-    def __init__(self, statement_types: dict[str, str]):
-        self.statement_types = statement_types
+    def __init__(self, tensor_types: dict[str, str]):
+        self.tensor_types = tensor_types          # inputs and statements
         self.types: dict[Expr, str | None] = {}
 
     def __call__(self, e: Expr) -> str | None:
@@ -545,7 +545,7 @@ class ExpressionTypes:
             elif isinstance(e, Index | Extent):
                 self.types[e] = INT
             elif isinstance(e, Access):
-                self.types[e] = self.statement_types.get(e.tensor, FLOAT)     # inputs are float
+                self.types[e] = self.tensor_types[e.tensor]
             elif isinstance(e, Composite):
                 self.types[e] = FLOAT
             else:
@@ -599,7 +599,7 @@ class _Binders:
 
 def canonicalise(program: Program) -> Program:
     binders = _Binders(dict(program.extents))
-    types = ExpressionTypes({s.name: s.dtype for s in program.statements})
+    types = ExpressionTypes({t.name: t.dtype for t in (*program.inputs, *program.statements)})
     statements = tuple(
         replace(s, expr=_linear_forms(order_operands(decide_signs(orient_masks(
             binders.rename(transform(s.expr, natural_base)), types)), types), types))

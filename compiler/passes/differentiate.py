@@ -280,6 +280,11 @@ class _Differentiator:
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise self.error(f"cannot differentiate with respect to '{name}': it is not an input of the "
                                  f"program{hint} (the program's inputs are: {', '.join(inputs) or 'none'})")
+            if inputs[name].dtype != FLOAT:
+                what = "holds bools (the program reads it as a condition)" if inputs[name].dtype == BOOL \
+                    else "is an integer tensor"
+                raise self.error(f"cannot differentiate with respect to '{name}': it {what}, which has no "
+                                 f"gradient", inputs[name].span)
         if len(set(self.wrt)) != len(self.wrt):
             twice = next(n for n in self.wrt if self.wrt.count(n) > 1)
             raise self.error(f"wrt names '{twice}' twice")

@@ -838,6 +838,13 @@ class KernelEmitter:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0{hint})")
         else:
             place.lines.append(f"{raw} = tl.load({address}{hint})")
+        if info.dtype == torch.bool:
+            return Value(raw, target, "bool", zero=frozenset(dims(target)), tensor=e.tensor)
+        if not info.dtype.is_floating_point:
+            # integers compute exactly, in 64 bits as the oracle does (a label compared with an
+            # index never passes through a float)
+            code = raw if info.dtype == torch.int64 else f"{raw}.to(tl.int64)"
+            return Value(code, target, "int", zero=frozenset(dims(target)), tensor=e.tensor)
         stored = TL_DTYPES.get(info.dtype)
         code = raw if stored == self.ctx.cdt else f"{raw}.to({self.ctx.cdt})"
         return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)),
