@@ -3,6 +3,7 @@
     from compiler import nn                  # (`import compiler` alone stays free of torch)
     norm = nn.RMSNorm(4096)                  # torch.nn.RMSNorm's signature and state dict
     attend = nn.Attention(is_causal=True)    # F.scaled_dot_product_attention's semantics
+    loss = nn.FusedLinearCrossEntropy()      # F.cross_entropy(hidden @ weight.T, target), no logits
     layer = nn.Module("Y[i,o] = X[i,c] * W[o,c] + B[o]",
                       parameters={"W": torch.randn(64, 32), "B": torch.zeros(64)})
 
@@ -15,12 +16,15 @@ unchanged.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 
 import torch
 
+from .bind import DTYPE_TYPES
 from .errors import BindError, CheckError
+from .ops import INT
 from .program import Program, compile as compile_program
 
 
@@ -192,3 +196,98 @@ class Attention(_ByRank):
 
     def extra_repr(self) -> str:
         return f"is_causal={self.is_causal}, scale={self.scale}"
+
+
+@functools.cache
+def _compiled(source: str, backend: str) -> Program:
+    return compile_program(source, backend=backend)
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """Cross-entropy of the logits `hidden @ weight.T + bias` against class labels,
+    as `F.cross_entropy`, without the [tokens, vocab] logits in memory: the logsumexp
+    over the vocabulary streams the contraction (as FlashAttention streams the scores),
+    and the derived backward recomputes them tile by tile.
+
+    Args:
+        ignore_index: a label whose rows count for nothing, in the loss and in the
+            mean's count (a mean over no rows is NaN, as torch's).
+        label_smoothing: eps in torch's (1 - eps) * nll + eps * mean over classes of
+            -log p.
+        z_loss: adds z_loss * logsumexp(logits)^2 a row (PaLM's z-loss, Liger-Kernel's
+            `lse_square_scale`).
+        softcap: logits = softcap * tanh(logits / softcap) before the softmax (Gemma 2);
+            None: none.
+        reduction: "mean" (over the rows not ignored), "sum" or "none" (one loss a row,
+            0 at ignored rows).
+        backend: as `compiler.compile`.
+
+    `forward(hidden, weight, target, bias=None)` takes hidden states [..., d], the
+    classifier weight [v, d] (`lm_head.weight`), integer labels of the leading shape
+    (any integer dtype, compared exactly) and an optional bias [v]: `F.linear`'s order
+    followed by `F.cross_entropy`'s, where Liger-Kernel's
+    `LigerFusedLinearCrossEntropyLoss` takes the weight first.  A label outside [0, v)
+    other than `ignore_index` picks no logit, its row's loss is the logsumexp alone
+    (unchecked: checking would synchronise with the device).
+
+    Raises:
+        CheckError: an unknown reduction.
+        BindError: float labels, or shapes that do not fit.
+    """
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 softcap: float | None = None, reduction: str = "mean", *, backend: str = "auto") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise CheckError(f"FusedLinearCrossEntropy's reduction is 'mean', 'sum' or 'none', "
+                             f"not {reduction!r}")
+        self.ignore_index = int(ignore_index)
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.reduction = reduction
+        self.backend = backend
+
+    def source(self, rank: int, bias: bool = False) -> str:
+        """The program for hidden states of this rank (with a bias or without).  The
+        ignored label is a literal, so it is compared as an integer."""
+        if rank < 2:
+            raise BindError(f"FusedLinearCrossEntropy takes [..., d] hidden states; got rank {rank}")
+        rows = ", ".join(_indices("t", rank - 1))
+        logits = f"sum[d](H[{rows}, d] * W[v, d])" + (" + B[v]" if bias else "")
+        if self.softcap is not None:
+            logits = f"softcap * tanh(({logits}) / softcap)"
+        ignored = f"Y[{rows}] == {self.ignore_index}"
+        label_logit = f"sum[v](where(v == Y[{rows}], Z[{rows}, v], 0))"
+        row_loss = f"lse[{rows}] - {label_logit}"
+        if self.label_smoothing:
+            row_loss = f"lse[{rows}] - (1 - smoothing) * {label_logit} - smoothing * mean[v](Z[{rows}, v])"
+        if self.z_loss:
+            row_loss += f" + z_loss * lse[{rows}] ** 2"
+        lines = [f"Z[{rows}, v] = {logits}",
+                 f"lse[{rows}] = logsumexp[v](Z[{rows}, v])",
+                 f"L[{rows}] = where({ignored}, 0, {row_loss})"]
+        # the total is a statement of its own: divided in the same statement, its
+        # derivative would read each row's loss (as L ** 0) and the backward recompute it
+        if self.reduction == "sum":
+            lines.append(f"loss = sum[{rows}](L[{rows}])")
+        elif self.reduction == "mean":
+            lines += [f"total = sum[{rows}](L[{rows}])",
+                      f"loss = total / sum[{rows}](where({ignored}, 0, 1))"]
+        return "\n".join(lines)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if DTYPE_TYPES.get(target.dtype) != INT:
+            raise BindError(f"FusedLinearCrossEntropy takes integer class labels; "
+                            f"the target is {target.dtype}")
+        program = _compiled(self.source(hidden.dim(), bias is not None), self.backend)
+        inputs = {"H": hidden, "W": weight, "Y": target, "B": bias,
+                  "softcap": self.softcap, "smoothing": self.label_smoothing, "z_loss": self.z_loss}
+        # a variant reads only the inputs of its options
+        read = {i.name for i in program.checked.inputs}
+        return program(**{name: value for name, value in inputs.items() if name in read})
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"z_loss={self.z_loss}, softcap={self.softcap}, reduction={self.reduction!r}")

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
 
 
 def randn(*shape, seed=0, dtype=torch.float64):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
 def same_gradients(ours, theirs, inputs, tol):
@@ -119,3 +119,124 @@ def test_wrong_names_and_shapes_are_einfold_errors():
         nn.RMSNorm(5, backend="reference")(randn(3, 4))
     with pytest.raises(compiler.BindError, match="rank 1"):
         nn.Attention(backend="reference")(randn(3), randn(3), randn(3))
+
+
+def torch_linear_cross_entropy(hidden, weight, target, bias, ignore_index=-100, label_smoothing=0.0,
+                               z_loss=0.0, softcap=None, reduction="mean"):
+    """F.cross_entropy of the materialised logits, with the z-loss (reduced as the loss
+    is) and the softcap written out."""
+    logits = hidden @ weight.T + (0 if bias is None else bias)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    rows, labels = logits.reshape(-1, weight.shape[0]), target.reshape(-1).long()
+    loss = F.cross_entropy(rows, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction=reduction)
+    kept = labels != ignore_index
+    z = torch.where(kept, z_loss * torch.logsumexp(rows, dim=1) ** 2, 0)
+    z = {"none": z.reshape(target.shape), "sum": z.sum(), "mean": z.sum() / kept.sum()}[reduction]
+    return loss + z
+
+
+def same_loss_and_gradients(module, hidden, weight, target, bias=None, tol=F64):
+    """Value and the gradients of the hidden states, the weight and the bias agree with
+    torch on float64 copies (the module's own inputs may be of a narrower dtype)."""
+    options = {name: getattr(module, name)
+               for name in ("ignore_index", "label_smoothing", "z_loss", "softcap", "reduction")}
+    floats = [x for x in (hidden, weight, bias) if x is not None]
+    ours = [x.clone().requires_grad_() for x in floats]
+    theirs = [x.detach().double().requires_grad_() for x in floats]
+    loss = module(ours[0], ours[1], target, *ours[2:])
+    want = torch_linear_cross_entropy(theirs[0], theirs[1], target, *(theirs[2:] or [None]), **options)
+    torch.testing.assert_close(loss.double(), want, equal_nan=True, **tol)
+    upstream = randn(*want.shape, seed=9)
+    loss.backward(upstream.to(loss.dtype))
+    want.backward(upstream)
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x.grad.double(), y.grad, **tol)
+
+
+def labels(*shape, classes, ignored=(), seed=0):
+    y = torch.randint(classes, shape, generator=torch.Generator().manual_seed(seed))
+    y.view(-1)[list(ignored)] = -100
+    return y
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-2, "softcap": 3.0}],
+                         ids=["plain", "smoothing-zloss-softcap"])
+def test_fused_linear_cross_entropy_is_torchs(options, reduction):
+    module = nn.FusedLinearCrossEntropy(reduction=reduction, backend="reference", **options)
+    same_loss_and_gradients(module, randn(13, 8), randn(19, 8, seed=1),
+                            labels(13, classes=19, ignored=[2, 5]), randn(19, seed=2))
+
+
+def test_fused_linear_cross_entropy_names_leading_indices_and_ignores_any_label():
+    # [2, 7, 8] hidden states, a transposed view; class 3 is the ignored label, a class like any other
+    module = nn.FusedLinearCrossEntropy(ignore_index=3, label_smoothing=0.2, backend="reference")
+    same_loss_and_gradients(module, randn(7, 2, 8).transpose(0, 1), randn(23, 8, seed=1),
+                            labels(2, 7, classes=5, seed=4))
+    assert "L[t0, t1] = where(Y[t0, t1] == 3, 0," in module.source(3)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_linear_cross_entropy_of_only_ignored_rows_is_torchs(reduction):
+    # the mean of no rows is NaN, as torch's; the gradients are zero
+    module = nn.FusedLinearCrossEntropy(reduction=reduction, z_loss=1e-2, backend="reference")
+    same_loss_and_gradients(module, randn(7, 8), randn(19, 8, seed=1), torch.full((7,), -100),
+                            randn(19, seed=2))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_linear_cross_entropy_on_the_triton_backend(reduction):
+    module = nn.FusedLinearCrossEntropy(reduction=reduction, label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
+    same_loss_and_gradients(module, randn(11, 8), randn(37, 8, seed=1), labels(11, classes=37, ignored=[4]),
+                            randn(37, seed=2), tol={"rtol": 1e-7, "atol": 1e-7})
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_fused_linear_cross_entropy_labels_past_256_are_exact_beside_bfloat16(backend):
+    # bfloat16 holds 257 as 256 and 259 as 260: a label that went through the logits'
+    # dtype would pick its neighbour's logit
+    y = torch.tensor([257, 259, 261, 299, 263, 7, 258], dtype=torch.int32)
+    module = nn.FusedLinearCrossEntropy(reduction="none", backend=backend)
+    hidden, weight = randn(7, 8, dtype=torch.bfloat16), randn(300, 8, seed=1, dtype=torch.bfloat16)
+    same_loss_and_gradients(module, hidden, weight, y, tol={"rtol": 2e-2, "atol": 2e-2})
+    rounded = y.to(torch.bfloat16).long().clamp(max=299)
+    assert (torch_linear_cross_entropy(hidden.double(), weight.double(), rounded, None, reduction="none")
+            - module(hidden, weight, y).double()).abs().max() > 0.5
+
+
+def test_fused_linear_cross_entropy_keeps_no_logits_in_memory():
+    module = nn.FusedLinearCrossEntropy(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
+    schedule = nn._compiled(module.source(2, bias=True), module.backend).schedule
+    assert len(schedule.kernels) == 1 and schedule.buffers == ()
+
+
+def test_fused_linear_cross_entropy_compiles_each_variant_once():
+    # an ignored label no other test uses: a variant of its own
+    a, b = (nn.FusedLinearCrossEntropy(ignore_index=-7, backend="reference") for _ in range(2))
+    hidden, weight, y = randn(7, 8), randn(19, 8, seed=1), labels(7, classes=19)
+    compiled = nn._compiled.cache_info().currsize
+    a(hidden, weight, y)
+    b(hidden, weight, y)
+    a(hidden[:5], weight, y[:5])
+    assert nn._compiled.cache_info().currsize == compiled + 1
+    a(hidden, weight, y, randn(19, seed=2))
+    assert nn._compiled.cache_info().currsize == compiled + 2
+
+
+def test_fused_linear_cross_entropy_rejects_bad_inputs_with_einfold_errors():
+    with pytest.raises(compiler.CheckError, match="'avg'"):
+        nn.FusedLinearCrossEntropy(reduction="avg")
+    module = nn.FusedLinearCrossEntropy(backend="reference")
+    hidden, weight = randn(7, 8), randn(19, 8, seed=1)
+    with pytest.raises(compiler.BindError, match="integer class labels"):
+        module(hidden, weight, torch.zeros(7))
+    with pytest.raises(compiler.BindError, match="extent"):
+        module(hidden, weight, labels(6, classes=19))
+    with pytest.raises(compiler.BindError, match="extent"):
+        module(hidden, randn(19, 5), labels(7, classes=19))
+    with pytest.raises(compiler.BindError, match="dimensions"):
+        module(hidden, weight, labels(7, 1, classes=19))
+    with pytest.raises(compiler.BindError, match="rank 1"):
+        module(hidden[0], weight, labels(classes=19))
