@@ -245,3 +245,24 @@ def test_a_product_of_summaries_keeps_each_part_apart():
                                                                          "acc", "acc_2")]
     assert independent_fields(product) == (("acc",), ("m", "p"), ("acc_2",))
     assert require_laws(product).laws.ok
+
+
+@pytest.mark.parametrize("source, wrt, extents, stored", [
+    # the SwiGLU block at a real size: silu(X W1) * (X W3) stored once, [i, f] no larger than W1
+    ("Y[i,e] = sum[f](silu(sum[d](X[i,d] * W1[f,d])) * sum[d](X[i,d] * W3[f,d]) * W2[e,f])", None,
+     {"i": 4096, "d": 4096, "f": 11008, "e": 4096}, True),
+    # a fused linear cross-entropy's backward at a wide hidden dimension: storing dZ would be
+    # [tokens, vocab], 3x its weight; the tiles recompute it instead
+    ("Z[t,v] = sum[d](H[t,d] * W[v,d])\nL[t] = logsumexp[v](Z[t,v]) - sum[v](where(v == Y[t], Z[t,v], 0))\n"
+     "S[] = sum[t](L[t])", ("H", "W"), {"t": 8192, "d": 2048, "v": 32000}, False),
+    # attention's backward at a head dimension of 1024: no score-sized buffer
+    ("O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]", ("Q", "K", "V"),
+     {"b": 1, "h": 2, "i": 4096, "m": 4096, "k": 1024, "j": 1024}, False),
+])
+def test_a_store_never_outgrows_the_largest_input(source, wrt, extents, stored):
+    program = (compiler.compile(source, backend="triton") if wrt is None
+               else compiler.grad(source, backend="triton", saved=True, wrt=wrt))
+    schedule = program.schedule
+    assert schedule.materialised is not None
+    chosen = schedule.for_extents(lambda index: extents[index.split("_")[0]])
+    assert (chosen is schedule.materialised) == stored

@@ -11,10 +11,11 @@ Schedule to a call's signature (tile sizes, splits) and reports what it
 launches as a Plan."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ir import Assign, Program, Reduce, format_expr, nodes
+from ..ir import Access, Assign, Program, Reduce, format_expr, nodes
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
 from .tiles import CHAIN_BREAK, WHOLE_MAX, describe, recompute_costs
@@ -73,7 +74,8 @@ class KernelSchedule:
         for g, work in self.recomputes:
             lines.append(f"  every tile of {g} recomputes {len(work)} fold(s) nested in another: the "
                          f"materialised schedule where (ceil(n_{g} / {WHOLE_MAX}) - 1) * "
-                         f"({' + '.join('*'.join(f'n_{r}' for r in reduced) for reduced in work)}) > {CHAIN_BREAK}")
+                         f"({' + '.join('*'.join(f'n_{r}' for r in reduced) for reduced in work)}) > {CHAIN_BREAK} "
+                         f"and no buffer it adds outgrows the largest input")
         lines += describe(self)
         lines += [f"  {loop}" for loop in self.loops]
         return "\n".join(lines)
@@ -96,11 +98,21 @@ class Schedule:
     def for_extents(self, extent: Callable[[str], int]) -> Schedule:
         """The schedule to run at these extents: the materialised one where some kernel's
         tiles would recompute nested folds at a cost above storing them
-        (tiles.recompute_costs), else this one."""
-        if self.materialised is not None and any(recompute_costs(extent, g, work) for k in self.kernels
-                                                 for g, work in k.recomputes):
-            return self.materialised
-        return self
+        (tiles.recompute_costs) and no buffer it adds holds more elements than the
+        largest tensor the program reads (a store never outgrows the inputs: a fused
+        linear cross-entropy's backward at a wide hidden dimension would store
+        [tokens, vocab] logits, an attention backward at a wide head dimension its
+        scores), else this one."""
+        if self.materialised is None or not any(recompute_costs(extent, g, work) for k in self.kernels
+                                                for g, work in k.recomputes):
+            return self
+        inputs = {i.name for i in self.program.inputs}
+        largest = max((math.prod(extent(i) for i in n.indices) for s in self.program.statements
+                       for n in nodes(s.expr) if isinstance(n, Access) and n.tensor in inputs), default=0)
+        added = [indices for name, indices in self.materialised.buffer_indices if name not in self.buffers]
+        if any(math.prod(extent(i) for i in indices) > largest for indices in added):
+            return self
+        return self.materialised
 
     def indices_of(self, buffer: str) -> tuple[str, ...]:
         return dict(self.buffer_indices)[buffer]
