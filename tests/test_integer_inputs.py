@@ -201,3 +201,17 @@ def test_no_gradient_with_respect_to_an_input_read_as_a_condition():
     assert compiler.grad(source, backend="reference").wrt == ("X",)
     with pytest.raises(CheckError, match=r"cannot differentiate with respect to 'M': it holds bools"):
         compiler.grad(source, wrt=("M",), backend="reference")
+
+
+def test_an_integer_matrix_in_a_half_precision_product_stays_exact():
+    # a tl.dot takes its operands in the stored dtype of its loaded matrices (bfloat16 x
+    # bfloat16 on tensor cores); an integer matrix beside a bfloat16 one was converted to
+    # bfloat16, rounding every count past 256 (the GPU's module, built here: nothing runs)
+    program = compiler.compile("Y[i,j] = sum[c](X[i,c] * N[c,j])", backend="triton")
+    inputs = {"X": torch.randn(256, 128, dtype=torch.bfloat16), "N": torch.randint(0, 1000, (128, 256))}
+    typed, binding = program._typed(inputs)
+    module = typed.backend.source_for(binding, sm_count=132)
+    assert "tl.dot(" in module and ".to(tl.bfloat16)" not in module
+    assert 'input_precision="ieee"' in module                    # float32 operands, not TF32
+    both = {"X": inputs["X"], "N": inputs["N"].bfloat16()}            # a bfloat16 N: a bfloat16 dot
+    assert 'input_precision="ieee"' not in program.backend.source_for(program.binder(both), sm_count=132)

@@ -651,7 +651,7 @@ class KernelEmitter:
         if not dims(v.axes):
             # a scalar int may be a constexpr (Triton specialises some integer arguments)
             return Value(f"({v.code} * 1.0)", v.axes, "float", level=v.level)
-        return Value(f"{v.code}.to({self.ctx.cdt})", v.axes, "float", level=v.level)
+        return Value(f"{v.code}.to({self.ctx.cdt})", v.axes, "float", level=v.level, origin=("float", (v,)))
 
     # ------------------------------------------------------------ expressions
     def value(self, e: Expr, scope: Scope) -> Value:
@@ -1534,6 +1534,9 @@ class KernelEmitter:
         dtype = stored[0] if stored else self.ctx.dot_dtype
         for other in stored[1:]:
             dtype = torch.promote_types(dtype, other)
+        integers = [f.origin[1][0] if f.origin is not None and f.origin[0] == "float" else f for f in matrices]
+        if any(f.kind == "int" and not _exact_in(f.bounds, dtype) for f in integers):
+            dtype = torch.promote_types(dtype, torch.float32)   # integers past 256 round in bfloat16
         if dtype == torch.float64:
             return None
         if self.ctx.sig.interpret and dtype == torch.bfloat16:
@@ -1550,7 +1553,7 @@ class KernelEmitter:
             f = fs[0]
             if f.raw is not None and f.raw_dtype == dtype:
                 code = f.raw
-            elif f.raw is None and want == self.ctx.cdt:
+            elif want == self.ctx.cdt:                  # a float value's code is in cdt already
                 code = self.expand(f, target)
             else:
                 code = f"{self.expand(f, target)}.to({want})"
@@ -2485,6 +2488,16 @@ def rescaled_lowering(s) -> bool:
             if used & covered:
                 return False
     return True
+
+
+# the largest integer magnitude up to which every integer is exact in a half-precision dtype
+EXACT_INTEGERS = {torch.bfloat16: 1 << 8, torch.float16: 1 << 11}
+
+
+def _exact_in(bounds: tuple[int, int] | None, dtype) -> bool:
+    """Whether every integer in `bounds` (None: unknown) is exact in floating `dtype`."""
+    limit = EXACT_INTEGERS.get(dtype)
+    return limit is None or (bounds is not None and max(abs(b) for b in bounds) <= limit)
 
 
 def parts_lower_apart(s) -> bool:
