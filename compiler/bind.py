@@ -94,6 +94,10 @@ class Binder:
         # fresh indices sharing an extent symbol) -> the symbol that sizes it
         self.target = extents_of if extents_of is not None else program
         self.sized = [(ix, symbol) for ix, symbol in self.target.extents]
+        # size inputs: an index on a left-hand side that no input measures takes its extent
+        # from the call, under its own name (check._check_extents_known)
+        self.sizes = {name: symbols[name] for name, decl in self.declared.items()
+                      if name in symbols and decl.rank == 0 and decl.dtype == INT}
 
     def __call__(self, inputs: Mapping[str, object]) -> Binding:
         if inputs.keys() != self.declared.keys():
@@ -102,6 +106,12 @@ class Binder:
         tensor_dtypes, devices, input_types = [], set(), {}
         for name, decl in self.declared.items():
             value = inputs[name]
+            if name in self.sizes:
+                input_types[name] = INT
+                if not _is_size(value):
+                    raise BindError(f"index '{name}' takes its extent from the call: {name}= must be a "
+                                    f"whole number >= 0, not {value!r}", src, decl.span)
+                continue
             if isinstance(value, torch.Tensor):
                 if value.layout is not torch.strided:
                     raise BindError(f"input '{name}' is a {str(value.layout).removeprefix('torch.')} tensor; "
@@ -135,7 +145,8 @@ class Binder:
 
         # Every index's extent comes from the tensor dimensions it indexes; indices
         # unified by the checker share one extent symbol.
-        seen: dict[object, tuple[int, str, Access, int]] = {}
+        seen: dict[object, tuple[int, str, Access, int]] = {symbol: (int(inputs[name]), name, None, None)
+                                                         for name, symbol in self.sizes.items()}
         for tensor, d, symbol, ix, node in self.checks:
             size = inputs[tensor].shape[d]
             first = seen.get(symbol)
@@ -188,8 +199,17 @@ class Binder:
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise BindError(f"unexpected input '{name}'{hint} (the program's inputs are: {known})")
         for decl in declared.values():
+            if decl.name in self.sizes and decl.name not in inputs:
+                raise BindError(f"missing size '{decl.name}': index '{decl.name}' takes its extent from the call "
+                                f"({decl.name}=...), since no input tensor is indexed by it", self.program.source,
+                                decl.span)
             if decl.name not in inputs:
                 raise BindError(f"missing input '{decl.name}'", self.program.source, decl.span)
+
+
+def _is_size(value) -> bool:
+    """A whole number >= 0 (a float from torch's custom op path included)."""
+    return isinstance(value, Real) and not isinstance(value, bool) and value >= 0 and float(value).is_integer()
 
 
 def _dtype_message(name: str, dtype: torch.dtype) -> str:

@@ -323,11 +323,22 @@ class _Checker:
         return sympy.Symbol(f"len_{self._find(index)}", integer=True, positive=True)
 
     def _check_extents_known(self, statements: list[Assign]) -> None:
+        """Every index has an extent: a dimension of an input it indexes, or, for an index
+        on a left-hand side that no input measures (a prefix's position t in
+        `L[t] = logsumexp[s](where(s <= t, X[s], -inf))`), a size the call passes under
+        its name (`t=16`): a size input, an integer of rank 0 that no expression reads."""
         measured = {self._find(f"{i.name}#{d}") for i in self.inputs.values() for d in range(i.rank)}
+        on_left = {ix for st in statements for ix in st.indices}
         for ix in sorted(self.index_names, key=lambda n: self.first_use[n].start):
-            if self._find(ix) not in measured:
+            if self._find(ix) in measured:
+                continue
+            if ix not in on_left:
                 raise self.error(f"index '{ix}' has no extent: no input tensor is indexed by it "
-                                 f"(directly or through a statement's result)", self.first_use[ix])
+                                 f"(directly or through a statement's result), and it is on no left-hand "
+                                 f"side, where a size passed at the call ({ix}=...) could give it one",
+                                 self.first_use[ix])
+            self.inputs[ix] = Input(ix, 0, self.first_use[ix], INT)
+            measured.add(self._find(ix))
 
 
 # ---------------------------------------------------------------- types

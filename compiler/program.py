@@ -93,7 +93,7 @@ class Program:
     # gradient programs, custom ops, the key torch.compile names the program by, and what
     # the cached properties made on first use; an unpickled program makes them again.
     _PER_PROCESS = frozenset(("_runners", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
-                              "_saving", "_variants", "_last_typed"))
+                              "_saving", "_variants", "_last_typed", "_sizes"))
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
@@ -119,6 +119,9 @@ class Program:
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
         self._variants: dict[tuple[tuple[str, str], ...], Program] = {}     # see _specialised()
         self._last_typed = self         # the program that the last call ran (_typed): its source is shown
+        # size inputs (an index only on the left takes its extent from the call): their value keys a runner
+        indices = {ix for ix, _ in self.checked.extents}
+        self._sizes = frozenset(i.name for i in self.checked.inputs if i.name in indices)
         self._key = f"program_{next(_keys)}"
         LIVE[self._key] = self
 
@@ -202,7 +205,8 @@ class Program:
         the CPU here 4.4 -> 2.5 us for attention's key and its lookup; resolving and
         the layout add about 0.4 us).  Numbers are converted to the float64
         scalars they run as, in `inputs`; a number's key is whether it is a
-        positive factor (arguments.positive_number: kernels are specialised on that)."""
+        positive factor (arguments.positive_number: kernels are specialised on that),
+        a size input's its value (an extent)."""
         import torch
         key, requires_grad = [], False
         for name, v in inputs.items():
@@ -214,7 +218,10 @@ class Program:
             else:
                 if type(v) is not float:            # numbers run as float64 scalars
                     v = inputs[name] = number_input(self.checked, name, v)
-                key += (name, LEAST_POSITIVE <= v <= MOST_POSITIVE) if type(v) is float else (name, type(v))
+                if name in self._sizes:
+                    key += (name, v)                # a size input: an extent
+                else:
+                    key += (name, LEAST_POSITIVE <= v <= MOST_POSITIVE) if type(v) is float else (name, type(v))
         return tuple(key), requires_grad
 
     def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:

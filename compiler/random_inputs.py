@@ -13,13 +13,16 @@ DEFAULT_EXTENT = 16
 def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float32, seed: int = 0,
                   device="cpu") -> dict[str, torch.Tensor | float]:
     """Standard-normal tensors for every input (numbers for rank-0 inputs), a
-    random mask for an input read as a condition (bool).  Indices sharing an
+    random mask for an input read as a condition (bool), the extent of a size input.  Indices sharing an
     extent take the size given for any of them."""
     symbols = dict(program.extents)
     by_symbol = {symbols[i]: n for i, n in sizes.items() if i in symbols}
     generator = torch.Generator().manual_seed(seed)
     inputs: dict[str, torch.Tensor | float] = {}
     for decl in program.inputs:
+        if decl.name in symbols:                  # a size input: the extent of the index it names
+            inputs[decl.name] = by_symbol.get(symbols[decl.name], DEFAULT_EXTENT)
+            continue
         if decl.rank == 0:
             inputs[decl.name] = float(torch.rand((), generator=generator)) + 0.5
             continue

@@ -211,9 +211,21 @@ def test_reduction_of_a_predicate():
 
 
 def test_index_without_an_extent():
-    msg = check_error("C[i, j] = A[j] * where(i < 3, 1, 0)")
+    msg = check_error("C[j] = sum[i](A[j] * where(i < 3, 1, 0))")
     assert "index 'i' has no extent: no input tensor is indexed by it" in msg
+    assert "it is on no left-hand side, where a size passed at the call (i=...) could give it one" in msg
     assert pointed(msg) == "i"
+
+
+def test_an_index_only_on_the_left_takes_its_size_from_the_call():
+    program = compiler.compile("C[i, j] = A[j] * where(i < 3, 1, 0)", backend="reference")
+    a = torch.arange(4.0)
+    assert program(A=a, i=5).tolist() == [a.tolist()] * 3 + [[0.0] * 4] * 2
+    with pytest.raises(compiler.BindError, match=r"missing size 'i': index 'i' takes its extent from the call"):
+        program(A=a)
+    for bad in (2.5, -1, True, torch.tensor(3)):
+        with pytest.raises(compiler.BindError, match=r"i= must be a whole number >= 0"):
+            program(A=a, i=bad)
 
 
 def test_bare_name_that_is_no_index_is_a_scalar_parameter():

@@ -1082,3 +1082,19 @@ def test_a_slope_gradient_is_summed_in_the_loop_that_has_the_scores():
     oracle = compiler.grad(source, backend="reference", saved=True, wrt=("Q", "K", "V", "A"))(**inputs)
     for got, want in zip(backward(**inputs), oracle):
         torch.testing.assert_close(got.double(), want.double(), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_prefix_over_a_size_argument_and_its_gradient(backend):
+    # t is only on the left: its extent is the call's size argument (t=...); the gradient
+    # program measures t from the upstream gradient dL, and the size has none
+    program = compiler.compile("L[b, t] = logsumexp[s](where(s <= t, X[b, s], -inf))", backend=backend)
+    x = randn(3, 11).double().requires_grad_()
+    want_x = x.detach().clone().requires_grad_()
+    for t in (11, 4, 11):                           # each size its own runner, and back
+        got = program(X=x, t=t)
+        want = torch.logcumsumexp(want_x, dim=1)[:, :t]
+        torch.testing.assert_close(got, want)
+    (got * torch.arange(11.0, dtype=torch.float64)).sum().backward()
+    (want * torch.arange(11.0, dtype=torch.float64)).sum().backward()
+    torch.testing.assert_close(x.grad, want_x.grad)
