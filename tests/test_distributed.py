@@ -50,6 +50,14 @@ CASES = {
                                       "V": torch.randn(n, 3, generator=g), "scale": 0.5,
                                       "dO": torch.randn(n, 3, generator=g), "O": torch.randn(n, 3, generator=g),
                                       "lse_O": torch.randn(n, generator=g) + 2}, {}),
+    # tensor parallelism: a cross-entropy whose classifier (so its logits) is split over the
+    # vocabulary; each rank folds its classes' logits into (r, l) and the label's logit, and
+    # only those per-row states are exchanged, never the [tokens, vocab] logits
+    "tensor_parallel_cross_entropy": (
+        "Z[t,v] = sum[d](H[t,d] * W[v,d])\n"
+        "L[t] = where(Y[t] == -100, 0, logsumexp[v](Z[t,v]) - sum[v](where(v == Y[t], Z[t,v], 0)))", "v",
+        lambda g, n: {"H": torch.randn(5, 4, generator=g), "W": torch.randn(n, 4, generator=g),
+                      "Y": torch.tensor([n - 1, 0, -100, n // 2, 1])}, {}),
     "affine_scan": ("Y[i] = affine[m](A[i,m], B[i,m])", "m",
                     lambda g, n: {"A": torch.rand(3, n, generator=g) + 0.5, "B": torch.randn(3, n, generator=g)},
                     {"summaries": [AFFINE]}),
@@ -110,7 +118,7 @@ def run_case(name, split, backend, rank, device):
     lengths, layout = SPLITS[split]
     program = compiler.compile(source, backend=backend, **options)
     dtype = torch.float64 if backend == "reference" else torch.float32
-    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
+    inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor) else v
               for k, v in make(torch.Generator().manual_seed(1), sum(lengths)).items()}
     whole = program(**inputs)
     whole = whole if isinstance(whole, tuple) else (whole,)
@@ -180,6 +188,24 @@ def run_autograd_case(layout, backend, rank, device):
             (ours["V"].grad.cpu(), cut(whole["V"].grad).cpu())], ""
 
 
+def run_tensor_parallel_autograd_case(backend, rank, device):
+    """The cross-entropy with its classifier split over the vocabulary, under autograd:
+    the hidden states' gradient is whole on every rank, the classifier's is this rank's
+    rows of the whole program's."""
+    source, index, make, _ = CASES["tensor_parallel_cross_entropy"]
+    lengths = SPLITS["uneven"][0]
+    program = compiler.compile(source, backend=backend)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    inputs = make(torch.Generator().manual_seed(1), sum(lengths))
+    h, w, y = inputs["H"].to(device, dtype), inputs["W"].to(device, dtype), inputs["Y"].to(device)
+    (a, b), = _pieces(lengths, "contiguous", rank)
+    whole_h, whole_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    program(H=whole_h, W=whole_w, Y=y).sum().backward()
+    ours_h, ours_w = h.clone().requires_grad_(), w[a:b].clone().requires_grad_()
+    program.shard(index)(H=ours_h, W=ours_w, Y=y).sum().backward()
+    return [(ours_h.grad.cpu(), whole_h.grad.cpu()), (ours_w.grad.cpu(), whole_w.grad[a:b].cpu())], ""
+
+
 def _by_value(outcome):
     """An outcome whose tensors are nested lists: a tensor put on a queue is shared
     through a descriptor that dies with the process that made it."""
@@ -210,6 +236,8 @@ def _worker(rank, store, device_kind, queue):
             for name in cases for split in SPLITS for be in backends]
     runs += [("autograd", layout, be, lambda _, *rest: run_autograd_case(*rest))
              for layout in ("contiguous", "zigzag") for be in backends]
+    runs += [("tensor_parallel_autograd", "contiguous", be, lambda _, __, *rest: run_tensor_parallel_autograd_case(*rest))
+             for be in backends]
     try:
         for name, split, be, run in runs:
             try:
@@ -227,7 +255,7 @@ def run_everywhere(device_kind):
     processes = [context.Process(target=_worker, args=(r, store, device_kind, queue)) for r in range(WORLD)]
     for p in processes:
         p.start()
-    expected = WORLD * ((len(CASES) + len(RING_CASES)) * len(SPLITS) + 2) * (1 if device_kind == "cuda" else
+    expected = WORLD * ((len(CASES) + len(RING_CASES)) * len(SPLITS) + 3) * (1 if device_kind == "cuda" else
                                                                               len(BACKENDS))
     results = {}
     for _ in range(expected):
@@ -271,6 +299,16 @@ def test_a_ring_part_bounds_its_loop_by_both_global_starts(gloo_results):
 def test_gradients_flow_through_a_sharded_call(gloo_results, layout, backend):
     for rank in range(WORLD):
         outcome = gloo_results[rank, "autograd", layout, backend]
+        assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
+        tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 1e-4, "atol": 1e-5}
+        for got, want in outcome[0]:
+            torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_parallel_cross_entropy_has_its_gradients(gloo_results, backend):
+    for rank in range(WORLD):
+        outcome = gloo_results[rank, "tensor_parallel_autograd", "contiguous", backend]
         assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
         tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 1e-4, "atol": 1e-5}
         for got, want in outcome[0]:
