@@ -1098,3 +1098,17 @@ def test_a_prefix_over_a_size_argument_and_its_gradient(backend):
     (got * torch.arange(11.0, dtype=torch.float64)).sum().backward()
     (want * torch.arange(11.0, dtype=torch.float64)).sum().backward()
     torch.testing.assert_close(x.grad, want_x.grad)
+
+
+def test_a_broadcast_adjoint_reads_its_shape_from_an_input_not_a_statement():
+    # the adjoint of a mean loss over row losses L[t] broadcasts over t: it read its shape
+    # as L[t] ** 0, which recomputed every row's logsumexp; the labels Y[t] have that shape
+    source = ("L[t] = where(Y[t] == -100, 0, logsumexp[v](X[t, v]) - sum[v](where(v == Y[t], X[t, v], 0)))\n"
+              "loss[] = sum[t](L[t]) / sum[t](where(Y[t] == -100, 0, 1))")
+    text = compiler.grad(source, wrt=("X",), backend="reference").text
+    assert "dL[t] = dloss / sum[t](where(Y[t] == -100, 0, 1)) * Y[t] ** 0" in text and "L[t] ** 0" not in text
+    x, y = randn(5, 7).double().requires_grad_(), torch.tensor([1, 6, -100, 0, 3])
+    compiler.compile(source, backend="reference")(X=x, Y=y).backward()
+    want = x.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(want, y, ignore_index=-100).backward()
+    torch.testing.assert_close(x.grad, want.grad)

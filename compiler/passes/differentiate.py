@@ -449,13 +449,31 @@ class _Differentiator:
         return tuple(out)
 
     def _anchored(self, st: Assign, shape_of: str) -> Assign:
-        """Read the shape from `shape_of` where the right side does not vary over
-        one of the statement's indices, or reads no tensor indexed by it (a
-        broadcast)."""
+        """Read the shape where the right side does not vary over one of the statement's
+        indices, or reads no tensor indexed by it (a broadcast): from a forward input of
+        exactly that shape where there is one (a cross-entropy's labels Y[t] beside its
+        row losses L[t]: reading L would recompute each row's logsumexp), else from
+        `shape_of`."""
         if set(st.indices) <= set(free_indices(st.expr)) & _subscripts(st.expr):
             return st
-        ones = Call("pow", (Access(shape_of, st.indices), Const(0)))
+        inputs = {i.name for i in self.program.inputs}
+        carrier = shape_of if shape_of in inputs else self._shaped_input(st.indices) or shape_of
+        ones = Call("pow", (Access(carrier, st.indices), Const(0)))
         return replace(st, expr=Call("mul", (st.expr, ones)))
+
+    def _shaped_input(self, indices: tuple[str, ...]) -> str | None:
+        """A forward input read as a number whose dimensions have the extents of
+        `indices` (fresh names included), in order (None: none)."""
+        symbols = self.names.extents
+        shape = tuple(symbols[i] for i in indices)
+        for decl in self.program.inputs:
+            if decl.rank != len(indices) or decl.dtype == BOOL:
+                continue
+            first = next(n for st in self.program.statements for n in walk(st.expr)
+                         if isinstance(n, Access) and n.tensor == decl.name)
+            if tuple(symbols[i] for i in first.indices) == shape:
+                return decl.name
+        return None
 
 
 def _conjunction(terms: list[Expr]) -> Expr:
