@@ -96,8 +96,7 @@ class Binder:
         self.sized = [(ix, symbol) for ix, symbol in self.target.extents]
         # size inputs: an index on a left-hand side that no input measures takes its extent
         # from the call, under its own name (check._check_extents_known)
-        self.sizes = {name: symbols[name] for name, decl in self.declared.items()
-                      if name in symbols and decl.rank == 0 and decl.dtype == INT}
+        self.sizes = program.sizes
 
     def __call__(self, inputs: Mapping[str, object]) -> Binding:
         if inputs.keys() != self.declared.keys():

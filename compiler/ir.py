@@ -240,6 +240,14 @@ class Program:
                 return s
         raise KeyError(name)
 
+    @property
+    def sizes(self) -> dict[str, sympy.Symbol]:
+        """The size inputs (an index only on a left-hand side, which no input measures,
+        takes its extent from the call under its own name: check._check_extents_known),
+        with the extent symbol each gives."""
+        extents = dict(self.extents)
+        return {i.name: extents[i.name] for i in self.inputs if i.name in extents}
+
 
 # ---------------------------------------------------------------- traversal
 def children(e: Expr) -> tuple[Expr, ...]:

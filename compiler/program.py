@@ -120,8 +120,7 @@ class Program:
         self._variants: dict[tuple[tuple[str, str], ...], Program] = {}     # see _specialised()
         self._last_typed = self         # the program that the last call ran (_typed): its source is shown
         # size inputs (an index only on the left takes its extent from the call): their value keys a runner
-        indices = {ix for ix, _ in self.checked.extents}
-        self._sizes = frozenset(i.name for i in self.checked.inputs if i.name in indices)
+        self._sizes = frozenset(self.checked.sizes)
         self._key = f"program_{next(_keys)}"
         LIVE[self._key] = self
 

@@ -20,8 +20,8 @@ def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float3
     generator = torch.Generator().manual_seed(seed)
     inputs: dict[str, torch.Tensor | float] = {}
     for decl in program.inputs:
-        if decl.name in symbols:                  # a size input: the extent of the index it names
-            inputs[decl.name] = by_symbol.get(symbols[decl.name], DEFAULT_EXTENT)
+        if decl.name in program.sizes:            # a size input: the extent of the index it names
+            inputs[decl.name] = by_symbol.get(program.sizes[decl.name], DEFAULT_EXTENT)
             continue
         if decl.rank == 0:
             inputs[decl.name] = float(torch.rand((), generator=generator)) + 0.5

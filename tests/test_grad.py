@@ -1112,3 +1112,23 @@ def test_a_broadcast_adjoint_reads_its_shape_from_an_input_not_a_statement():
     want = x.detach().clone().requires_grad_()
     torch.nn.functional.cross_entropy(want, y, ignore_index=-100).backward()
     torch.testing.assert_close(x.grad, want.grad)
+
+
+def test_every_spelling_of_attention_gets_one_backward_schedule():
+    # the sibling loop and the whole head dimensions follow from the algebra, not the text:
+    # the scores as statements, renamed indices and the gradients asked in another order
+    # schedule alike (dK and dV share one kernel and one loop over the queries)
+    from compiler.bench import ATTENTION, THREE_STATEMENTS
+
+    def outline(source, wrt=("Q", "K", "V")):
+        schedule = compiler.grad(source, saved=True, wrt=wrt, backend="triton").schedule
+        return [(sorted(s.name for s in k.statements), k.grid, [str(loop) for loop in k.loops])
+                for k in schedule.kernels]
+    want = outline(ATTENTION)
+    assert want[1][0] == ["dK", "dV"] and want[1][1] == ("b", "h", "m", "k", "j")
+    assert outline(THREE_STATEMENTS) == want
+    assert ["dK", "dV"] in [names for names, _, _ in outline(ATTENTION, wrt=("V", "K", "Q"))]
+    renamed = outline("O[z,y,a,c] = softmax[n](Q[z,y,a,e] * K[z,y,n,e] * scale) * V[z,y,n,c]")
+    names = dict(zip("zyanec", "bhimkj"))
+    assert [(st, tuple(names[g] for g in grid), [re.sub(r"\b[zyanec]\b", lambda m: names[m.group()], loop)
+                                                  for loop in loops]) for st, grid, loops in renamed] == want

@@ -190,7 +190,17 @@ BUFFERS = {
                                      " * W2[e,f])", {"i": 3, "f": 5, "d": 700, "e": 300}),
     "a stored row statistic": ("dG[k] = sum[i](dY[i,k] * X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps))",
                                {"i": 5, "k": 700, "n": 700}),
+    # sibling folds in one loop over the union of their grids (dK beside dV: each stored by
+    # the programs of the first tile of the index it lacks) and a partial sum stored from
+    # that loop (ALiBi's slope gradient over (b, h, m)), then summed
+    "a backward's shared loop and partial sum": (
+        compiler.grad("O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale - A[h] * abs(i - m)) * V[b,h,m,j]",
+                      saved=True, wrt=("Q", "K", "V", "A"), backend="reference").text,
+        {"b": 2, "h": 3, "i": 19, "m": 23, "k": 5, "j": 3}),
 }
+# ... and past WHOLE_MAX, where tiles of j recompute dK's field and only the first stores it
+BUFFERS["a backward's shared loop over tiles of j"] = (BUFFERS["a backward's shared loop and partial sum"][0],
+                                                      {"b": 1, "h": 1, "i": 9, "m": 7, "k": 5, "j": 300})
 
 
 @pytest.mark.parametrize("name", sorted(BUFFERS))

@@ -29,7 +29,7 @@ from ..algebra.properties import additive
 from ..algebra.summary import product_of
 from ..errors import BackendError
 from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_key, children, format_expr,
-                  nodes, outer_reductions, reads, substitute, with_children)
+                  nodes, outer_reductions, reads, substitute, transform, with_children)
 from ..passes.lower import lower
 from ..passes.stabilise import product
 from .bounds import index_bounds, tile_tests
@@ -414,16 +414,9 @@ class Former:
             else:
                 stored[part.operand[0]] = Access(name, indices)
 
-        done: dict[int, Expr] = {}
-
-        def visit(e: Expr) -> Expr:
-            if id(e) not in done:            # a subtree shared by several parents, rewritten once
-                if isinstance(e, Reduce) and e.fold in regrouped:
-                    done[id(e)] = replace(regrouped[e.fold], result=e.result)
-                else:
-                    done[id(e)] = with_children(e, tuple(visit(c) for c in children(e)))
-            return done[id(e)]
-        return replace(s, expr=substitute(visit(s.expr), stored))
+        def regroup(e: Expr) -> Expr:
+            return replace(regrouped[e.fold], result=e.result) if isinstance(e, Reduce) and e.fold in regrouped else e
+        return replace(s, expr=substitute(transform(s.expr, regroup), stored))
 
 
 @dataclass(frozen=True)
@@ -566,14 +559,7 @@ def _flattened(fold: Reduce) -> Reduce:
 def _folds_replaced(e: Expr, folds, by) -> Expr:
     """`e` with every node of one of `folds` (a projection of it too) replaced by
     `by(node)`; a fold's node is free of the bound indices around it (a top fold)."""
-    done: dict[int, Expr] = {}
-
-    def visit(n: Expr) -> Expr:
-        if id(n) not in done:
-            done[id(n)] = (by(n) if isinstance(n, Reduce) and n.fold in folds
-                           else with_children(n, tuple(visit(c) for c in children(n))))
-        return done[id(n)]
-    return visit(e)
+    return transform(e, lambda n: by(n) if isinstance(n, Reduce) and n.fold in folds else n)
 
 
 def _sides(fold: Reduce) -> set[str]:
@@ -584,17 +570,10 @@ def _sides(fold: Reduce) -> set[str]:
 def _respelled(e: Expr, spelled: dict) -> Expr:
     """`e` with each fold equal up to index names to one of `spelled` (by alpha_key)
     written as that one, where its free indices are the same names."""
-    done: dict[int, Expr] = {}
-
-    def visit(n: Expr) -> Expr:
-        if id(n) not in done:
-            other = spelled.get(alpha_key(n)) if isinstance(n, Reduce) else None
-            if other is not None and other is not n and free(other) == free(n):
-                done[id(n)] = other
-            else:
-                done[id(n)] = with_children(n, tuple(visit(c) for c in children(n)))
-        return done[id(n)]
-    return visit(e)
+    def respelled(n: Expr) -> Expr:
+        other = spelled.get(alpha_key(n)) if isinstance(n, Reduce) else None
+        return other if other is not None and free(other) == free(n) else n
+    return transform(e, respelled)
 
 
 def _unread_fields_dropped(k: _Draft) -> _Draft:

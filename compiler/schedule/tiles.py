@@ -231,12 +231,12 @@ def tiled_grid(kernel, extent: Callable[[str], int]) -> tuple[str, ...]:
     batch = kernel.batch_indices | {g for g in kernel.grid if kernel.contractions and accesses
                                     and all(g in a.indices for a in accesses)}
     candidates = [g for g in kernel.grid if extent(g) > 1]
+    whole = {g for g in candidates if held_whole_in_grid(kernel, g, extent)}
     tiled: list[str] = []
     for g in reversed([g for g in candidates if g not in batch]):
         if any(c.clashes(g, t) for c in kernel.contractions for t in tiled):
             continue
-        if held_whole_in_grid(kernel, g, extent) or len([t for t in tiled if not
-                                                        held_whole_in_grid(kernel, t, extent)]) < 2:
+        if g in whole or len(set(tiled) - whole) < 2:
             tiled.insert(0, g)
     if not tiled and not kernel.contractions:
         tiled = candidates[-2:]
