@@ -267,8 +267,6 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         lines = [f"Z[{rows}, v] = {logits}",
                  f"lse[{rows}] = logsumexp[v](Z[{rows}, v])",
                  f"L[{rows}] = where({ignored}, 0, {row_loss})"]
-        # the total is a statement of its own: divided in the same statement, its
-        # derivative would read each row's loss (as L ** 0) and the backward recompute it
         if self.reduction == "sum":
             lines.append(f"loss = sum[{rows}](L[{rows}])")
         elif self.reduction == "mean":
