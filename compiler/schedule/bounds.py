@@ -21,8 +21,8 @@ from types import MappingProxyType
 import sympy
 
 from ..algebra.formula import to_sympy
-from ..ir import (Call, Const, Expr, Index, Reduce, constant, format_expr, free_indices, linear_form, nodes,
-                  reads, transform)
+from ..ir import (Call, Const, Expr, Index, Reduce, Var, children, constant, format_expr, free_indices, linear_form,
+                  nodes, reads, transform)
 from ..ops import OPS, PREDICATES
 
 
@@ -243,7 +243,21 @@ def _predicate(e: Expr) -> bool:
 def assume_relation(fold: Reduce, relation: Bound) -> Reduce:
     """`fold` on the tiles where `relation` holds for every element: that
     conjunct of the masking predicates is true there, and a predicate left with
-    no conjunct selects its value outright (interior tiles pay for no mask)."""
+    no conjunct selects its value outright (interior tiles pay for no mask).
+    A fold nested in the arguments that binds an index of the same name binds
+    another variable: its masks stay (dQ's sum over m recomputes the softmax
+    statistics of its row over every m, causal mask and all)."""
+    # the outermost such folds are set aside as opaque names while the masks are rewritten
+    shadowing: dict[Expr, Var] = {}
+    stack = list(fold.args)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Reduce) and relation.index in n.indices:
+            shadowing.setdefault(n, Var(f"\0shadow{len(shadowing)}"))
+        else:
+            stack.extend(children(n))
+    restore = {v: n for n, v in shadowing.items()}
+
     def rewrite(arg: Expr) -> Expr:
         if not (isinstance(arg, Call) and arg.op == "where"):
             return arg
@@ -256,4 +270,6 @@ def assume_relation(fold: Reduce, relation: Bound) -> Reduce:
         for c in kept[1:]:
             condition = Call("and", (condition, c))
         return Call("where", (condition, arg.args[1], arg.args[2]))
-    return replace(fold, args=tuple(transform(a, rewrite) for a in fold.args))
+    args = [transform(a, lambda n: shadowing.get(n, n)) for a in fold.args] if shadowing else fold.args
+    args = [transform(a, rewrite) for a in args]
+    return replace(fold, args=tuple(transform(a, lambda n: restore.get(n, n)) if shadowing else a for a in args))
