@@ -135,6 +135,12 @@ def cmd_ir(args) -> int:
         from .schedule import schedule
         print("# after schedule")            # kernels, grids, loops and buffers, for any sizes
         print(schedule(final, program.outputs))
+    if wanted == "specialise":         # not in "all": it needs sizes, dtypes and a GPU
+        from . import compile
+        compiled = compile(_read_program(args), backend="triton")
+        binding = compiled.binder(_random_inputs(compiled, args))
+        print("# after specialise")          # every tile, loop and split, for these sizes and this GPU
+        print(compiled.backend.specialised_for(binding, **_gpu(args)))
     return 0
 
 
@@ -174,16 +180,25 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _gpu(args) -> dict:
+    """The GPU a module is specialised to: this machine's (SM count, L2 cache, compute
+    capability), with --sms and --arch in place of what they give; no GPU, none."""
+    import torch
+    gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    sms = getattr(args, "sms", None)
+    return {"sm_count": sms if sms is not None else gpu and gpu.multi_processor_count,
+            "l2_bytes": gpu and getattr(gpu, "L2_cache_size", None),
+            "arch": args.arch if args.arch is not None else gpu and 10 * gpu.major + gpu.minor}
+
+
 def cmd_dump(args) -> int:
     import torch
 
     from . import compile
     program = compile(_read_program(args), backend="triton")
     inputs = _random_inputs(program, args)
-    gpu = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
-    arch = args.arch if args.arch is not None else gpu and 10 * gpu.major + gpu.minor
-    source = program.backend.source_for(program.binder(inputs), sm_count=gpu and gpu.multi_processor_count,
-                                        l2_bytes=gpu and getattr(gpu, "L2_cache_size", None), arch=arch)
+    gpu = _gpu(args)
+    source = program.backend.source_for(program.binder(inputs), **gpu)
     if args.output:
         try:
             Path(args.output).write_text(source)
@@ -194,7 +209,7 @@ def cmd_dump(args) -> int:
         print(f"einfold dump: wrote {args.output}", file=sys.stderr)
     else:
         print(source, end="")
-    if gpu is None:
+    if gpu["sm_count"] is None:
         print("einfold dump: no GPU here, so the module is shown without an automatic split and "
               "without evict_last hints (the GPU's SM count and L2 cache decide them)", file=sys.stderr)
     return 0
@@ -266,6 +281,15 @@ def _add_inputs(p: argparse.ArgumentParser, default: str = "16 for every index")
                    help="dtype of the random float inputs (default: %(default)s)")
 
 
+def _add_gpu(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", type=int, metavar="CC",
+                   help="the GPU's compute capability as 10 * major + minor (90: Hopper, whose streamed "
+                        "rescaled folds take the Hopper form in Gluon); default: this machine's GPU, or none")
+    p.add_argument("--sms", type=int, metavar="N",
+                   help="the GPU's SM count, which decides automatic splits (132: H100 SXM); "
+                        "default: this machine's GPU, or none (no automatic split)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .passes import PIPELINE
     parser = _Parser(
@@ -284,9 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "ir", "print the IR after the passes, or after a given pass",
                  f'einfold ir -e "{ATTENTION}"',
                  f'einfold ir --print-after all -e "{ATTENTION}"')
-    p.add_argument("--print-after", metavar="PASS", choices=["all", *(name for name, _ in PIPELINE), "schedule"],
-                   help="print the IR after this pass, or the schedule (kernels and their loops), or after "
-                        f"every stage with 'all' (passes: {', '.join(name for name, _ in PIPELINE)})")
+    p.add_argument("--print-after", metavar="PASS",
+                   choices=["all", *(name for name, _ in PIPELINE), "schedule", "specialise"],
+                   help="print the IR after this pass, or the schedule (kernels and their loops, for any sizes), "
+                        "or after every stage up to the schedule with 'all', or the specialised schedule (every "
+                        "tile, loop and split for --size, --dtype, --sms and --arch) with 'specialise' "
+                        f"(passes: {', '.join(name for name, _ in PIPELINE)})")
+    _add_inputs(p)
+    _add_gpu(p)
     p.add_argument("--shard", metavar="INDEX",
                    help="print the two programs a reduction over INDEX sharded across processes runs "
                         "(Program.shard): each rank's local program and the merge of every rank's states")
@@ -335,9 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                  f'--dtype bfloat16 --arch 90')
     _add_inputs(p)
     p.add_argument("-o", "--output", metavar="PATH", help="write the module to this file instead of stdout")
-    p.add_argument("--arch", type=int, metavar="CC",
-                   help="the GPU's compute capability as 10 * major + minor (90: Hopper, whose streamed "
-                        "rescaled folds take the Hopper form in Gluon); default: this machine's GPU, or none")
+    _add_gpu(p)
     p.set_defaults(run=cmd_dump)
 
     p = _command(sub, "cache", "print where generated modules and compiled kernels are kept, or clear the modules",

@@ -14,7 +14,8 @@ import torch
 
 import compiler
 from compiler import reference
-from compiler.backend.triton import TritonBackend, auto_split, cache
+from compiler.backend.triton import TritonBackend, cache
+from compiler.schedule.tiles import auto_split
 from compiler.schedule import schedule
 from compiler.bind import Binder, bind
 from compiler.check import check

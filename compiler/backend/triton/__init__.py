@@ -37,10 +37,10 @@ def outline_of(program):
 
 
 def __getattr__(name: str):
-    if name in ("TritonBackend", "auto_split"):
+    if name == "TritonBackend":
         from . import backend
         return getattr(backend, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["TritonBackend", "auto_split", "outline", "outline_of"]
+__all__ = ["TritonBackend", "outline", "outline_of"]

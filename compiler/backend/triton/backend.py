@@ -20,9 +20,8 @@ from ...bind import Binding
 from ...errors import BackendError
 from ...schedule import Plan, Schedule
 from .cache import load
-from .emit import POSITIVE, Signature
+from ...specialise import POSITIVE, ConcreteSchedule, Signature, specialise
 from .launch import bind_directly, direct_launch_supported, output_maker
-from ...schedule.tiles import auto_split
 from .module import Built, ModuleBuilder
 
 _warned_interpreter = False
@@ -170,24 +169,31 @@ class TritonBackend:
         return Signature(tuple(sorted(extents.items())), tuple(inputs), binding.dtype, sm_count, interpret,
                          tf32=not interpret and _tf32_allowed(), l2_bytes=l2_bytes, arch=arch)
 
-    def source_for(self, binding: Binding, *, sm_count: int | None = None,
-                   l2_bytes: int | None = None, arch: int | None = None) -> str:
-        """The module these inputs would run as compiled kernels on a GPU (with
-        `sm_count` SMs, None: no automatic split; an L2 cache of `l2_bytes`, None: no
-        eviction hint that depends on it; compute capability `arch`, 90: Hopper, whose
-        kernels of streamed rescaled folds take the Hopper form), without running anything."""
+    def gpu_signature(self, binding: Binding, *, sm_count: int | None = None,
+                      l2_bytes: int | None = None, arch: int | None = None) -> Signature:
+        """The signature of these inputs on a GPU with `sm_count` SMs (None: no automatic
+        split), an L2 cache of `l2_bytes` (None: no eviction hint that depends on it) and
+        compute capability `arch` (90: Hopper, whose kernels of streamed rescaled folds
+        take the Hopper form), wherever the inputs are."""
         from dataclasses import replace
         sig = self.signature(binding, self._extents(binding))
-        return self.build(replace(sig, interpret=False, sm_count=sm_count, tf32=_tf32_allowed(),
-                                  l2_bytes=l2_bytes, arch=arch)).source
+        return replace(sig, interpret=False, sm_count=sm_count, tf32=_tf32_allowed(), l2_bytes=l2_bytes, arch=arch)
+
+    def source_for(self, binding: Binding, **gpu) -> str:
+        """The module these inputs would run as compiled kernels on a GPU (`gpu`: as
+        gpu_signature takes it), without running anything."""
+        return self.build(self.gpu_signature(binding, **gpu)).source
+
+    def specialised_for(self, binding: Binding, **gpu) -> ConcreteSchedule:
+        """The concrete schedule (every tile, loop and split) of these inputs on a GPU
+        (`gpu`: as gpu_signature takes it)."""
+        return specialise(self.schedule, self.gpu_signature(binding, **gpu))
 
     def build(self, signature: Signature) -> Built:
         with _BUILDING:
             built = self._sources.get(signature)
             if built is None:
-                extents = dict(signature.extents)
-                chosen = self.schedule.for_extents(lambda index: extents[index])
-                built = ModuleBuilder(chosen, signature, _pass_names()).build()
+                built = ModuleBuilder(specialise(self.schedule, signature), _pass_names()).build()
                 self._sources[signature] = built
         self._last = built
         return built
@@ -318,4 +324,4 @@ class TritonBackend:
         return self._last.source
 
 
-__all__ = ["TritonBackend", "auto_split"]
+__all__ = ["TritonBackend"]

@@ -44,24 +44,11 @@ from . import ops as emission
 from ...algebra.properties import additive, exact_identity, extremum, selecting_combine
 from ...algebra.summary import independent_fields
 from ...schedule import KernelSchedule
-from ...schedule.bounds import assume_relation, index_bounds, tile_tests
-from ...schedule.tiles import (
-    STREAM_BLOCK,
-    fold_caps,
-    free_tile,
-    grid_tiling,
-    held_whole,
-    held_whole_in_epilogue,
-    loop_tile,
-    one_at_a_time,
-    split_tile,
-    uniform_work,
-    whole_tile,
-)
+from ...specialise import POSITIVE, ConcreteKernel, Signature
+from ...specialise.ir import WHOLE, FoldLoops, Tile
+from ...schedule.bounds import assume_relation
 from ...schedule.folds import (
-    contraction_names,
     contraction_sides,
-    dot_batch_names,
     fold_parts,
     free,
     restrict,
@@ -99,7 +86,7 @@ AXIS_PREFIXES = ("offs", "idx", "mask", "BLOCK", "start", "pid", "lo", "hi", "mi
 # A comparison a <op> b holds nowhere in a tile when the ranges of its sides over the
 # tile ([lo_a, hi_a], [lo_b, hi_b]) forbid it.  Written so that NaN, which fails every
 # comparison, keeps the tile: its elements are still masked one by one.
-DEAD_WHEN = {
+DEAD_WHEN = {          # one row per comparison of specialise.ir.RANGED
     "lt": "{lo_a} >= {hi_b}",
     "le": "{lo_a} > {hi_b}",
     "gt": "{hi_a} <= {lo_b}",
@@ -207,27 +194,6 @@ def indent(lines: list[str], depth: int = 1) -> list[str]:
 
 
 # ---------------------------------------------------------------- module-level facts
-POSITIVE = "positive"
-
-
-@dataclass(frozen=True)
-class Signature:
-    """What a generated module is specialised to (besides the program)."""
-    extents: tuple[tuple[str, int], ...]
-    # name, "tensor" | "number", rank, dtype; a number's dtype slot holds its sign class: POSITIVE
-    # (arguments.positive_number: a factor that commutes with max, KernelEmitter.positive_factor) or None
-    inputs: tuple[tuple[str, str, int, object], ...]
-    dtype: torch.dtype                                  # float results
-    sm_count: int | None                                # None: no auto split (no GPU)
-    interpret: bool = False                             # kernels run under Triton's interpreter
-    tf32: bool = False                                  # float32 tl.dot in TF32 (torch's matmul setting)
-    l2_bytes: int | None = None                         # the GPU's L2 cache (eviction hints); None: unknown
-    arch: int | None = None                             # compute capability as 10 * major + minor (90: Hopper)
-
-    def extent(self, name: str) -> int:
-        return dict(self.extents)[name]
-
-
 @dataclass
 class TensorInfo:
     kind: str            # "tensor" or "number"
@@ -366,13 +332,13 @@ class KernelEmitter:
     program folds a chunk of its program folds' tiles and stores the states) and
     MergeEmitter (folds the partial states with the combine and finishes)."""
     suffix = ""
-    tuned = True            # autotuned tiles, longest programs first, an unmasked interior
     chunked = False         # each program folds one chunk of its folds' tiles (PartialEmitter)
 
-    def __init__(self, ctx: ModuleContext, spec: KernelSchedule, split: int = 1):
+    def __init__(self, ctx: ModuleContext, kernel: ConcreteKernel):
         self.ctx = ctx
-        self.spec = spec
-        self.split = split               # requested split: program folds stream at least this many tiles
+        self.kernel = kernel             # every size and tile decision (compiler.specialise)
+        self.spec = spec = kernel.schedule
+        self.tuned = kernel.tuned        # autotuned tiles, longest programs first, an unmasked interior
         self.name = spec.name + self.suffix
         self.params: dict[str, str] = {}
         self.constexprs: dict[str, int] = {}
@@ -400,7 +366,6 @@ class KernelEmitter:
         self.streams_rows = not self.contraction and any(
             isinstance(n, Reduce) for st in spec.statements for n in walk(st.expr))
         self.value_only = set(spec.value_only)
-        self.loop_cap = STREAM_BLOCK     # lowered when a grid tile of columns shares the tile budget
 
     # ------------------------------------------------------------ names
     def clashes(self, name: str) -> bool:
@@ -551,29 +516,6 @@ class KernelEmitter:
             self.params.setdefault(s, f't["{name}"].stride({d})')
             strides.append(s)
         return ptr, strides
-
-    # ------------------------------------------------------------ tiling
-    # the sizes follow the schedule's tile policy (compiler.schedule.tiles)
-    def loop_block(self, name: str) -> int:
-        return loop_tile(self.ctx.extent(name), name in self.contraction, self.loop_cap)
-
-    def fold_block(self, fold: Reduce, p: int) -> int:
-        """The loop tile of `fold`'s p-th index: its share of the streamed budget beside
-        the tiles its nested folds hold (tiles.fold_caps); when a program fold is
-        split, small enough for `split` tiles."""
-        b = fold.indices[p]
-        caps = fold_caps(fold, self.ctx.extent, self.contraction, self.loop_cap)
-        block = loop_tile(self.ctx.extent(b), b in self.contraction, caps[p])
-        if self.split > 1 and fold in self.spec.program_folds and p == 0:
-            return split_tile(self.ctx.extent(b), b in self.contraction, self.split, block)
-        return block
-
-    def whole_block(self, name: str) -> int:
-        return whole_tile(self.ctx.extent(name), name in self.contraction)
-
-    def free_block(self, name: str) -> int:
-        """Tile of a grid or epilogue index (0: sized by the elementwise budget)."""
-        return free_tile(self.ctx.extent(name), name in self.contraction, name in self.value_only)
 
     # ------------------------------------------------------------ placement and memo
     def target(self, axes, scope: Scope, level: int = 0) -> Scope:
@@ -951,25 +893,13 @@ class KernelEmitter:
         s = fold.summary
         k = next(self.fold_ids)
         prefix = f"f{k}"
-        nested = T.kind in ("body", "merge")
         loops: list[Axis] = []
         bound: list[Axis] = []
-        singles = self.one_at_a_time(fold)
-        batch = set().union(*(dot_batch_names(a) for a in fold.args))
-        for p, b in enumerate(fold.indices):
-            if not s.commutative and b in singles:
-                ax = self.new_axis(b, T.level + 1, "loop", 1)          # keep order: one at a time
-            elif b in batch:
-                ax = self.new_axis(b, T.level + 1, "loop", 0)          # a contraction's batch index
-            elif nested and held_whole(self.ctx.extent(b), b in self.contraction and self.in_order(
-                    self.contraction_dtype(fold))):
-                ax = self.whole_axis(b)
-            elif b in singles:
-                ax = self.new_axis(b, T.level + 1, "loop", 0)          # one value at a time (see one_at_a_time)
-            else:
-                ax = self.new_axis(b, T.level + 1, "loop", self.fold_block(fold, p))
-                if b in self.contraction and self.tuned and b in contraction_names(fold):
-                    self.tunable[ax.block_name] = ("loop", b)
+        how = self.kernel.loops_of(fold, nested=T.kind in ("body", "merge"))
+        for t in how.tiles:
+            ax = self.whole_axis(t) if t.how == WHOLE else self.new_axis(t.index, T.level + 1, "loop", t.size)
+            if t.tuned:
+                self.tunable[ax.block_name] = ("loop", t.index)
             bound.append(ax)
             if ax.kind == "loop":
                 loops.append(ax)
@@ -990,12 +920,12 @@ class KernelEmitter:
         mark = len(T.lines)
         T.lines.append(f"# fold {k}: {s.name}[{', '.join(fold.indices)}]"
                        + (f" over tiles of {', '.join(a.name for a in loops)}" if loops else " (whole)"))
-        state = self.skipping_dead_tiles(fold, loops, body, lambda: self.fold_tiles(
+        state = self.skipping_dead_tiles(how, body, lambda: self.fold_tiles(
             fold, prefix, body, RA, bool(loops), init, finish))
         if loops:
-            relations = index_bounds(fold)
-            span = self.span_tests(fold, loops[0], env0) if len(loops) == 1 else []
-            interior = self.interior_loop(fold, loops, relations, env, env0, prefix, RA, T, tested=not span)
+            relations = dict(how.bounds)
+            span = list(how.span)
+            interior = self.interior_loop(how, loops, env, env0, prefix, RA, T, tested=not span)
             T.lines.extend(init)
             self.flush_tiles(T, loops)
             headers, depth = [], 0
@@ -1096,7 +1026,7 @@ class KernelEmitter:
             state.update(self.generic_fold(others, prefix, body, RA, looped, init, finish))
         return state
 
-    def interior_loop(self, fold, loops, relations, env, env0, prefix, RA, T, tested: bool = True):
+    def interior_loop(self, how: FoldLoops, loops, env, env0, prefix, RA, T, tested: bool = True):
         """For a single loop bounded by index predicates (m <= i: causal; i - m < W: a
         window's far edge), the tiles between the boundaries satisfy them everywhere:
         emit their update without them (and without the tile test of a predicate on
@@ -1104,25 +1034,23 @@ class KernelEmitter:
         only when every tile of the span is live).  Returns (the first interior
         tile's start or None, the first upper boundary tile's start or None, the
         interior body), or None."""
-        if len(loops) != 1 or not self.tuned or loops[0].scalar:
-            return None
-        ax = loops[0]
-        bounds = [b for b in relations.get(ax.name, []) if b.other is None or b.other in env0]
+        bounds = how.interior
         if not bounds:
             return None
+        ax = loops[0]
         # a tile [start, start + B) holds an upper relation everywhere iff start + B <= the
         # first index past the smallest right-hand side over the program's tile, and a
         # lower one iff start >= the first index where it holds for the largest
         ends = [self.tile_start(self.side_limit(b, env0, T, holds_everywhere=True), ax, b) for b in bounds if b.upper]
         starts = [self.tile_end(self.side_limit(b, env0, T, holds_everywhere=True), ax)
                   for b in bounds if not b.upper]
-        assumed = fold
+        assumed = how.fold
         for b in bounds:
             assumed = assume_relation(assumed, b)
-        inner = self.tile_body(assumed, loops, env, prefix, RA, T, tested)
+        inner = self.tile_body(assumed, how, loops, env, prefix, RA, T, tested)
         return nested("tl.maximum", starts), nested("tl.minimum", ends), inner
 
-    def tile_body(self, fold: Reduce, loops, env, prefix: str, RA, T: Scope, tested: bool) -> Scope:
+    def tile_body(self, fold: Reduce, how: FoldLoops, loops, env, prefix: str, RA, T: Scope, tested: bool) -> Scope:
         """A further copy of one tile's update of `fold` (the loop's first copy holds
         its initial and final lines), `tested`: under its tile test (skipping_dead_tiles)."""
         ax = loops[0]
@@ -1131,16 +1059,16 @@ class KernelEmitter:
         body.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(ax.name)}")
         update = lambda: self.fold_tiles(fold, prefix, body, RA, True, [], [])   # noqa: E731
         if tested:
-            self.skipping_dead_tiles(fold, loops, body, update)
+            self.skipping_dead_tiles(how, body, update)
         else:
             update()
         return body
 
-    def skipping_dead_tiles(self, fold: Reduce, loops, body: Scope, update):
+    def skipping_dead_tiles(self, how: FoldLoops, body: Scope, update):
         """`update()` writes one tile's update of the fold into `body`; where a predicate
-        on data masks the fold (tile_tests), under a test that some element of the tile
+        on data masks the fold (`how.skips`), under a test that some element of the tile
         passes it: a tile where it fails everywhere would leave the state as it was."""
-        tests = [c for ax in loops if not ax.scalar for c in tile_tests(fold).get(ax.name, [])]
+        tests = [c for _, cs in how.skips for c in cs]
         if not tests:
             return update()
         conditions, elementwise = [], []
@@ -1185,30 +1113,16 @@ class KernelEmitter:
                 for end, fn in (("lo", "tl.min"), ("hi", "tl.max"))}
         return DEAD_WHEN[op].format(**ends)
 
-    def span_tests(self, fold: Reduce, ax: Axis, env0: dict[str, Axis]) -> list[Expr]:
-        """The comparisons on data masking `fold` (tile_tests) that bound loop `ax` by a
-        live span (live_span): each side varies over `ax` alone or not at all within
-        the program (a 2-D side, `M[i,m]`, would be re-read whole by the scan)."""
-        if ax.scalar:
-            return []
-        scalars = {n for n, a in env0.items() if a.scalar}
-
-        def scannable(x: Expr) -> bool:
-            others = free(x) - {ax.name}
-            return others <= (scalars if ax.name in free(x) else set(env0))
-        return [c for c in tile_tests(fold).get(ax.name, [])
-                if isinstance(c, Call) and c.op in DEAD_WHEN and all(map(scannable, c.args))]
-
     def live_span(self, tests: list[Expr], ax: Axis, env0: dict[str, Axis], lo: str, hi: str,
                   T: Scope) -> tuple[str, str, str]:
         """Narrow loop `ax`'s range [lo, hi) to its live span: from the first to the
-        last tile where every comparison on data masking the fold (tile_tests) may
+        last tile where every comparison on data masking the fold (FoldLoops.span) may
         hold, by the ranges of its sides over each tile (DEAD_WHEN), found by a scan
         of those sides many tiles a step before the loop.  Tiles outside the span
         would each be loaded, tested and skipped one after another (a document mask
         visits every key tile below the diagonal); tiles inside it are still tested
         one by one where the span has holes, so that it stays exact.  `tests`: the
-        span_tests of the loop.  Returns (first, last, whether every tile between
+        comparisons (FoldLoops.span).  Returns (first, last, whether every tile between
         them is live: then they need no test, and a loop without a branch in its
         body is software-pipelined, its loads issued ahead of the tiles that use
         them; document mask on the H100: 0.348 -> 0.248 ms)."""
@@ -1345,13 +1259,11 @@ class KernelEmitter:
         """A loop's stride: its tile, or 1 for an index folded one value at a time."""
         return "1" if ax.scalar else ax.block_name
 
-    def one_at_a_time(self, fold: Reduce) -> tuple[str, ...]:
-        """The fold's leading indices streamed one value at a time (tiles.one_at_a_time)."""
-        return one_at_a_time(fold, self.contraction)
-
-    def whole_axis(self, name: str) -> Axis:
+    def whole_axis(self, t: Tile) -> Axis:
+        """The one tile of an index a nested fold holds whole, made once per kernel."""
+        name = t.index
         if name not in self.whole:
-            ax = self.new_axis(name, 0, "whole", self.whole_block(name))
+            ax = self.new_axis(name, 0, "whole", t.size)
             self.root.lines.append(f"{ax.offs} = tl.arange(0, {ax.block_name})")
             self.root.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(name)}")
             self.whole[name] = ax
@@ -1435,18 +1347,6 @@ class KernelEmitter:
         return {field_name: self.running(prefix, field_name, contrib, RA,
                                          f"tl.zeros({{shape}}, {self.state_dtype(contrib.kind)})",
                                          "{var} += {tile}", "tl.sum", body, init, finish)}
-
-    def contraction_dtype(self, fold: Reduce):
-        """The operand dtype of a contraction `fold`'s tl.dot, as operand_dtype will
-        find it: the promoted dtype of the program inputs it reads (a bfloat16 Q K^T
-        stays bfloat16 beside a float32 slope outside it), else the module's."""
-        stored = [self.ctx.tensors[n.tensor].dtype for a in fold.args for n in walk(a)
-                  if isinstance(n, Access) and n.tensor in self.ctx.input_names
-                  and self.ctx.tensors[n.tensor].dtype is not None]
-        dtype = stored[0] if stored else self.ctx.dot_dtype
-        for other in stored[1:]:
-            dtype = torch.promote_types(dtype, other)
-        return dtype
 
     def in_order(self, dtype) -> bool:
         """tl.dot of `dtype` operands sums each tile's products in order in float32
@@ -1964,20 +1864,13 @@ class KernelEmitter:
         """Declare the grid axes and each program's coordinates on them (the launcher
         counts the programs from grid_blocks: module.program_count)."""
         spec = self.spec
-        tiling = grid_tiling(spec, self.ctx.extent)
-        blocks, whole = dict(tiling.blocks), tiling.whole
-        self.loop_cap = tiling.loop_cap
         lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
-        for g in lacking:
-            if self.ctx.extent(g) == 0:
-                blocks[g] = max(blocks.get(g, 0), 1)    # masked, so that its one tile reads nothing
         axes = {}
-        for g in spec.grid:
-            axes[g] = self.new_axis(g, 0, "grid", blocks.get(g, 0))
+        for t in self.kernel.grid:
+            axes[t.index] = self.new_axis(t.index, 0, "grid", t.size)
+            if t.tuned:
+                self.tunable[axes[t.index].block_name] = ("grid", t.index)
         self.optional = frozenset(g for g in lacking if not axes[g].scalar)
-        for g in spec.grid:
-            if g in self.contraction and blocks.get(g) and g not in whole and self.tuned:
-                self.tunable[axes[g].block_name] = ("grid", g)
         self.root.env.update(axes)
         lines = self.root.lines
         self.split_prologue(lines)
@@ -1988,8 +1881,8 @@ class KernelEmitter:
         # short ones fill the tail; the index keeps its place in the order, so programs that
         # run together still share their key and value tiles in L2 (moving it outermost
         # cost 8-14% at S = 1024 on the H100)
-        longest_first = self.longest_first(axes)
-        grouped = self.grouped_order(order, axes)
+        longest_first = self.kernel.longest_first
+        grouped = self.grouped_order(order, axes) if self.kernel.grouped else None
         for p, g in enumerate(order):
             ax = axes[g]
             n = self.extent_param(g)
@@ -2012,18 +1905,6 @@ class KernelEmitter:
                 lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
 
-    def longest_first(self, axes) -> str | None:
-        """A tiled grid index that bounds a program fold's loop from above (m <= i):
-        the higher its tile, the longer that program runs."""
-        if not self.tuned:
-            return None
-        for fold in self.spec.program_folds:
-            for relations in index_bounds(fold).values():
-                for b in relations:
-                    if b.upper and b.sign > 0 and b.other in axes and not axes[b.other].scalar:
-                        return b.other
-        return None
-
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
 
     def tile_count(self, ax: Axis) -> str:
@@ -2037,10 +1918,8 @@ class KernelEmitter:
     def grouped_order(self, order, axes) -> list[list[str]] | None:
         """Programs of a kernel whose grid is exactly two tuned matrix-product tiles
         (rows i, columns j) run in groups of GROUP tile rows, column by column, so
-        that programs running together share operand tiles in L2.  Returns the
-        coordinate lines for the two axes (in `order`), or None."""
-        if len(order) != 2 or not all(axes[g].block_name in self.tunable for g in order):
-            return None
+        that programs running together share operand tiles in L2 (the specialised
+        kernel's `grouped`).  Returns the coordinate lines for the two axes (in `order`)."""
         cols, rows = axes[order[0]], axes[order[1]]
         n_rows, n_cols = self.tile_count(rows), self.tile_count(cols)
         r, c = f"pid_{rows.var}", f"pid_{cols.var}"
@@ -2079,12 +1958,9 @@ class KernelEmitter:
         if spec.epilogue:
             epi = Scope(root, 1, dict(root.env), "epilogue")
             headers = []
-            for depth, e in enumerate(spec.epilogue):
-                if held_whole_in_epilogue(spec, e, self.ctx.extent):
-                    b = self.whole_block(e)
-                else:
-                    b = self.free_block(e) or self.loop_block(e)
-                ax = self.new_axis(e, 1, "epilogue", b)
+            for depth, t in enumerate(self.kernel.epilogue):
+                e = t.index
+                ax = self.new_axis(e, 1, "epilogue", t.size)
                 epi.env[e] = ax
                 header = f"for start_{ax.var} in range(0, {self.extent_param(e)}, {ax.block_name}):"
                 headers += indent([header], depth)
@@ -2115,7 +1991,7 @@ class KernelEmitter:
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs),
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
-                          functions, zeroed, uniform_work(spec))
+                          functions, zeroed, self.kernel.uniform)
 
     def finish(self, root: Scope) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit
@@ -2300,7 +2176,6 @@ class PartialEmitter(KernelEmitter):
     folds' tiles and stores every field of their states to buffers; the last
     program of each tile merges them (the MergeEmitter's kernel, called)."""
     suffix = "_partial"
-    tuned = False
     chunked = True
 
     def split_prologue(self, lines: list[str]) -> None:
@@ -2345,7 +2220,7 @@ class PartialEmitter(KernelEmitter):
         (in split order, so the result does not depend on which one is last) by calling
         the merge kernel as a function.  The atomic's acquire-release order makes the
         others' stores visible to it; the merge reads them past L1."""
-        merge = MergeEmitter(self.ctx, self.spec, self.split).build()
+        merge = MergeEmitter(self.ctx, self.kernel).build()
         counter = self.ctx.buffer_name(f"{self.spec.name}_arrivals")
         self.ctx.tensors[counter] = TensorInfo("tensor", 1, torch.int32)
         self.buffers.append((counter, [PROGRAMS], str(torch.int32)))
@@ -2374,7 +2249,6 @@ class MergeEmitter(KernelEmitter):
     in order with the summary's combine, then finishes like the whole kernel; a
     jit function the partial kernel's last program of a tile calls."""
     suffix = "_merge"
-    tuned = False
 
     def split_prologue(self, lines: list[str]) -> None:
         self.params.setdefault("n_split", "n_split")

@@ -39,7 +39,8 @@ import torch
 from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, children, constant, format_expr, transform, walk
 from ...ops import OPS
 from ...schedule import KernelSchedule
-from ...schedule.bounds import Bound, assume_relation, index_bounds
+from ...schedule.bounds import Bound, assume_relation
+from ...specialise import ConcreteKernel
 from . import ops as emission
 from .emit import ident
 
@@ -108,8 +109,9 @@ def gluon_available() -> bool:
     return True
 
 
-def match(spec: KernelSchedule, ctx) -> HopperFold | str:
-    """The Hopper form of `spec` under the module's signature, or why it does not apply."""
+def match(kernel: ConcreteKernel, ctx) -> HopperFold | str:
+    """The Hopper form of `kernel` under the module's signature, or why it does not apply."""
+    spec = kernel.schedule
     sig = ctx.sig
     if sig.interpret or sig.arch != 90:
         return "not an sm_90 GPU"
@@ -174,7 +176,7 @@ def match(spec: KernelSchedule, ctx) -> HopperFold | str:
     # below one full row block the tl kernel's smaller tiles waste less
     if ctx.extent(rows) < tiling.rows or any(ctx.extent(x) < 1 for x in (keys, *batch)):
         return f"fewer than {tiling.rows} rows or an empty index"
-    bounds = tuple(index_bounds(fold).get(keys, ()))
+    bounds = dict(kernel.loops_of(fold, nested=False).bounds).get(keys, ())
     for bound in bounds:
         if bound.other not in (rows, None, *batch) or not _integral(bound.offset):
             return f"the bound {bound} is not a shift of the rows by integers"

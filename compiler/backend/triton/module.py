@@ -7,15 +7,10 @@ independent can split each fold's loop over N programs per output tile: the
 buffer, and the last of a tile's N programs to finish (an atomic arrival
 counter) calls the `_merge` function, which folds the N states in order with
 the summary's combine (the rescaled merge for rescaled fields), finalizes and
-runs the rest of the kernel: one launch.  `split=N` forces N; by default (`split=None`) a kernel is split
-when it launches fewer than 2 programs per SM and its longest program fold
-streams at least SPLIT_MIN_TILES tiles, counting the steps of the folds nested in
-each (a long reduction: decoding against a long KV cache, a few very long rows, a
-loss reduced to a scalar): N = min(ceil(8 * SMs / programs), tiles, steps //
-SPLIT_MIN_RUN, max(SPLIT_MAX, 2 * SMs / programs)), so that every split still
-streams four steps or more (the schedule's split policy: compiler.schedule.tiles).
-Prefill-sized attention (1024 keys = 16 tiles) is not split.  Without a GPU
-(the interpreter) the default never splits."""
+runs the rest of the kernel: one launch.  How many ways a kernel splits, and
+why, is the specialisation stage's decision (compiler.specialise: the schedule's
+split policy, compiler.schedule.tiles.auto_split, at the call's sizes); this
+module builds what it decided."""
 from __future__ import annotations
 
 import math
@@ -25,11 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ...schedule import Kernel, KernelSchedule, Loop, Plan, Schedule
-from ...schedule.tiles import auto_split, nested_steps
+from ...schedule import Kernel, KernelSchedule, Loop, Plan
+from ...specialise import ConcreteKernel, ConcreteSchedule
 from . import hopper
-from .emit import (PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, Signature, TensorInfo,
-                   tensors_read)
+from .emit import PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, TensorInfo, tensors_read
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
 
@@ -82,12 +76,13 @@ def program_count(code: KernelCode, block_of) -> str:
 
 
 class ModuleBuilder:
-    def __init__(self, schedule: Schedule, signature: Signature, passes: tuple[str, ...]):
+    def __init__(self, concrete: ConcreteSchedule, passes: tuple[str, ...]):
+        schedule = concrete.schedule
+        self.concrete = concrete
         self.program = schedule.program
         self.outputs = schedule.outputs
         self.schedule = schedule
-        self.sig = signature
-        self.split = schedule.split
+        self.sig = signature = concrete.signature
         self.passes = passes
         self.ctx = ModuleContext(signature, dict(schedule.fresh_names))
         # the launcher's tensor table holds inputs, statements and buffers by name; the
@@ -123,45 +118,19 @@ class ModuleBuilder:
                 dtype = {"float": self.sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
                 self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), dtype)
 
-    def _split_for(self, spec: KernelSchedule, full: KernelEmitter) -> tuple[int, str]:
-        if not spec.program_folds:
-            return 1, "" if self.split in (None, 1) else "no fold streams per program; nothing to split"
-        if spec.dependent:
-            return 1, "" if self.split in (None, 1) else "its program folds read each other; not split"
-        programs = 1
-        for g in spec.grid:
-            ax = full.root.env[g]
-            n = self.ctx.extent(g)
-            programs *= n if ax.scalar else math.ceil(n / ax.block)
-        tiles, steps = 0, 1
-        for f in spec.program_folds:
-            b = f.indices[0]
-            block = 1 if full.one_at_a_time(f) else full.fold_block(f, 0)
-            tiles = max(tiles, math.ceil(self.ctx.extent(b) / block))
-            steps = max(steps, nested_steps(f, self.ctx.extent, full.contraction))
-        if self.split is None:
-            n = auto_split(programs, tiles, self.sig.sm_count, steps)
-            why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
-                   + (f" of {steps} nested steps each" if steps > 1 else "")) if n > 1 else ""
-            return n, why
-        n = max(1, min(self.split, tiles))
-        return n, f"split={self.split} requested" + (f" (capped at {tiles} tiles)" if n < self.split else "")
-
     def build(self) -> Built:
         plan_kernels: list[Kernel] = []
         buffers: list[str] = []
-        for spec in self.schedule.kernels:
+        for kernel in self.concrete.kernels:
+            spec = kernel.schedule
             self._register(spec)
-            hint = self.split if self.split and spec.program_folds and not spec.dependent else 1
-            full = KernelEmitter(self.ctx, spec, hint)
-            code = full.build()
-            n_split, why = self._split_for(spec, full)
+            n_split, why = kernel.split, kernel.split_why
             if n_split > 1:
                 # one launch: the last program of each tile calls the merge (PartialEmitter.finish);
                 # not autotuned: the split fixes its tiles, and the kernel is launch-bound,
                 # where the autotuner's per-call host cost showed (decode at L = 8k: 0.044 ms
                 # -> 0.080 ms, H200)
-                partial = PartialEmitter(self.ctx, spec, n_split).build()
+                partial = PartialEmitter(self.ctx, kernel).build()
                 (merge,) = partial.functions
                 self.kernels.append((partial, n_split))
                 streamed = spec.loops
@@ -175,12 +144,13 @@ class ModuleBuilder:
                                             *(loop for loop in streamed if not loop.folds))))
                 buffers += [b for b, _, _ in partial.buffers]
             else:
+                code = KernelEmitter(self.ctx, kernel).build()
                 if why:
                     self.notes.append(f"{spec.name}: {why}")
                 self.kernels.append((code, 1))
-                if not self.sig.interpret:
-                    self._tune(code)
-                form = self._hopper_form(spec)
+                if kernel.candidates:
+                    self.tuned[code.name] = decorator(code, candidates(code, kernel.candidates))
+                form = self._hopper_form(kernel)
                 if form is None:
                     plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else ""),
                                                spec.loops))
@@ -191,12 +161,13 @@ class ModuleBuilder:
         launched = tuple(code.name for code, _ in self.kernels) + tuple(form.name for form in self.hopper.values())
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched)
 
-    def _hopper_form(self, spec: KernelSchedule) -> hopper.HopperCode | None:
+    def _hopper_form(self, kernel: ConcreteKernel) -> hopper.HopperCode | None:
         """The kernel's Hopper form (hopper.py) on an sm_90 GPU, if it takes it; why not,
         as a note of the module, where it is a Hopper GPU's kernel of a rescaled fold."""
         if self.sig.interpret or self.sig.arch != 90:
             return None
-        found = hopper.match(spec, self.ctx)
+        spec = kernel.schedule
+        found = hopper.match(kernel, self.ctx)
         if isinstance(found, hopper.HopperFold) and not hopper.gluon_available():
             found = "this Triton has no Gluon for Hopper"
         if isinstance(found, hopper.HopperFold):
@@ -210,10 +181,6 @@ class ModuleBuilder:
         if any(f.summary.rescaled for f in spec.program_folds):
             self.notes.append(f"{spec.name}: not in the Hopper form: {found}")
         return None
-
-    def _tune(self, code: KernelCode) -> None:
-        """Autotune a compiled kernel over tilings of its contractions (tuning.py)."""
-        self.tuned[code.name] = decorator(code, candidates(code, dict(self.sig.extents)))
 
     # ------------------------------------------------------------ source
     def header(self) -> list[str]:

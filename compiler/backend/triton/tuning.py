@@ -1,19 +1,13 @@
-"""Autotuning on a GPU: the candidate tilings of a kernel, by the shape of its
-contractions, not by what the program computes.
+"""Autotuning on a GPU: the specialised kernel's candidate tilings
+(compiler.specialise: ConcreteKernel.candidates, by the shape of its contractions,
+not by what the program computes) bound onto the constexprs of its kernel.
 
-A kernel's tunable tiles are the tiles of indices that take part in tl.dot:
-grid tiles (the rows and columns of the output tile) and loop tiles (the
-streamed contraction index).  Candidates, each clamped to the index's extent
-(next power of two, at least 16):
-- one grid tile and one loop tile (a streamed fold against a matrix product,
-  attention-like): FlashAttention-style tilings, 64-128 rows by 32-128 keys,
-  and where its float32 state fits and every program does the same work, a
-  tiling capped at 128 registers a thread so that two programs share an SM
-  (PAIRED);
-- two grid tiles and one loop tile (a plain matrix product): 128-256 square
-  output tiles with 32-64 deep slabs;
-- other kernels (memory-bound reductions and elementwise kernels): their tiles
-  stay as chosen, and only warps and pipeline depth are tuned.
+The candidates name the tuned tiles by index (the rows and columns of the
+output tile, the streamed contraction index); here each becomes the block
+constexprs the emitter declared for that index and role (`code.tunable`).
+What the kernel holds decides which candidates survive: a register cap a thread
+(two programs an SM) only where its float32 state fits, and no tile of more than
+MAX_NUMEL elements (Triton refuses to compile one).
 Triton's autotuner times every candidate once per specialisation and keeps the
 fastest (in Triton's cache too, so another process reuses it: `cache_results`);
 candidates that do not fit the chip (shared memory) are skipped by it.  The
@@ -26,16 +20,16 @@ that the launcher passes no tile itself and no tiling of several folds or
 tiled indices can leave a BLOCK_* unbound.  The untuned path (the interpreter,
 split kernels) launches with exactly `binding(code)`.
 
-No candidate holds a tile of more than MAX_NUMEL elements (Triton refuses to
-compile one); a kernel whose own tiling does is a BackendError, on the CPU as
-on the GPU, not a compile error on the GPU only.
+A kernel whose own tiling holds a tile past MAX_NUMEL is a BackendError, on the
+CPU as on the GPU, not a compile error on the GPU only.
 """
 from __future__ import annotations
 
 import math
 
 from ...errors import BackendError
-from ...schedule.tiles import LAUNCH, MATMUL, PAIRED, PAIRED_STATE, STREAMED, np2
+from ...schedule.tiles import PAIRED_STATE
+from ...specialise import Candidate
 from .emit import KernelCode
 
 MAX_NUMEL = 1 << 20     # Triton's largest tensor
@@ -57,39 +51,28 @@ def largest_tile(code: KernelCode, blocks: dict[str, int]) -> int:
     return max((math.prod(blocks[b] for b in shape) for shape in code.tiles), default=1)
 
 
-Candidate = tuple[dict[str, int], int, int, "int | None"]   # (constexprs, warps, stages, registers a thread)
+Config = tuple[dict[str, int], int, int, "int | None"]   # (constexprs, warps, stages, registers a thread)
 
 
-def candidates(code: KernelCode, extent: dict[str, int]) -> list[Candidate]:
-    """[(constexprs, num_warps, num_stages, maxnreg or None)] to try for `code`; `extent`
-    maps index names to their extents.  Each candidate binds every constexpr of the kernel."""
+def candidates(code: KernelCode, tiling: tuple[Candidate, ...]) -> list[Config]:
+    """[(constexprs, num_warps, num_stages, maxnreg or None)] to try for `code`: each of
+    the specialised kernel's candidates bound onto its block constexprs, every constexpr
+    bound; those its state or Triton's tensor limit rules out left out."""
     base = binding(code)
-    grid = [b for b, (role, _) in code.tunable.items() if role == "grid"]
-    loop = [b for b, (role, _) in code.tunable.items() if role == "loop"]
-
-    def clamp(block: str, size: int) -> int:
-        return min(size, max(16, np2(extent[code.tunable[block][1]])))
-
-    out: list[Candidate] = []
-    if len(grid) == 1 and len(loop) == 1:
-        def tiling(rows: int, keys: int) -> dict[str, int]:
-            return {**base, grid[0]: clamp(grid[0], rows), loop[0]: clamp(loop[0], keys)}
-        out = [(tiling(rows, keys), warps, stages, None) for rows, keys, warps, stages in STREAMED]
-        rows, keys, warps, stages, registers = PAIRED
-        paired = tiling(rows, keys)
-        if code.uniform and float_state(code, paired, grid[0], loop[0]) <= PAIRED_STATE * 32 * warps:
-            out.append((paired, warps, stages, registers))
-    elif len(grid) == 2 and len(loop) == 1:
-        for rows, cols, depth, warps, stages in MATMUL:
-            out.append(({**base, grid[0]: clamp(grid[0], rows), grid[1]: clamp(grid[1], cols),
-                         loop[0]: clamp(loop[0], depth)}, warps, stages, None))
-    else:
-        out = [(dict(base), warps, stages, None) for warps, stages in LAUNCH]
-    unique = []
-    for c in out:
-        if c not in unique and largest_tile(code, c[0]) <= MAX_NUMEL:
-            unique.append(c)
-    return unique
+    out: list[Config] = []
+    for c in tiling:
+        sizes = dict(c.tiles)
+        blocks = {**base, **{b: sizes[index] for b, (_, index) in code.tunable.items() if index in sizes}}
+        if c.registers is not None:
+            rows = [b for b, (role, _) in code.tunable.items() if role == "grid"]
+            keys = [b for b, (role, _) in code.tunable.items() if role == "loop"]
+            if len(rows) != 1 or len(keys) != 1 or \
+                    float_state(code, blocks, rows[0], keys[0]) > PAIRED_STATE * 32 * c.warps:
+                continue
+        config = (blocks, c.warps, c.stages, c.registers)
+        if config not in out and largest_tile(code, blocks) <= MAX_NUMEL:
+            out.append(config)
+    return out
 
 
 def float_state(code: KernelCode, blocks: dict[str, int], rows: str, keys: str) -> int:

@@ -1,0 +1,192 @@
+"""The concrete schedule: a Schedule with every size decided for one call's signature.
+
+The Schedule (compiler.schedule) states tiles as symbols with rules and candidate
+sets, for any sizes.  Specialised to a Signature, each kernel has its grid tiles
+and the order of its programs, each epilogue index its tile, each fold its loop
+kind and tile per index (streamed, held whole, one value at a time), whether its
+tiles are tuned and from which table, and the split of its program folds.  A
+backend reads these and decides nothing of them itself."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ir import Expr, Reduce, format_expr
+from ..schedule import KernelSchedule, Schedule
+from ..schedule.bounds import Bound
+
+POSITIVE = "positive"
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a generated module is specialised to (besides the program)."""
+    extents: tuple[tuple[str, int], ...]
+    # name, "tensor" | "number", rank, dtype; a number's dtype slot holds its sign class: POSITIVE
+    # (arguments.positive_number: a factor that commutes with max) or None
+    inputs: tuple[tuple[str, str, int, object], ...]
+    dtype: torch.dtype                                  # float results
+    sm_count: int | None                                # None: no auto split (no GPU)
+    interpret: bool = False                             # kernels run under Triton's interpreter
+    tf32: bool = False                                  # float32 tl.dot in TF32 (torch's matmul setting)
+    l2_bytes: int | None = None                         # the GPU's L2 cache (eviction hints); None: unknown
+    arch: int | None = None                             # compute capability as 10 * major + minor (90: Hopper)
+
+    def extent(self, name: str) -> int:
+        return dict(self.extents)[name]
+
+    def __str__(self) -> str:
+        device = "Triton's interpreter" if self.interpret else (
+            f"{self.sm_count} SMs" if self.sm_count else "no SM count") + (f", sm_{self.arch}" if self.arch else "")
+        return (f"{', '.join(f'{k}={v}' for k, v in self.extents)}; {str(self.dtype).removeprefix('torch.')}; "
+                f"{device}" + ("; TF32" if self.tf32 else ""))
+
+
+# how a loop or program axis covers its index
+TILED = "tiled"            # tiles of `size` values
+WHOLE = "whole"            # one tile of `size` values holds the whole extent (no loop)
+ONE_AT_A_TIME = "one"      # one value per step (size 0): a batch index, or in order (not commutative)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One index of a kernel's grid, epilogue or a fold's loop, sized."""
+    index: str
+    how: str               # TILED, WHOLE or ONE_AT_A_TIME
+    size: int              # values per tile (TILED, WHOLE); 0 for ONE_AT_A_TIME (1: one at a time, in order)
+    tuned: bool = False    # an autotuner tries the candidates of the kernel's table for it
+    why: str = ""          # the rule that sized it, in a few words
+
+    @property
+    def scalar(self) -> bool:
+        return self.size == 0
+
+    def __str__(self) -> str:
+        if self.how == ONE_AT_A_TIME:
+            text = f"{self.index}: one at a time" + (", in order" if self.size == 1 else "")
+        else:
+            text = f"{self.index}/{self.size}" + (" whole" if self.how == WHOLE else "")
+        return text + (" tuned" if self.tuned else "") + (f" ({self.why})" if self.why else "")
+
+
+# comparisons that the least and greatest value of each side over a tile decide
+# (a tile where one fails everywhere is skipped, a live span scanned by them)
+RANGED = frozenset({"lt", "le", "gt", "ge", "eq"})
+
+
+@dataclass(frozen=True)
+class FoldLoops:
+    """How one fold streams: a Tile per index it reduces, in its order, and the
+    bands of its loops (schedule.bounds: each fact read off the fold once, here)."""
+    fold: Reduce
+    nested: bool           # inside another fold's loop (its indices may be held whole)
+    tiles: tuple[Tile, ...]
+    # loop index -> relations from index predicates that bound it (`m <= i`): the loop runs
+    # from the first to the last tile where they can hold
+    bounds: tuple[tuple[str, tuple[Bound, ...]], ...] = ()
+    # loop index -> predicates on data (`D[i] == D[m]`): a tile where one fails everywhere is skipped
+    skips: tuple[tuple[str, tuple[Expr, ...]], ...] = ()
+    # a single loop's relations that hold everywhere on a band of interior tiles, which run
+    # without them; the boundary tiles on either side evaluate them
+    interior: tuple[Bound, ...] = ()
+    # a single loop's comparisons on data whose live span (first to last tile where each may
+    # hold) a scan of their sides finds before the loop
+    span: tuple[Expr, ...] = ()
+
+    def tile(self, index: str) -> Tile:
+        return next(t for t in self.tiles if t.index == index)
+
+    def __str__(self) -> str:
+        where = "nested fold" if self.nested else "fold"
+        fields = ", ".join(self.fold.summary.field_names)
+        notes = [f"bounds: {', '.join(str(b) for _, bs in self.bounds for b in bs)}"] if self.bounds else []
+        if self.interior:
+            notes.append(f"interior tiles without {', '.join(str(b) for b in self.interior)}")
+        notes += [f"skips tiles where {' and '.join(format_expr(c) for c in cs)} fails" for _, cs in self.skips]
+        if self.span:
+            notes.append(f"live span of {' and '.join(format_expr(c) for c in self.span)} scanned first")
+        return (f"{where}[{', '.join(self.fold.indices)}] of {fields}: "
+                f"{'; '.join(str(t) for t in self.tiles)}" + "".join(f" [{n}]" for n in notes))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One tiling the autotuner tries: the tuned indices' tiles (the other tiles as
+    decided), warps, pipeline stages, and a register cap a thread (two programs an SM),
+    which the backend keeps only where the kernel's float32 state fits it."""
+    tiles: tuple[tuple[str, int], ...]
+    warps: int
+    stages: int
+    registers: int | None = None
+
+    def __str__(self) -> str:
+        tiles = " x ".join(f"{i}/{size}" for i, size in self.tiles)
+        return (f"{tiles + ', ' if tiles else ''}{self.warps} warps, {self.stages} stages"
+                + (f", {self.registers} registers" if self.registers else ""))
+
+
+@dataclass(frozen=True)
+class ConcreteKernel:
+    schedule: KernelSchedule
+    grid: tuple[Tile, ...]          # in the kernel's grid order
+    longest_first: str | None       # a grid index whose higher tiles run longer loops: launched first
+    grouped: bool                   # two tuned grid tiles: programs in groups of GROUP tile rows (L2 reuse)
+    epilogue: tuple[Tile, ...]      # in the kernel's epilogue order
+    folds: tuple[FoldLoops, ...]    # every fold it streams, nested ones after their parent
+    loop_cap: int                   # elements a streamed tile without tl.dot may hold
+    split: int                      # programs each program fold's loop is split over (1: none)
+    split_why: str                  # why (or why a requested split was refused); "" when nothing to say
+    tuning: str                     # the autotune table its candidates come from ("" untuned)
+    candidates: tuple[Candidate, ...] = ()   # what the autotuner tries (none: launched as decided)
+    uniform: bool = False           # every program does the same work (no loop bounds, no skipped tiles)
+
+    @property
+    def name(self) -> str:
+        return self.schedule.name
+
+    @property
+    def tuned(self) -> bool:
+        """Whether its tiles are autotuned and its programs ordered (a split kernel is
+        neither: the split fixes its tiles)."""
+        return self.split == 1
+
+    def loops_of(self, fold: Reduce, nested: bool) -> FoldLoops:
+        for f in self.folds:
+            if f.fold == fold and f.nested == nested:
+                return f
+        raise AssertionError(f"{self.name}: the specialised schedule has no "
+                             f"{'nested ' * nested}fold {fold.summary.name}[{', '.join(fold.indices)}]")
+
+    def __str__(self) -> str:
+        order = "" if not self.grid else (f"; programs: longest first along {self.longest_first}"
+                                          if self.longest_first else "; programs: in groups of tile rows"
+                                          if self.grouped else "")
+        grid = f"grid ({', '.join(str(t) for t in self.grid)})" if self.grid else "one program"
+        lines = [f"kernel {self.name}: {grid}{order}"]
+        if self.epilogue:
+            lines.append(f"  epilogue loop ({', '.join(str(t) for t in self.epilogue)})")
+        lines += [f"  {'  ' * f.nested}{f}" for f in self.folds]
+        if self.split > 1:
+            lines.append(f"  split {self.split} ways: {self.split_why}")
+        elif self.split_why:
+            lines.append(f"  not split: {self.split_why}")
+        if self.tuning:
+            lines.append(f"  autotuned over {self.tuning}:")
+            lines += [f"    {c}" for c in self.candidates]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ConcreteSchedule:
+    schedule: Schedule              # the schedule for these extents (Schedule.for_extents)
+    signature: Signature
+    kernels: tuple[ConcreteKernel, ...]
+
+    def kernel(self, name: str) -> ConcreteKernel:
+        return next(k for k in self.kernels if k.name == name)
+
+    def __str__(self) -> str:
+        lines = [f"specialised to {self.signature}: {len(self.kernels)} kernel(s)"]
+        lines += [str(k) for k in self.kernels]
+        return "\n".join(lines)

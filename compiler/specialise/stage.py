@@ -1,0 +1,267 @@
+"""specialise(Schedule, Signature) -> ConcreteSchedule: the schedule stage's tile
+rules (compiler.schedule.tiles) evaluated at one call's extents and dtypes.
+
+Per kernel, in this order (each step reads the ones before):
+1. the grid: which indices are tiled and by how much (tiles.grid_tiling), which
+   are tuned, and the order of the programs (longest loops first under an upper
+   bound such as m <= i; groups of tile rows for a matrix product's two tuned tiles);
+2. every fold the kernel streams, walked as the kernel evaluates them (statements
+   at the grid or the epilogue, each fold's arguments inside its loop): per
+   reduced index, a loop of tiles, one tile holding it whole, or one value at a time;
+3. the split of its program folds (tiles.auto_split, or the split asked for), and
+   for a split kernel the folds again at the split's tiles, untuned;
+4. the epilogue's tiles, and the autotune table its tuned tiles draw from."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dataclasses import replace
+
+from ..ir import Access, Call, Reduce, outer_reductions, walk
+from ..schedule import KernelSchedule, Schedule
+from ..schedule.bounds import index_bounds, tile_tests
+from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
+from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, STREAMED, auto_split, np2, fold_caps, free_tile, grid_tiling,
+                              held_whole, held_whole_in_epilogue, loop_tile, nested_steps, one_at_a_time,
+                              split_tile, uniform_work, whole_tile)
+from .ir import RANGED, ONE_AT_A_TIME, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops, Signature, Tile
+
+
+def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
+    """The concrete schedule of `schedule` for a call of this signature (the
+    materialised schedule where these extents call for it: Schedule.for_extents)."""
+    extents = dict(signature.extents)
+    chosen = schedule.for_extents(lambda index: extents[index])
+    fresh = dict(chosen.fresh_names)
+
+    def extent(name: str) -> int:
+        while name not in extents and name in fresh:
+            name = fresh[name]
+        return extents[name]
+    return ConcreteSchedule(chosen, signature, tuple(_Kernel(k, chosen.split, signature, extent).specialised()
+                                                     for k in chosen.kernels))
+
+
+class _Kernel:
+    """One kernel's decisions, made in the stage's order."""
+
+    def __init__(self, spec: KernelSchedule, requested: int | None, sig: Signature, extent):
+        self.spec, self.requested, self.sig, self.extent = spec, requested, sig, extent
+        self.dot = set(spec.dot_indices)
+        self.inputs = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
+
+    def specialised(self) -> ConcreteKernel:
+        spec = self.spec
+        tiling = grid_tiling(spec, self.extent)
+        blocks = dict(tiling.blocks)
+        lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
+        for g in lacking:
+            if self.extent(g) == 0:
+                blocks[g] = max(blocks.get(g, 0), 1)    # masked, so that its one tile reads nothing
+        self.loop_cap = tiling.loop_cap
+        # the split is decided on the kernel as it would run whole (at the split asked for, if any)
+        hint = self.requested if self.requested and spec.program_folds and not spec.dependent else 1
+        split, why = self.split(blocks, hint)
+        tuned = split == 1
+        grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole, tuned) for g in spec.grid)
+        folds = self.folds(blocks, split if split > 1 else hint, tuned)
+        epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
+        tuned_grid = [t for t in grid if t.tuned]
+        table, candidates = self.tuning(tuned_grid, folds) if tuned and not self.sig.interpret else ("", ())
+        return ConcreteKernel(spec, grid, self.longest_first(grid) if tuned else None,
+                              len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
+                              why, table, candidates, uniform_work(spec))
+
+    # ------------------------------------------------------------ 1. the grid
+    def grid_tile(self, g: str, block: int, whole: bool, tuned: bool) -> Tile:
+        if not block:
+            return Tile(g, ONE_AT_A_TIME, 0)
+        if whole:
+            return Tile(g, WHOLE, block, why="a field does not vary over it")
+        return Tile(g, TILED, block, tuned=tuned and g in self.dot,
+                    why="tl.dot" if g in self.dot else "values" if g in self.spec.value_only else "elementwise")
+
+    def longest_first(self, grid: tuple[Tile, ...]) -> str | None:
+        """A tiled grid index that bounds a program fold's loop from above (m <= i):
+        the higher its tile, the longer that program runs, so those start first and
+        the short ones fill the tail."""
+        tiled = {t.index for t in grid if not t.scalar}
+        for fold in self.spec.program_folds:
+            for relations in index_bounds(fold).values():
+                for b in relations:
+                    if b.upper and b.sign > 0 and b.other in tiled:
+                        return b.other
+        return None
+
+    # ------------------------------------------------------------ 2. the folds
+    def folds(self, blocks: dict[str, int], split: int, tuned: bool) -> tuple[FoldLoops, ...]:
+        """Every fold the kernel evaluates, in the order it meets them: the program
+        folds, then each statement's folds (at the grid, or inside the epilogue loop),
+        each followed by the folds nested in its arguments."""
+        spec = self.spec
+        out: dict[tuple[Reduce, bool], FoldLoops] = {}
+        # scope: each index the kernel has at a point -> (where it lives, whether one value at a time)
+        grid = {g: ("grid", not blocks.get(g)) for g in spec.grid}
+        epilogue = {**grid, **{e: ("epilogue", False) for e in spec.epilogue}}
+        for f in spec.program_folds:
+            self.visit(f, grid, split, tuned, out)
+        for st in spec.statements:
+            self.visit(st.expr, grid if set(st.indices) <= set(spec.grid) else epilogue, split, tuned, out)
+        return tuple(out.values())
+
+    def visit(self, e, scope: dict[str, tuple[str, bool]], split: int, tuned: bool, out: dict) -> None:
+        for R in outer_reductions((e,)):
+            fold = R.fold
+            if R.result is not None and not free(fold) <= set(scope):
+                # the projected field varies over fewer indices than the fold: where the
+                # others do not exist, only the fields that do not vary over them are folded
+                narrowed = restrict(fold, frozenset(scope))
+                if narrowed is not None and R.result in narrowed.summary.field_names:
+                    fold = narrowed
+            if not free(fold) <= set(scope):
+                continue        # the emitter reports the index this kernel does not loop over
+            nested = any(scope[i][0] == "loop" for i in free(fold))
+            loops = out.get((fold, nested))
+            if loops is None:
+                loops = out[fold, nested] = self.fold_loops(fold, nested, split, tuned, scope)
+            inner = {**scope, **{t.index: ("whole" if t.how == WHOLE else "loop", t.scalar) for t in loops.tiles}}
+            for a in fold.args:
+                self.visit(a, inner, split, tuned, out)
+
+    def fold_loops(self, fold: Reduce, nested: bool, split: int, tuned: bool, scope) -> FoldLoops:
+        s = fold.summary
+        singles = one_at_a_time(fold, self.dot)
+        batch = set().union(*(dot_batch_names(a) for a in fold.args))
+        exact = self.in_order(self.contraction_dtype(fold))
+        caps = self.caps(fold)
+        tiles = []
+        for p, b in enumerate(fold.indices):
+            n, dot = self.extent(b), b in self.dot
+            if not s.commutative and b in singles:
+                tiles.append(Tile(b, ONE_AT_A_TIME, 1, why="in order"))
+            elif b in batch:
+                tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="a contraction's batch index"))
+            elif nested and held_whole(n, dot and exact):
+                tiles.append(Tile(b, WHOLE, whole_tile(n, dot)))
+            elif b in singles:
+                tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="beside a tl.dot over the last"))
+            else:
+                block = self.loop_block(fold, p, split, caps)
+                why = ("tl.dot" if dot else "streamed") + (f", sized for {split} splits"
+                                                          if self.split_here(fold, p, split) else "")
+                tiles.append(Tile(b, TILED, block, tuned=dot and tuned and b in contraction_names(fold), why=why))
+        return self.bands(FoldLoops(fold, nested, tuple(tiles)), tuned, scope)
+
+    def bands(self, loops: FoldLoops, tuned: bool, scope) -> FoldLoops:
+        """The loops' bounds from index predicates, the tiles a predicate on data skips,
+        and, for a single loop, the band of tiles where the bounds hold everywhere (run
+        without the mask: `interior`) and the comparisons on data whose live span a
+        scan finds before the loop (`span`)."""
+        fold = loops.fold
+        streamed = [t for t in loops.tiles if t.how != WHOLE]
+        relations = index_bounds(fold)
+        tests = tile_tests(fold)
+        bounds = tuple((t.index, relations[t.index]) for t in streamed if t.index in relations)
+        skips = tuple((t.index, tests[t.index]) for t in streamed if not t.scalar and t.index in tests)
+        interior, span = (), ()
+        if len(streamed) == 1 and not streamed[0].scalar:
+            (t,) = streamed
+            if tuned:
+                interior = tuple(b for b in relations.get(t.index, ()) if b.other is None or b.other in free(fold))
+            one_value = {i for i in free(fold) if scope[i][1]}
+
+            def scannable(x) -> bool:
+                # each side varies over the loop's index alone or not at all within the program
+                others = free(x) - {t.index}
+                return others <= (one_value if t.index in free(x) else free(fold))
+            span = tuple(c for c in tests.get(t.index, ()) if isinstance(c, Call) and c.op in RANGED
+                         and all(map(scannable, c.args)))
+        return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
+
+    def caps(self, fold: Reduce) -> list[int]:
+        return fold_caps(fold, self.extent, self.dot, self.loop_cap)
+
+    def split_here(self, fold: Reduce, p: int, split: int) -> bool:
+        return split > 1 and p == 0 and fold in self.spec.program_folds
+
+    def loop_block(self, fold: Reduce, p: int, split: int, caps: list[int]) -> int:
+        """The loop tile of `fold`'s p-th index: its share of the streamed budget beside
+        the tiles its nested folds hold (tiles.fold_caps); a split program fold's,
+        small enough for `split` tiles."""
+        b = fold.indices[p]
+        block = loop_tile(self.extent(b), b in self.dot, caps[p])
+        return split_tile(self.extent(b), b in self.dot, split, block) if self.split_here(fold, p, split) else block
+
+    def contraction_dtype(self, fold: Reduce):
+        """The operand dtype of a contraction `fold`'s tl.dot: the promoted dtype of the
+        program inputs it reads (a bfloat16 Q K^T stays bfloat16 beside a float32 slope
+        outside it), else the results' (none in float64)."""
+        stored = [self.inputs[n.tensor] for a in fold.args for n in walk(a)
+                  if isinstance(n, Access) and self.inputs.get(n.tensor) is not None]
+        dtype = stored[0] if stored else (None if self.sig.dtype == torch.float64 else self.sig.dtype)
+        for other in stored[1:]:
+            dtype = torch.promote_types(dtype, other)
+        return dtype
+
+    def in_order(self, dtype) -> bool:
+        """tl.dot of `dtype` operands sums each tile's products in order in float32
+        (IEEE float32, not TF32): long contractions need compensated tiles."""
+        return dtype == torch.float32 and not self.sig.tf32
+
+    # ------------------------------------------------------------ 3. the split
+    def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:
+        spec = self.spec
+        if not spec.program_folds:
+            return 1, "" if self.requested in (None, 1) else "no fold streams per program; nothing to split"
+        if spec.dependent:
+            return 1, "" if self.requested in (None, 1) else "its program folds read each other; not split"
+        programs = math.prod(self.extent(g) if not blocks.get(g) else math.ceil(self.extent(g) / blocks[g])
+                             for g in spec.grid)
+        tiles, steps = 0, 1
+        for f in spec.program_folds:
+            block = 1 if one_at_a_time(f, self.dot) else self.loop_block(f, 0, hint, self.caps(f))
+            tiles = max(tiles, math.ceil(self.extent(f.indices[0]) / block))
+            steps = max(steps, nested_steps(f, self.extent, self.dot))
+        if self.requested is None:
+            n = auto_split(programs, tiles, self.sig.sm_count, steps)
+            why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
+                   + (f" of {steps} nested steps each" if steps > 1 else "")) if n > 1 else ""
+            return n, why
+        n = max(1, min(self.requested, tiles))
+        return n, f"split={self.requested} requested" + (f" (capped at {tiles} tiles)" if n < self.requested else "")
+
+    # ------------------------------------------------------------ 4. the epilogue and tuning
+    def epilogue_tile(self, e: str) -> Tile:
+        n, dot = self.extent(e), e in self.dot
+        if held_whole_in_epilogue(self.spec, e, self.extent):
+            return Tile(e, WHOLE, whole_tile(n, dot), why="a tile would recompute the folds nested in its fold")
+        block = free_tile(n, dot, e in self.spec.value_only)
+        return Tile(e, TILED, block or loop_tile(n, dot, self.loop_cap))
+
+    def tuning(self, grid: list[Tile], folds: tuple[FoldLoops, ...]) -> tuple[str, tuple[Candidate, ...]]:
+        """The autotune table of the kernel's tuned tiles and its candidates, each tile
+        clamped to its index's extent (next power of two, at least 16): one tuned grid
+        tile beside one tuned loop tile (a fold streamed against a matrix product) takes
+        STREAMED, and PAIRED where every program does the same work; two grid tiles and
+        a loop tile (a matrix product) MATMUL; any other kernel keeps its tiles and tries
+        LAUNCH's warps and stages."""
+        loops = [t for f in folds for t in f.tiles if t.tuned]
+
+        def tiles(*sizes: int) -> tuple[tuple[str, int], ...]:
+            return tuple((t.index, min(size, max(16, np2(self.extent(t.index)))))
+                         for t, size in zip(grid + loops, sizes))
+        if len(grid) == 1 and len(loops) == 1:
+            out = [Candidate(tiles(rows, keys), warps, stages) for rows, keys, warps, stages in STREAMED]
+            if uniform_work(self.spec):
+                rows, keys, warps, stages, registers = PAIRED
+                out.append(Candidate(tiles(rows, keys), warps, stages, registers))
+            table = f"streamed tilings of {grid[0].index} x {loops[0].index}"
+        elif len(grid) == 2 and len(loops) == 1:
+            out = [Candidate(tiles(rows, cols, depth), warps, stages) for rows, cols, depth, warps, stages in MATMUL]
+            table = f"matrix-product tilings of {grid[0].index} x {grid[1].index} x {loops[0].index}"
+        else:
+            out = [Candidate((), warps, stages) for warps, stages in LAUNCH]
+            table = "launch configurations, tiles as decided"
+        return table, tuple(dict.fromkeys(out))

@@ -1,0 +1,166 @@
+"""The specialisation stage: every tile, loop and split decided for one call's
+signature, printed as text, and built as decided by the backend."""
+import pytest
+import torch
+
+import compiler
+from compiler.backend.triton.module import ModuleBuilder
+from compiler.cli import main
+from compiler.specialise import specialise
+from compiler.specialise.ir import ONE_AT_A_TIME, RANGED, TILED, WHOLE
+
+H100_SMS = 132
+CAUSAL = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
+DECODE = "O[h,j] = softmax[m](Q[h,k] * K[h,m,k] * scale) * V[h,m,j]"
+MATMUL = "C[i,j] = A[i,k] * B[k,j]"
+LAYERNORM = """
+mu[i] = sum[j](X[i,j]) / len(j)
+var[i] = sum[j]((X[i,j] - mu[i]) ** 2) / len(j)
+Y[i,j] = (X[i,j] - mu[i]) * rsqrt(var[i] + 1e-5)
+"""
+SIZES = {
+    "causal": (CAUSAL, {"Q": (2, 4, 1024, 64), "K": (2, 4, 1024, 64), "V": (2, 4, 1024, 64), "scale": 0.125}),
+    "decode": (DECODE, {"Q": (8, 128), "K": (8, 32768, 128), "V": (8, 32768, 128), "scale": 0.125}),
+    "matmul": (MATMUL, {"A": (1024, 512), "B": (512, 2048)}),
+    "layernorm": (LAYERNORM, {"X": (4096, 4096)}),
+}
+
+
+def _input(value, dtype):
+    # any shape without the memory: one zero broadcast (the signature reads shapes and dtypes only)
+    return torch.zeros((1,) * len(value), dtype=dtype).expand(*value) if isinstance(value, tuple) else value
+
+
+def concrete(name, dtype=torch.bfloat16, sm_count=H100_SMS, arch=90):
+    source, inputs = SIZES[name]
+    program = compiler.compile(source, backend="triton")
+    binding = program.binder({k: _input(v, dtype) for k, v in inputs.items()})
+    return program.backend.specialised_for(binding, sm_count=sm_count, arch=arch)
+
+
+def test_causal_attention_as_text():
+    assert str(concrete("causal")) == """\
+specialised to b=2, h=4, i=1024, j=64, k=64, m=1024; bfloat16; 132 SMs, sm_90: 1 kernel(s)
+kernel einfold_O: grid (b: one at a time, h: one at a time, i/64 tuned (tl.dot), j/64 whole (a field does not \
+vary over it)); programs: longest first along i
+  fold[m] of r, l, u: m/64 tuned (tl.dot) [bounds: m <= i] [interior tiles without m <= i]
+    nested fold[k] of acc: k/64 whole
+  autotuned over streamed tilings of i x m:
+    i/128 x m/128, 8 warps, 3 stages
+    i/64 x m/64, 4 warps, 3 stages
+    i/128 x m/64, 8 warps, 3 stages
+    i/128 x m/64, 8 warps, 4 stages
+    i/64 x m/32, 4 warps, 4 stages"""
+
+
+def test_a_document_mask_skips_tiles_and_scans_its_live_span():
+    source = "O[i,j] = softmax[m](where(D[i] == D[m] and m <= i, Q[i,k] * K[m,k], -inf)) * V[m,j]"
+    program = compiler.compile(source, backend="triton")
+    inputs = {"Q": (4096, 64), "K": (4096, 64), "V": (4096, 64)}
+    binding = program.binder({**{k: _input(v, torch.bfloat16) for k, v in inputs.items()},
+                              "D": torch.zeros(4096, dtype=torch.int64)})
+    (kernel,) = program.backend.specialised_for(binding, sm_count=None).kernels
+    (loop,) = [f for f in kernel.folds if not f.nested]
+    assert str(loop) == ("fold[i_2] of r, l, u: i_2/64 tuned (tl.dot) [bounds: i_2 <= i] "
+                         "[interior tiles without i_2 <= i] [skips tiles where D[i] == D[i_2] fails] "
+                         "[live span of D[i] == D[i_2] scanned first]")
+
+
+def test_decode_splits_over_the_keys():
+    c = concrete("decode")
+    (kernel,) = c.kernels
+    assert kernel.split > 1 and not kernel.tuned and kernel.tuning == ""
+    assert "8 programs for 132 SMs" in kernel.split_why
+    (loop,) = [f for f in kernel.folds if not f.nested]
+    (m,) = loop.tiles
+    assert m.how == TILED and not m.tuned and m.size * kernel.split >= 32768 // 64
+    assert f"split {kernel.split} ways: 8 programs for 132 SMs" in str(c)
+
+
+def test_two_programs_an_sm_only_where_every_program_does_the_same_work():
+    """PAIRED (a register cap, two programs an SM) is a candidate of uniform work only:
+    causal attention's programs loop over different lengths."""
+    source, inputs = SIZES["causal"]
+    program = compiler.compile(source.replace("where(m <= i, ", "(").replace(", -inf)", ")"), backend="triton")
+    binding = program.binder({k: _input(v, torch.bfloat16) for k, v in inputs.items()})
+    (plain,) = program.backend.specialised_for(binding, sm_count=H100_SMS).kernels
+    (causal,) = concrete("causal").kernels
+    assert [c.registers for c in plain.candidates] == [None] * 5 + [128]
+    assert all(c.registers is None for c in causal.candidates)
+
+
+def test_without_sms_nothing_splits():
+    (kernel,) = concrete("decode", sm_count=None).kernels
+    assert kernel.split == 1 and kernel.split_why == ""
+
+
+def test_matmul_groups_its_two_tuned_tiles():
+    (kernel,) = concrete("matmul").kernels
+    assert [(t.index, t.how, t.tuned) for t in kernel.grid] == [("i", TILED, True), ("j", TILED, True)]
+    assert kernel.grouped and kernel.longest_first is None
+    assert kernel.tuning == "matrix-product tilings of i x j x k" and len(kernel.candidates) == 8
+    assert kernel.candidates[0].tiles == (("i", 128), ("j", 128), ("k", 64))
+    assert "programs: in groups of tile rows" in str(kernel)
+
+
+def test_layernorm_rows_stream_untuned():
+    kernels = concrete("layernorm", dtype=torch.float32).kernels
+    assert kernels and all(not t.tuned for k in kernels for t in k.grid)
+    assert all(k.tuning == "launch configurations, tiles as decided" for k in kernels)
+    assert all(c.tiles == () for k in kernels for c in k.candidates)
+
+
+def test_float32_contraction_without_tf32_is_not_held_whole_past_64():
+    """A float32 tl.dot without TF32 sums its products in order: a nested contraction
+    over more than 64 values streams (compensated) instead of one whole tile."""
+    source = "O[i,j] = softmax[m](Q[i,k] * K[m,k]) * V[m,j]"
+    program = compiler.compile(source, backend="triton")
+    inputs = {"Q": (256, 128), "K": (512, 128), "V": (512, 32)}
+    narrow = {"Q": (256, 64), "K": (512, 64), "V": (512, 32)}
+    for shapes, how in ((inputs, TILED), (narrow, WHOLE)):
+        binding = program.binder({k: _input(v, torch.float32) for k, v in shapes.items()})
+        (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS).kernels
+        (nested,) = [f for f in kernel.folds if f.nested]
+        assert nested.tile("k").how == how
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_the_backend_builds_what_was_decided(name):
+    """Every grid tile, tuned tile and split of the built kernels is the concrete
+    schedule's: the emitter sizes nothing itself."""
+    c = concrete(name)
+    builder = ModuleBuilder(c, ())
+    builder.build()
+    for kernel, (code, n_split) in zip(c.kernels, builder.kernels):
+        assert n_split == kernel.split
+        blocks = dict(code.grid_blocks)
+        for t in kernel.grid:
+            if t.how == ONE_AT_A_TIME:
+                assert blocks[t.index] is None
+            else:
+                assert code.constexprs[blocks[t.index]] == t.size
+        tuned_grid = {t.index for t in kernel.grid if t.tuned}
+        assert {index for role, index in code.tunable.values() if role == "grid"} == tuned_grid
+        tuned_loops = {t.index for f in kernel.folds for t in f.tiles if t.tuned}
+        assert {index for role, index in code.tunable.values() if role == "loop"} == tuned_loops
+        loop_sizes = {t.size for f in kernel.folds for t in f.tiles if t.how != ONE_AT_A_TIME}
+        assert loop_sizes <= set(code.constexprs.values())
+
+
+def test_every_ranged_comparison_has_a_dead_tile_test():
+    from compiler.backend.triton.emit import DEAD_WHEN
+    assert DEAD_WHEN.keys() == RANGED
+
+
+def test_specialise_is_a_pure_function_of_schedule_and_signature():
+    c = concrete("causal")
+    assert specialise(c.schedule, c.signature) == specialise(c.schedule, c.signature) == c
+
+
+def test_cli_prints_the_specialised_schedule(capsys):
+    code = main(["ir", "--print-after", "specialise", "-e", DECODE, "--size", "h=8", "--size", "m=32768",
+                 "--size", "k=64", "--size", "j=64", "--dtype", "bfloat16", "--sms", "132"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert out.startswith("# after specialise\nspecialised to h=8, j=64, k=64, m=32768; bfloat16; 132 SMs")
+    assert "ways: 8 programs for 132 SMs" in out and "fold[m] of r, l, u" in out
