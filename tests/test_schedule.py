@@ -2,6 +2,7 @@
 the folds each kernel projects, streamed loops with their bounds, buffers),
 printed by `einfold ir --print-after schedule`, for any sizes.  The Triton
 backend runs the Schedule it is given: it neither lowers nor inlines."""
+import itertools
 import math
 import re
 from dataclasses import FrozenInstanceError
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import compiler
+from compiler.ir import Access, format_expr, nodes
 from compiler.random_inputs import random_inputs
 from compiler.schedule import Schedule, schedule
 from compiler.schedule import form as formation
@@ -266,3 +268,71 @@ def test_a_store_never_outgrows_the_largest_input(source, wrt, extents, stored):
     assert schedule.materialised is not None
     chosen = schedule.for_extents(lambda index: extents[index.split("_")[0]])
     assert (chosen is schedule.materialised) == stored
+
+
+# ---------------------------------------------------------------- the order of the statements
+def _kernel_shapes(schedule: Schedule) -> list[tuple]:
+    """Each kernel as the outputs it stores, its grid as a set, how many buffers it stores
+    and the tensors it reads, in kernel order (names of buffers aside)."""
+    def read(kernel):
+        return frozenset("buffer" if n.tensor in buffers else n.tensor for s in kernel.statements
+                         for n in nodes(s.expr) if isinstance(n, Access))
+    buffers = {name for name, _ in schedule.buffer_indices}
+    return [(frozenset(s.name for s in k.statements if s.name not in buffers), frozenset(k.grid), len(k.buffers),
+             read(k)) for k in schedule.kernels]
+
+
+def test_a_statement_comes_after_the_one_whose_programs_fold_once_what_it_refolds():
+    # T refolds the row sum sum[j](Y * Z) for every program of (m, k); S folds it once per
+    # row: S's kernel comes first and stores it, and T reads it, whichever is written first
+    consumer = "T[m,k] = sum[i](X[i,k] * U[m,i] * sum[j](Y[i,j] * Z[i,j]))"
+    supplier = "S[i,n] = sum[j](Y[i,j] * Z[i,j]) * W[i,n]"
+    for source in (f"{consumer}\n{supplier}", f"{supplier}\n{consumer}"):
+        kernels = scheduled(source).kernels
+        assert [[s.name for s in k.statements] for k in kernels] == [["S", "buf0"], ["T"]]
+        assert format_expr(kernels[1].statements[0].expr) == "sum[i](U[m, i] * X[i, k] * buf0[i])"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_attention_backward_schedule_does_not_depend_on_the_order_of_wrt(causal):
+    # whichever gradient is asked first, dQ's kernel folds D = rowsum(dO * O) once per row
+    # and stores it, and one kernel streams dK and dV in one loop over the queries, reading
+    # D from memory instead of refolding it for every tile of keys
+    from compiler.bench import ATTENTION, CAUSAL
+    source = CAUSAL if causal else ATTENTION
+    rowsum = "sum[j](O[b, h, i, j] * dO[b, h, i, j])"
+    shapes = set()
+    for wrt in itertools.permutations(("Q", "K", "V")):
+        schedule = compiler.grad(source, saved=True, wrt=wrt, backend="triton").schedule
+        first, second = schedule.kernels
+        (stored,) = first.buffers
+        assert {s.name for s in first.statements} == {"dQ", stored}
+        assert [format_expr(s.expr) for s in first.statements if s.name == stored] == [rowsum]
+        assert {s.name for s in second.statements} == {"dK", "dV"} and len(second.program_folds) == 1
+        assert re.search(r"d[KV], d[KV] share one loop over \(i\)", second.why)
+        assert f"{stored}[b, h, i]" in format_expr(second.program_folds[0])
+        shapes.add(tuple(_kernel_shapes(schedule)))
+    (shape,) = shapes
+    *_, read = shape[1]
+    assert read == {"buffer", "Q", "K", "V", "dO", "lse_O", "scale"}        # not O: D is read from memory
+
+
+def test_the_attention_backward_asked_in_another_order_matches_torch():
+    # dQ first, its kernel storing D, though asked last: the gradients in the order asked,
+    # as torch's autograd gives them (float64), on ragged sizes under a causal mask
+    from compiler.bench import CAUSAL
+    shapes = {"Q": (2, 3, 13, 8), "K": (2, 3, 11, 8), "V": (2, 3, 11, 5)}
+    inputs = {n: torch.randn(*s, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+              for k, (n, s) in enumerate(shapes.items())}
+    scale, dO = 0.3, torch.randn(2, 3, 13, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    leaves = {n: v.clone().requires_grad_() for n, v in inputs.items()}
+    scores = (leaves["Q"] @ leaves["K"].transpose(-1, -2) * scale).masked_fill(
+        torch.arange(11)[None, :] > torch.arange(13)[:, None], -math.inf)
+    O = torch.softmax(scores, dim=-1) @ leaves["V"]
+    wrt = ("V", "K", "Q")
+    want = torch.autograd.grad(O, [leaves[n] for n in wrt], dO)
+    backward = compiler.grad(CAUSAL, saved=True, wrt=wrt, backend="triton")
+    given = {**inputs, "dO": dO, "O": O.detach(), "lse_O": torch.logsumexp(scores, dim=-1).detach()}
+    got = backward(**{n: v.float() for n, v in given.items()}, scale=scale)
+    for name, g, w in zip(wrt, got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4, msg=name)

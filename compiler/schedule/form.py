@@ -24,6 +24,7 @@ kernel, read back by an access."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 from ..algebra.properties import additive
 from ..algebra.summary import product_of
@@ -178,7 +179,14 @@ class Former:
     def _widest_first(self, non_outputs: dict[str, Assign]) -> list[Assign]:
         """The output statements in an order that respects what reads what, taking
         the one with the most indices first among those ready: a row statistic then
-        joins the kernel of the row tile's output whichever comes first in the text."""
+        joins the kernel of the row output whichever comes first in the text.  Among
+        the equally wide ones, a kernel reads a fold that another streams once per
+        program only from an earlier kernel (_reuse), so a statement waits for those
+        that supply it (_supplies), and of the rest one that supplies another comes
+        first; only then the text decides.  So an attention backward's dQ, whose
+        programs fold D = rowsum(dO * O) once per row, comes before dK, which would
+        refold it for every tile of keys, and before dV, which would part dK from
+        the loop they share, in whichever order the gradients were asked."""
         def needs(e: Expr, seen: frozenset = frozenset()) -> set[str]:
             out = set()
             for name in reads(e) - seen:
@@ -186,12 +194,26 @@ class Former:
             return out
 
         pending = [s for s in self.program.statements if s.name in self.outputs]
+        statements = {s.name: s for s in pending}
         depends = {s.name: needs(s.expr) for s in pending}
+
+        @cache
+        def alone(name: str) -> Assign:           # as its kernel reads it
+            s = statements[name]
+            expr = inline(s.expr, non_outputs, self.avoid, {}, (name,))
+            return replace(s, expr=narrow_projections(expr, s.indices))
+
+        @cache
+        def supplies(s: str, t: str) -> bool:
+            return _supplies(alone(s), alone(t))
+
         ordered = []
         while pending:
             waiting = {t.name for t in pending}
             ready = [s for s in pending if not (depends[s.name] - {s.name}) & waiting] or pending[:1]
-            pick = max(ready, key=lambda s: len(s.indices))        # the first of the widest
+            widest = [s for s in ready if len(s.indices) == max(len(t.indices) for t in ready)]
+            first = [s for s in widest if not any(supplies(t.name, s.name) for t in widest if t is not s)] or widest
+            pick = next((s for s in first if any(supplies(s.name, t.name) for t in widest if t is not s)), first[0])
             ordered.append(pick)
             pending.remove(pick)
         return ordered
@@ -321,34 +343,27 @@ class Former:
         sink's normaliser, which the dK kernel of its backward would refold over m for
         every i, are stored by the dQ kernel, whose fold (r, l, u, ...) streams them
         once per row beside fields over another index."""
-        grid = set(_grid_of(expr, lhs)[0])
         table: dict[Reduce, Access] = {}
         notes: dict[str, list[str]] = {}         # what, by whom -> buffers
-        for node in nodes(expr):
-            if not isinstance(node, Reduce) or node in table or grid <= free(node):
+        for node in _refolded(expr, lhs):
+            if node in table:
                 continue
-            wanted = _read_part(node)
-            key, order = _stored_key(wanted)
-            for k in self.kernels:
-                parts = [] if k is exclude else [(f, _read_part(replace(f, result=node.result)))
-                                                 for f in _storable(k, node)]
-                match = next(((f, part) for f, part in parts if _stored_key(part)[0] == key), None)
-                if match is None:
-                    continue
-                fold, part = match
-                theirs = dict(zip(_stored_key(part)[1], order))          # k's names -> expr's names
-                indices = tuple(g for g in k.grid if g in free(part))
-                projection = replace(fold, result=node.result)
-                name = self.stored.get((k.name, projection))
-                if name is None:
-                    name = self.stored[(k.name, projection)] = self._buffer_name()
-                    self._join(k, Assign(name, indices, projection, "float"))
-                    k.buffers += (name,)
-                    self.buffer_indices[name] = indices
-                table[node] = Access(name, tuple(theirs[g] for g in indices))
-                names = notes.setdefault(f"{node.summary.name}[{', '.join(node.indices)}], stored by {k.name}", [])
-                names += [name] if name not in names else []
-                break
+            found = _stored_match([k for k in self.kernels if k is not exclude], node)
+            if found is None:
+                continue
+            k, fold, part = found
+            theirs = dict(zip(_stored_key(part)[1], _stored_key(_read_part(node))[1]))  # k's names -> expr's
+            indices = tuple(g for g in k.grid if g in free(part))
+            projection = replace(fold, result=node.result)
+            name = self.stored.get((k.name, projection))
+            if name is None:
+                name = self.stored[(k.name, projection)] = self._buffer_name()
+                self._join(k, Assign(name, indices, projection, "float"))
+                k.buffers += (name,)
+                self.buffer_indices[name] = indices
+            table[node] = Access(name, tuple(theirs[g] for g in indices))
+            names = notes.setdefault(f"{node.summary.name}[{', '.join(node.indices)}], stored by {k.name}", [])
+            names += [name] if name not in names else []
         if not table:
             return expr, ""
         return substitute(expr, table), ", ".join(f"{', '.join(names)} ({what})" for what, names in notes.items())
@@ -650,6 +665,35 @@ def _storable(k: _Draft, node: Reduce) -> list[Reduce]:
                     free(_read_part(replace(f, result=node.result))) == set(k.grid):
                 found.append(f)
     return found
+
+
+def _stored_match(kernels: list[_Draft], node: Reduce) -> tuple[_Draft, Reduce, Reduce] | None:
+    """The first of `kernels` with a fold that streams once per program what `node`
+    reads (_storable, equal up to names by _stored_key): that kernel, the fold and the
+    part of it that `node` reads; None if there is none."""
+    key = _stored_key(_read_part(node))[0]
+    for k in kernels:
+        for fold in _storable(k, node):
+            part = _read_part(replace(fold, result=node.result))
+            if _stored_key(part)[0] == key:
+                return k, fold, part
+    return None
+
+
+def _refolded(expr: Expr, lhs: tuple[str, ...]) -> list[Reduce]:
+    """The folds nested in `expr` that miss one of its grid indices: every program
+    along that index recomputes them."""
+    grid = set(_grid_of(expr, lhs)[0])
+    return [n for n in nodes(expr) if isinstance(n, Reduce) and not grid <= free(n)]
+
+
+def _supplies(s: Assign, t: Assign) -> bool:
+    """Whether a kernel of `s` alone would stream once per program a fold that `t`
+    recomputes per program (_refolded), which `t` could then read from memory (the
+    backward's dQ, which folds D = rowsum(dO * O) once per row, supplies dK)."""
+    grid, folds = _grid_of(s.expr, s.indices)
+    alone = _Draft("", (s,), grid, (), "", program_folds=tuple(f for f in folds if free(f) == set(grid)))
+    return any(_stored_match([alone], node) is not None for node in _refolded(t.expr, t.indices))
 
 
 def _sub_folds(f: Reduce) -> set[Reduce]:
