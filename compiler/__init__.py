@@ -11,10 +11,8 @@ from .algebra.user import summary
 from .einsum import einsum
 from .errors import (BackendError, BindError, CheckError, EinfoldError, ImplicitSumWarning, LawError,
                      LimitError, ParseError, ShardError, TransformError)
-from .grad import GradientProgram, grad
-from .program import Program, compile
-
-__version__ = "0.2.0.dev0"
+from .program import GradientProgram, Program, compile, grad
+from .version import __version__
 
 __all__ = ["compile", "Program", "grad", "GradientProgram", "einsum", "summary", "Summary", "Field",
            "EinfoldError", "ParseError", "CheckError", "BindError", "LawError", "LimitError", "BackendError", "ShardError",

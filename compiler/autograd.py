@@ -53,7 +53,8 @@ if not torch.cuda.is_available():
 from .errors import TransformError  # noqa: E402
 from .ops import BOOL, FLOAT, INT  # noqa: E402
 from .arguments import number_input  # noqa: E402
-from .program import LIVE  # noqa: E402
+from .compiled import LIVE  # noqa: E402
+from .version import __version__  # noqa: E402
 
 NAMESPACE = "einfold"
 _DTYPES = {INT: torch.int64, BOOL: torch.bool}
@@ -131,7 +132,6 @@ _MADE: dict[str, object] = {}
 
 
 def _content_name(program, kinds: tuple[str, ...]) -> str:
-    from . import __version__
     h = hashlib.sha256()
     for part in (program.text, repr(program.outputs), program.backend_name, repr(sorted(program._options.items())),
                  repr(sorted(program.statistic_inputs)), type(program).__name__, repr(kinds), __version__):

@@ -37,11 +37,11 @@ from functools import cached_property
 
 import torch
 
+from .compiled import CompiledProgram
 from .config import deep
 from .errors import ShardError
 from .ir import Access, walk
 from .passes.shard import Sharded, shard
-from .program import Program
 from .schedule import Plan
 
 
@@ -78,9 +78,10 @@ class ShardedProgram:
     parts), or "zigzag" (the index cut into 2W parts; rank r holds parts r and
     2W - 1 - r, in that order: under a causal mask every rank then has the same
     work, as in PyTorch's load-balanced context parallelism).  Parts may differ
-    in length; a zigzag rank's two parts are the halves of its local extent."""
+    in length; a zigzag rank's two parts are the halves of its local extent.
+    `Program.shard` makes one, passing itself as `program`."""
 
-    def __init__(self, program: Program, index: str, group=None, layout: str = "contiguous",
+    def __init__(self, program, index: str, group=None, layout: str = "contiguous",
                  rows: str | None = None):
         if layout not in LAYOUTS:
             raise ShardError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
@@ -93,9 +94,9 @@ class ShardedProgram:
                                      source=program.text)
         options = {k: v for k, v in program.schedule_options.items() if k != "float32_outputs"}
         # states stay float32 whatever the inputs' dtype (a bf16 running sum loses the merge)
-        self.local = Program._of_ir(self.sharded.local, program.backend_name,
-                                    float32_outputs=self.sharded.states, **options)
-        self.merge = Program._of_ir(self.sharded.merge, program.backend_name, **options)
+        self.local = CompiledProgram._of_ir(self.sharded.local, program.backend_name,
+                                            float32_outputs=self.sharded.states, **options)
+        self.merge = CompiledProgram._of_ir(self.sharded.merge, program.backend_name, **options)
         self._local_inputs = {i.name for i in self.sharded.local.inputs}
         self._merge_inputs = {i.name for i in self.sharded.merge.inputs} - set(self.sharded.states)
         # tensor -> its dimensions indexed by a sharded index (where a part is cut)

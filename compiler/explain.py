@@ -3,6 +3,9 @@ to the single-pass form, with every derived summary's merge and law status."""
 from __future__ import annotations
 
 from .algebra import Summary
+from .arguments import checked_wrt
+from .errors import EinfoldError
+from .grad import derive
 from .ir import Call, Const, Expr, Reduce, Var, format_expr, format_program, format_statement, transform, walk
 
 
@@ -99,9 +102,6 @@ def _backward(checked) -> list[str]:
     every tensor input), and what the forward saves for it; nothing for a
     program without one (no tensor input, no float output, a summary without
     a derivative on every path)."""
-    from .errors import EinfoldError
-    from .arguments import checked_wrt
-    from .grad import derive
     try:
         wrt = checked_wrt(None, checked)
         backward, found = derive(checked, wrt, None, True)

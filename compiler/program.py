@@ -1,10 +1,15 @@
-"""The public entry point: compile(source) -> Program, a callable on tensors."""
+"""The public entry points: compile(source) -> Program, a callable on tensors,
+and grad(source) -> GradientProgram, its derived backward.
+
+A Program is a compiled program (compiled.py) made from source, with what a
+call under torch needs: the custom op that autograd, torch.compile and
+torch.func see (autograd.py), the gradient programs its backward runs
+(derived by grad.py), a leading batch index for torch.vmap, sharding across
+ranks (distributed.py) and the derivation as text (explain.py).
+"""
 from __future__ import annotations
 
-import itertools
-import os
-import sys
-import weakref
+from dataclasses import replace
 from functools import cached_property
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -12,27 +17,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .bind import Binding
-
 from . import backend as backends
 from .algebra import Summary
-from .arguments import (LEAST_POSITIVE, MOST_POSITIVE, SCHEDULE_OPTIONS, check_options, check_source, checked_outputs,
-                        checked_user_summaries, number_input)
+from .arguments import SCHEDULE_OPTIONS, check_options, check_source, checked_outputs, checked_user_summaries
 from .check import check
+from .compiled import CompiledProgram, choose_triton_interpreter, passes_of
 from .config import deep
 from .errors import BackendError, BindError, EinfoldError, TransformError
-from .ir import Program as IRProgram
+from .explain import explain
+from .grad import gradient_of, saving_forward
+from .ir import Access, Program as IRProgram, format_program, format_statement, reads, transform, unused_name
 from .parse import deepest_statement, parse
-from .passes import run_pipeline
-from .schedule import Plan, Schedule
-
-# Live programs by key: torch.compile passes a program's key, a string it can
-# keep as a constant, to the code that names its custom op (compiler/autograd.py)
-LIVE: weakref.WeakValueDictionary[str, Program] = weakref.WeakValueDictionary()
-_keys = itertools.count()
+from .passes.differentiate import Statistics
 
 
-class Program:
+class Program(CompiledProgram):
     """A compiled program: call it with its inputs by keyword.
 
     `compile(source, ...)` makes one. A call binds the inputs (a tensor with one
@@ -86,22 +85,7 @@ class Program:
         if summaries:
             self._options["summaries"] = tuple(summaries.values())
         if self.backend_name == "triton":
-            _choose_triton_interpreter()
-        self._start_runtime()
-
-    # What a process makes for itself, never pickled: runners (loaded kernels), compiled
-    # gradient programs, custom ops, the key torch.compile names the program by, and what
-    # the cached properties made on first use; an unpickled program makes them again.
-    _PER_PROCESS = frozenset(("_runners", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
-                              "_saving", "_variants", "_last_typed", "_sizes"))
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if self.backend_name == "triton":
-            _choose_triton_interpreter()
+            choose_triton_interpreter()
         self._start_runtime()
 
     def __prepare_scriptable__(self):
@@ -110,58 +94,6 @@ class Program:
         raise TransformError("torch.jit.script cannot compile an einfold program (its inputs are keywords and "
                              "its kernels launch from Python); use torch.compile, or torch.jit.trace over a "
                              "function that calls the program (it records the program's custom op)")
-
-    def _start_runtime(self) -> None:
-        self._runners: dict[tuple, object] = {}
-        # (wrt, saved statistics read or recomputed) -> compiled gradient program
-        self._gradients: dict[tuple[tuple[str, ...], bool], Program] = {}
-        self._batches: dict[tuple[str, ...], tuple[Program, str]] = {}     # see _batched()
-        self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
-        self._variants: dict[tuple[tuple[str, str], ...], Program] = {}     # see _specialised()
-        self._last_typed = self         # the program that the last call ran (_typed): its source is shown
-        # size inputs (an index only on the left takes its extent from the call): their value keys a runner
-        self._sizes = frozenset(self.checked.sizes)
-        self._key = f"program_{next(_keys)}"
-        LIVE[self._key] = self
-
-    @classmethod
-    def _of_ir(cls, ir: IRProgram, backend: str, **schedule_options) -> Program:
-        """A program that a rewrite built as factorised IR (there is no source of
-        it to parse): the local and merge programs of a sharded reduction."""
-        from .ir import format_program
-        self = cls.__new__(cls)
-        self.text = format_program(ir)
-        self.backend_name = backend
-        self.checked = self.factorised = ir
-        self.trace = (("rewrite", ir),)
-        self.outputs = ir.outputs
-        self.schedule_options = dict(schedule_options)
-        self._options = dict(schedule_options)
-        self._start_runtime()
-        return self
-
-    @cached_property
-    def schedule(self) -> Schedule:
-        """The schedule stage's result (compiler.schedule): the kernels, their grids,
-        streamed loops and buffers, for any sizes.  It walks the program
-        recursively, so it is made under deep()."""
-        from .schedule import schedule
-        return deep(lambda: schedule(self.factorised, self.outputs, self.schedule_options.get("split")),
-                    what="the program", source=self.text)
-
-    @cached_property
-    def backend(self):
-        """The backend object (made on first use: it imports torch and Triton)."""
-        return backends.choose(self.backend_name).for_program(self)
-
-    # inputs that do not set the dtype of float results (a gradient program's statistics)
-    statistic_inputs: frozenset = frozenset()
-
-    @cached_property
-    def binder(self):
-        """Checks inputs at call time (made on first use: it needs torch)."""
-        from .bind import Binder
-        return Binder(self.checked, extents_of=self.factorised, statistics=self.statistic_inputs)
 
     def __call__(self, *args, **inputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run the program on `inputs`, one keyword per input name.
@@ -183,6 +115,8 @@ class Program:
         """
         if args:
             self._positional_error(args)
+        # torch loads at the first call, autograd.py (and in shard, distributed.py) where one
+        # needs it: `import compiler` and the CLI's parse, ir and explain stay free of torch
         import torch
         if torch.compiler.is_compiling():       # traced: no per-call bookkeeping (the op does it when it runs)
             from .autograd import call_op
@@ -193,89 +127,11 @@ class Program:
             return call_op(self, inputs)
         return self._run(inputs, key)
 
-    def _key_of(self, inputs: dict) -> tuple[tuple, bool]:
-        """(the runner key of `inputs`: each tensor's shape, dtype and device, each
-        number's type; whether a tensor requires grad), in one pass over them: a
-        cached call's host time is mostly such bookkeeping.  Each tensor is made
-        readable in `inputs` (bind.readable: a lazily negated view is resolved), and
-        its layout keys the runner (a sparse tensor goes to the binder, which refuses
-        it).  The key is flat (name, shape, dtype, device, layout, name, ...): Python
-        hashes a tuple's items on every lookup, and tuples nested in it again (on
-        the CPU here 4.4 -> 2.5 us for attention's key and its lookup; resolving and
-        the layout add about 0.4 us).  Numbers are converted to the float64
-        scalars they run as, in `inputs`; a number's key is whether it is a
-        positive factor (arguments.positive_number: kernels are specialised on that),
-        a size input's its value (an extent)."""
-        import torch
-        key, requires_grad = [], False
-        for name, v in inputs.items():
-            if isinstance(v, torch.Tensor):
-                if v.is_neg():          # bind.readable, inline (a call's host time)
-                    v = inputs[name] = v.resolve_neg()
-                key += (name, v.shape, v.dtype, v.device, v.layout)
-                requires_grad = requires_grad or v.requires_grad
-            else:
-                if type(v) is not float:            # numbers run as float64 scalars
-                    v = inputs[name] = number_input(self.checked, name, v)
-                if name in self._sizes:
-                    key += (name, v)                # a size input: an extent
-                else:
-                    key += (name, LEAST_POSITIVE <= v <= MOST_POSITIVE) if type(v) is float else (name, type(v))
-        return tuple(key), requires_grad
-
-    def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The outputs for `inputs` (whose runner key is `key` when known), outside autograd."""
-        # Inputs of the shapes, dtypes and devices seen before bind the same way:
-        # reuse that call's runner (no re-checking, no re-specialising).
-        if key is None:
-            key, _ = self._key_of(inputs)
-        runner = self._runners.get(key)
-        if runner is None:
-            program, binding = self._typed(inputs)
-            runner = deep(lambda: program.backend.runner(binding), what="the program", source=self.text)
-            self._runners[key] = runner
-        results = runner(inputs)
-        if len(self.outputs) == 1:
-            return results[self.outputs[0]]
-        return tuple(results[name] for name in self.outputs)
-
-    def _typed(self, inputs: dict) -> tuple[Program, Binding]:
-        """(the program that runs `inputs`: this one, or where an integer tensor comes for
-        an input it reads as a float, its specialisation to such inputs (_specialised);
-        `inputs` bound to that program)."""
-        binding = self.binder(inputs)
-        changed = tuple((i.name, binding.input_types[i.name]) for i in self.checked.inputs
-                        if binding.input_types[i.name] != i.dtype)
-        self._last_typed = self._specialised(changed) if changed else self
-        return (self, binding) if not changed else (self._last_typed, self._last_typed.binder(inputs))
-
-    def _specialised(self, types: tuple[tuple[str, str], ...]) -> Program:
-        """This program with the inputs `types` names of those types ((name, ops.INT):
-        an integer tensor), made on first use and kept: its IR typed again
-        (check.specialised), then the passes.  Integers stay exact in it (a comparison
-        with an index compares integers) and a statement on integers alone is an int;
-        its kernels read the integer tensors as such."""
-        found = self._variants.get(types)
-        if found is None:
-            from .check import specialised
-            found = object.__new__(type(self))
-            found.__dict__.update(self.__getstate__())
-            typed = deep(lambda: specialised(self.checked, dict(types)), what="the program", source=self.text)
-            if self.trace[0][0] == "check":
-                found.trace = deep(lambda: _passes_of(typed), what="the program", source=self.text)
-            else:           # a rewrite's IR (a sharded program's parts): already past the passes
-                found.trace = (("rewrite", typed),)
-            found.checked, found.factorised = found.trace[0][1], found.trace[-1][1]
-            found._start_runtime()
-            self._variants[types] = found
-        return found
-
-    def _gradient(self, wrt: tuple[str, ...], saved: bool = False) -> Program:
+    def _gradient(self, wrt: tuple[str, ...], saved: bool = False) -> GradientProgram:
         """The gradient program for inputs `wrt`, reading the statistics that
         `_saving` saves where `saved` (compiled on first use, then kept)."""
         program = self._gradients.get((wrt, saved))
         if program is None:
-            from .grad import grad
             program = self._gradients[wrt, saved] = grad(self.text, wrt=wrt, outputs=self.outputs,
                                                          backend=self.backend_name, saved=saved, **self._options)
         return program
@@ -287,7 +143,6 @@ class Program:
         once for the whole batch (compiler/autograd.py), no loop over its items."""
         found = self._batches.get(inputs)
         if found is None:
-            from .ir import format_program
             ir, index = _with_batch_index(self.checked, frozenset(inputs))
             program = Program(deep(lambda: format_program(ir), what="the program", source=self.text),
                               outputs=self.outputs, backend=self.backend_name, **self._options)
@@ -300,54 +155,12 @@ class Program:
         output `lse_<Statement>[rows] = logsumexp[I](x)` per softmax[I](x) that
         its gradient programs read (the statistic shares the softmax's fold:
         same kernels); this program itself when there is none."""
-        from .grad import saving_forward
-        from .ir import format_statement
         found = deep(lambda: saving_forward(self.checked), what="the program", source=self.text)
         if not found.saved:
             return self
         text = self.text.rstrip() + "\n" + "".join(format_statement(s) + "\n" for s in found.saved)
         return Program(text, outputs=(*self.outputs, *(s.name for s in found.saved)), backend=self.backend_name,
                        **{**self._options, "float32_outputs": tuple(s.name for s in found.saved)})
-
-    def _positional_error(self, args: tuple) -> None:
-        names = ", ".join(i.name for i in self.checked.inputs)
-        example = ", ".join(f"{i.name}=..." for i in self.checked.inputs)
-        raise BindError(f"inputs are passed by name, not by position (got {len(args)} positional "
-                        f"argument{'s' * (len(args) != 1)}); call it as ({example}) -- the program's "
-                        f"inputs are: {names or 'none'}")
-
-    def capture(self, *args, **inputs):
-        """The program recorded as one CUDA graph for inputs of these shapes, dtypes
-        and numbers (Triton backend, CUDA tensors): calling the result replays it,
-        a few microseconds of host time whatever the number of kernels. See
-        compiler/capture.py for its inputs and outputs (its own tensors).
-
-        Raises:
-            BindError: the inputs do not fit the program.
-            BackendError: not the Triton backend, or not CUDA tensors.
-        """
-        if args:
-            self._positional_error(args)
-        from .capture import CapturedProgram
-        inputs = {name: number_input(self.checked, name, v) for name, v in inputs.items()}
-        return CapturedProgram(self, inputs)
-
-    def plan(self, *args, **inputs) -> Plan:
-        """The plan the backend follows for these inputs (nothing runs): its
-        kernels, what each writes and folds, and the tiles and splits chosen
-        for these sizes."""
-        if args:
-            self._positional_error(args)
-        program, binding = self._typed(inputs)
-        return deep(lambda: program.backend.plan(binding), what="the program", source=self.text)
-
-    @property
-    def source(self) -> str:
-        """The generated module: for the Triton backend, the Triton source of
-        the last call (before any call, the module for float32 inputs with
-        every extent 128); for the reference backend, the IR it evaluates
-        (of the program typed for the last call's integer inputs, if any)."""
-        return deep(lambda: self._last_typed.backend.source, what="the program", source=self.text)
 
     def shard(self, index: str, group=None, layout: str = "contiguous", rows: str | None = None):
         """This program with the reduction over `index` sharded across the ranks
@@ -387,20 +200,74 @@ class Program:
         each derived summary (fields, identity, lift, merge, how it was
         derived, its checked laws), the results from the final states, and the
         backend's plan."""
-        from .explain import explain
         return deep(lambda: explain(self), what="the program", source=self.text)
 
-    def __repr__(self) -> str:
-        return f"<einfold.Program {self.outputs} backend={self.backend_name}>"
+
+class GradientProgram(Program):
+    """A gradient program made by `compiler.grad`.
+
+    A `Program` whose source is the derived backward program. A call takes the
+    forward inputs and one upstream gradient `d<Output>` per float output;
+    inputs its statements do not read (a gradient that does not depend on
+    them) are accepted and ignored.
+
+    Attributes:
+        wrt: the inputs whose gradients it returns, in order (`outputs` names
+            them: `d<Input>` each).
+        upstream: the name of each float output's upstream gradient input
+            (`{"O": "dO"}`).
+        inputs: the names a call takes: the forward inputs, then the upstream
+            gradients, then (`saved=True`) the forward outputs it reads and the
+            saved statistics.
+        saved: the statistics it reads instead of recomputing them
+            (`grad(..., saved=True)`), as the statements that compute them from
+            the forward inputs (`lse_O[i] = logsumexp[m](...)`); empty
+            otherwise.
+        unsaved: for each softmax it recomputes although the forward has it
+            (`saved=True`), why its statistic cannot be saved.
+
+    A name that the forward program uses already takes the first free suffix:
+    the upstream gradient of `O` in a program with an input `dO` is `dO_1`.
+    """
+
+    def __init__(self, source: str, *, wrt: tuple[str, ...], upstream: dict[str, str],
+                 inputs: tuple[str, ...], statistics: Statistics = Statistics((), ()), **kwargs):
+        super().__init__(source, **kwargs)
+        self.wrt = wrt
+        self.upstream = upstream
+        self.inputs = inputs
+        self.saved = statistics.saved
+        self.unsaved = statistics.unsaved
+        # the saved statistics (float32 beside bf16 inputs, as the saving forward stores
+        # them) leave the gradients and their tensor-core operands in bf16
+        self.statistic_inputs = frozenset(s.name for s in self.saved)
+
+    def _specialised(self, types: tuple[tuple[str, str], ...]) -> GradientProgram:
+        """As CompiledProgram's, but an integer tensor for an input it is the gradient with
+        respect to is refused: an integer input has no gradient."""
+        for name, _ in types:
+            if name in self.wrt:
+                decl = next(i for i in self.checked.inputs if i.name == name)
+                raise BindError(f"input '{name}' is an integer tensor, which has no gradient, but this is the "
+                                f"gradient program with respect to {', '.join(self.wrt)}; make it with wrt= "
+                                f"naming float inputs only", self.checked.source, decl.span)
+        return super()._specialised(types)
+
+    def _read(self, inputs: dict) -> dict:
+        declared = {i.name for i in self.checked.inputs}
+        return {k: v for k, v in inputs.items() if k in declared or k not in self.inputs}
+
+    def __call__(self, *args, **inputs):
+        return super().__call__(*args, **self._read(inputs))
+
+    def plan(self, *args, **inputs):
+        return super().plan(*args, **self._read(inputs))
 
 
 def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram, str]:
     """`ir` with a fresh leading index on every access of the tensors `batched` and on
     every statement that reads one (its accesses by later statements with it), and
     that index's name."""
-    from dataclasses import replace
-
-    from .ir import Access, reads, transform, unused_name
     index = unused_name("batch", {i for i, _ in ir.extents} | {i.name for i in ir.inputs}
                         | {s.name for s in ir.statements})
     wide = set(batched)
@@ -427,29 +294,9 @@ def _transformed(torch) -> bool:
             or torch.autograd.forward_ad._current_level >= 0)
 
 
-def _choose_triton_interpreter() -> None:
-    """Without CUDA the triton backend runs under Triton's interpreter, which must be
-    chosen (TRITON_INTERPRET=1) before triton.language is first imported.  torch.compile
-    imports it (through torch._dynamo) before a program it traces first runs, so where
-    torch is loaded the choice is made when einfold is imported or a program is made,
-    not at the first call.  Where torch is not loaded, nothing has imported Triton
-    either, and the CLI's parse, ir and explain must not load torch: the backend
-    chooses at its own import."""
-    torch = sys.modules.get("torch")
-    if torch is not None and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def _front_end(syntax, outputs, summaries) -> tuple[tuple[str, IRProgram], ...]:
     """The trace of the front end: ("check", IR), then (pass name, IR) per pass."""
-    return _passes_of(check(syntax, outputs=outputs, summaries=summaries))
-
-
-def _passes_of(checked: IRProgram) -> tuple[tuple[str, IRProgram], ...]:
-    """("check", `checked`), then (pass name, IR) per pass."""
-    trace = [("check", checked)]
-    run_pipeline(checked, observe=lambda name, ir: trace.append((name, ir)))
-    return tuple(trace)
+    return passes_of(check(syntax, outputs=outputs, summaries=summaries))
 
 
 def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
@@ -488,6 +335,58 @@ def compile(source: str, *, outputs: Iterable[str] | None = None, backend: str =
     return Program(source, outputs=outputs, backend=backend, **options)
 
 
-_choose_triton_interpreter()
+def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[str] | str | None = None,
+         backend: str = "auto", saved: bool = False, **options) -> GradientProgram:
+    """Compile the gradient program of `source`.
 
-__all__ = ["Program", "compile", "Summary"]
+    Args:
+        source: the forward program.
+        wrt: the inputs to differentiate with respect to, in the order the
+            gradients come back (default: every tensor input, i.e. every input
+            read with indices; a 0-d input only when named here).
+        outputs: the forward outputs the gradients flow from (default: the
+            program's outputs); an int or predicate output carries none.
+        backend: as for `compile`: `"auto"`, `"triton"` or `"reference"`.
+        saved: read each softmax it needs as `exp(x - L)` from its saved
+            statistic `L = logsumexp[I](x)`, an extra input `lse_<Statement>`
+            (the program's `saved` gives the statements that compute them from
+            the forward inputs), instead of recomputing its normaliser, and
+            read a forward output (an extra input named like it) where it would
+            fold that output again (a softmax's rowsum(dO * O)): the backward
+            that a call under torch autograd runs. Default: recompute.
+        **options: as for `compile` (`summaries=`, `split=`).
+
+    Returns:
+        A `GradientProgram`: call it with the forward inputs plus `d<O>`, the
+        upstream gradient of each float output O (indexed like O); it returns
+        `d<X>` for each X in `wrt`, in that order (one tensor for one input);
+        with `saved=True` it also takes the statistics named in its `saved` and
+        the forward outputs its `inputs` name.
+        A name the program uses already takes a suffix (`dO_1`); the
+        program's `upstream` and `outputs` say which.
+
+    Raises:
+        ParseError, CheckError: the program is not valid, a name in `wrt` is not
+            an input, or a summary on a gradient's path has no derivative.
+
+    Example:
+        ```python
+        backward = compiler.grad("C[i,j] = A[i,k] * B[k,j]")
+        dA, dB = backward(A=a, B=b, dC=torch.ones(3, 5))
+        ```
+    """
+    check_options(options)
+    check_source(source)
+    summaries = checked_user_summaries(options.pop("summaries", ()))
+    wanted = checked_outputs(outputs)
+    forward = deep(lambda: check(parse(source), outputs=wanted, summaries=summaries), what="the program",
+                   source=source)
+    derived = gradient_of(forward, wrt, saved)
+    if summaries:
+        options["summaries"] = tuple(summaries.values())
+    return GradientProgram(format_program(derived.backward), wrt=derived.wrt, upstream=derived.upstream,
+                           inputs=tuple(i.name for i in derived.backward.inputs), statistics=derived.statistics,
+                           outputs=derived.backward.outputs, backend=backend, **options)
+
+
+__all__ = ["Program", "compile", "GradientProgram", "grad", "Summary"]

@@ -1,9 +1,10 @@
 """The import graph of compiler/ runs one way, down the pipeline.
 
 parse -> check -> IR -> algebra/passes -> schedule -> backend, with the
-runtime (program.py and friends) on top.  Every import counts, including
-those inside functions: a lazy import hides a circle, it does not remove it.
-The one exception is FACADE below.
+runtime on top: compiled.py (the program as it runs), below the code that
+wraps a program (autograd.py, distributed.py), below program.py, the entry
+points.  Every import counts, including those inside functions: a lazy import
+hides a circle, it does not remove it.
 """
 
 from __future__ import annotations
@@ -51,17 +52,7 @@ def _imports(module: str) -> list[tuple[str, str | None, bool]]:
 
 IMPORTS = {module: _imports(module) for module in MODULES}
 
-# Program's methods are the user's way into the features built on Program
-# (program.grad's GradientProgram subclasses it, ShardedProgram and the torch op
-# wrap it, explain reads its gradient): those modules import program.py, and
-# program.py reaches them only inside the methods, at call time.  These edges,
-# and only these, may close a circle; each must stay inside a function.
-FACADE = {("compiler.program", feature) for feature in
-          ("compiler.autograd", "compiler.grad", "compiler.distributed", "compiler.explain")}
-
-GRAPH = {module: sorted({target for target, _, _ in IMPORTS[module]} - {module}
-                        - {feature for facade, feature in FACADE if facade == module})
-         for module in MODULES}
+GRAPH = {module: sorted({target for target, _, _ in IMPORTS[module]} - {module}) for module in MODULES}
 
 
 def _strongly_connected_components(graph: dict[str, list[str]]) -> list[list[str]]:
@@ -107,12 +98,6 @@ def _strongly_connected_components(graph: dict[str, list[str]]) -> list[list[str
 
 def test_modules_are_found():
     assert {"compiler.ir", "compiler.program", "compiler.backend.triton.emit"} <= MODULES.keys()
-
-
-def test_facade_imports_stay_inside_methods():
-    for module, feature in FACADE:
-        kinds = {lazy for target, _, lazy in IMPORTS[module] if target == feature}
-        assert kinds == {True}, f"{module} must import {feature} inside its methods only (found: {kinds})"
 
 
 def test_no_import_cycles():

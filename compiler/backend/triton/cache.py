@@ -37,6 +37,7 @@ from types import ModuleType
 import triton
 
 from ...errors import BackendError
+from ...version import __version__
 
 CACHE_ENV = "EINFOLD_CACHE_DIR"
 
@@ -100,7 +101,6 @@ def safe_source(source: str) -> str:
 
 
 def digest(source: str, key: str) -> str:
-    from ... import __version__
     h = hashlib.sha256()
     for part in (source, key, triton.__version__, __version__):
         h.update(part.encode("utf-8", "backslashreplace"))
