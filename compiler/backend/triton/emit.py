@@ -947,7 +947,7 @@ class KernelEmitter:
                     lo, hi, dense = self.live_span(span, ax, env0, lo, hi, T)
                 if dense is not None and interior is None:
                     # a span without holes runs untested, one with holes in the loop after, tested
-                    plain = self.tile_body(fold, loops, env, prefix, RA, T, tested=False)
+                    plain = self.tile_body(fold, how, loops, env, prefix, RA, T, tested=False)
                     self.flush_tiles(T, loops)
                     T.lines += ["# a span without holes runs untested; one with holes in the loop after, "
                                 "each tile tested",
