@@ -67,6 +67,14 @@ class Op:
     adjoint: Callable | None
 
 
+# Operators that cost a transcendental function (the special-function unit) or a
+# division per element on a GPU, where a multiply-add costs one instruction: a kernel
+# form weighs what each element costs by them (specialise.forms).  A division by a
+# literal power of two is exact and cheap; the rule that reads this says so.
+COSTLY = frozenset({"div", "pow", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf", "tanh", "sigmoid",
+                    "silu", "gelu", "softplus"})
+
+
 def _torch(name: str) -> Callable:
     """torch.<name>, looked up when first called: the table (and the command
     line's parse/ir/explain) must not import torch."""

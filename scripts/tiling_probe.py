@@ -1,7 +1,7 @@
 """Probe (issue 13): tilings of the Hopper form at contraction depth 64, side by side.
 
 For attention and causal attention at d = 64 (the bench's shapes: B = 16384 / S, H = 32),
-times einfold with each candidate tiling of compiler/backend/triton/hopper.py's form (set
+times einfold with each candidate tiling of the sm_90 form (compiler/specialise/forms.py) (set
 in TILINGS before the program's first call), einfold's `tl` kernel (no tiling at d = 64)
 and SDPA's cuDNN backend, in one process, in alternating rounds (median of the rounds'
 do_bench medians); every output is compared with cuDNN's.
@@ -24,11 +24,11 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compiler  # noqa: E402
-from compiler.backend.triton import hopper  # noqa: E402
+from compiler.specialise import forms  # noqa: E402
 
 ATTENTION = "O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]"
 CAUSAL = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
-T = hopper.Tiling
+T = forms.Tiling
 TRIALS = {"tl": None,
           "c2k128": T(consumers=2, key_tile=128, stages=2, consumer_regs=240, loader_regs=24),
           "c2k64": T(consumers=2, key_tile=64, stages=2, consumer_regs=240, loader_regs=24),
@@ -55,9 +55,9 @@ def main(names: list[str]) -> None:
         programs[name] = {}
         for causal in (False, True):
             if TRIALS[name] is None:
-                hopper.TILINGS.pop(DEPTH, None)
+                forms.TILINGS.pop(DEPTH, None)
             else:
-                hopper.TILINGS[DEPTH] = TRIALS[name]
+                forms.TILINGS[DEPTH] = TRIALS[name]
             program = compiler.compile(CAUSAL if causal else ATTENTION, backend="triton")
             x = {n: torch.randn(1, 1, 256, DEPTH, device="cuda", dtype=torch.bfloat16) for n in "QKV"}
             program(**x, scale=0.125)

@@ -45,6 +45,7 @@ kernel einfold_O: grid (b: one at a time, h: one at a time, i/64 tuned (tl.dot),
 vary over it)); programs: longest first along i
   fold[m] of r, l, u: m/64 tuned (tl.dot) [bounds: m <= i] [interior tiles without m <= i]
     nested fold[k] of acc: k/64 whole
+  form: tl (sm_90 warp-specialised: contraction depth 64 / value width 64 outside (128,) / (64, 128))
   autotuned over streamed tilings of i x m:
     i/128 x m/128, 8 warps, 3 stages
     i/64 x m/64, 4 warps, 3 stages
@@ -64,6 +65,29 @@ def test_a_document_mask_skips_tiles_and_scans_its_live_span():
     assert str(loop) == ("fold[i_2] of r, l, u: i_2/64 tuned (tl.dot) [bounds: i_2 <= i] "
                          "[interior tiles without i_2 <= i] [skips tiles where D[i] == D[i_2] fails] "
                          "[live span of D[i] == D[i_2] scanned first]")
+
+
+def test_hopper_takes_the_warp_specialised_form_at_depth_128():
+    source, inputs = SIZES["causal"]
+    program = compiler.compile(source, backend="triton")
+    wide = {k: (v[:-1] + (128,) if isinstance(v, tuple) else v) for k, v in inputs.items()}
+    binding = program.binder({k: _input(v, torch.bfloat16) for k, v in wide.items()})
+    (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    assert (kernel.form.rows, kernel.form.keys, kernel.form.depth, kernel.form.width) == ("i", "m", "k", "j")
+    assert "  form: sm_90 warp-specialised: rows i in blocks of 2 consumer warpgroups x 64" in str(kernel)
+    assert "autotuned (the tl kernel, where TMA cannot read the operands) over" in str(kernel)
+    (elsewhere,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=80).kernels
+    assert elsewhere.form is None and elsewhere.form_why == "" and "form:" not in str(elsewhere)
+
+
+def test_the_costly_operators_are_those_whose_triton_code_costs_a_special_function_or_a_division():
+    """ops.COSTLY (what a form weighs a score's cost by) agrees with the Triton templates."""
+    from compiler.backend.triton.ops import TEMPLATES
+    from compiler.ops import COSTLY
+    special = ("exp", "exp2", "log", "log2", "erf", "sigmoid", "sqrt", "rsqrt")
+    costly = {op for op, (template, helper) in TEMPLATES.items()
+              if helper or op == "div" or any(f"tl.{fn}(" in template for fn in special)}
+    assert costly == COSTLY
 
 
 def test_decode_splits_over_the_keys():

@@ -140,6 +140,8 @@ class ConcreteKernel:
     tuning: str                     # the autotune table its candidates come from ("" untuned)
     candidates: tuple[Candidate, ...] = ()   # what the autotuner tries (none: launched as decided)
     uniform: bool = False           # every program does the same work (no loop bounds, no skipped tiles)
+    form: object = None             # a form of specialise.forms the kernel takes (what it is built from)
+    form_why: str = ""              # why a GPU's forms do not take a kernel of a rescaled fold
 
     @property
     def name(self) -> str:
@@ -171,8 +173,13 @@ class ConcreteKernel:
             lines.append(f"  split {self.split} ways: {self.split_why}")
         elif self.split_why:
             lines.append(f"  not split: {self.split_why}")
+        if self.form is not None:
+            lines.append(f"  form: {self.form}")
+        elif self.form_why:
+            lines.append(f"  form: tl ({self.form_why})")
         if self.tuning:
-            lines.append(f"  autotuned over {self.tuning}:")
+            fallback = " (the tl kernel, where TMA cannot read the operands)" if self.form is not None else ""
+            lines.append(f"  autotuned{fallback} over {self.tuning}:")
             lines += [f"    {c}" for c in self.candidates]
         return "\n".join(lines)
 

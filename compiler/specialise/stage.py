@@ -26,6 +26,7 @@ from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, STREAMED, auto_split, np2, fold_caps, free_tile, grid_tiling,
                               held_whole, held_whole_in_epilogue, loop_tile, nested_steps, one_at_a_time,
                               split_tile, uniform_work, whole_tile)
+from . import forms
 from .ir import RANGED, ONE_AT_A_TIME, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops, Signature, Tile
 
 
@@ -40,8 +41,13 @@ def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
         while name not in extents and name in fresh:
             name = fresh[name]
         return extents[name]
-    return ConcreteSchedule(chosen, signature, tuple(_Kernel(k, chosen.split, signature, extent).specialised()
-                                                     for k in chosen.kernels))
+    # the tensors each kernel may read: the inputs, and what it and earlier kernels store
+    known = {name for name, *_ in signature.inputs}
+    kernels = []
+    for k in chosen.kernels:
+        known |= {st.name for st in k.statements}
+        kernels.append(_Kernel(k, chosen.split, signature, extent).specialised(frozenset(known)))
+    return ConcreteSchedule(chosen, signature, tuple(kernels))
 
 
 class _Kernel:
@@ -52,7 +58,7 @@ class _Kernel:
         self.dot = set(spec.dot_indices)
         self.inputs = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
 
-    def specialised(self) -> ConcreteKernel:
+    def specialised(self, known: frozenset) -> ConcreteKernel:
         spec = self.spec
         tiling = grid_tiling(spec, self.extent)
         blocks = dict(tiling.blocks)
@@ -70,9 +76,15 @@ class _Kernel:
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
         tuned_grid = [t for t in grid if t.tuned]
         table, candidates = self.tuning(tuned_grid, folds) if tuned and not self.sig.interpret else ("", ())
+        form, form_why = None, ""
+        if tuned:       # a split kernel is its partial and merge functions, in tl
+            program = next((f for f in folds if spec.program_folds and f.fold == spec.program_folds[0]), None)
+            form, form_why = forms.choose(spec, program, self.sig, self.extent, set(known))
+            if not any(f.summary.rescaled for f in spec.program_folds):
+                form_why = ""
         return ConcreteKernel(spec, grid, self.longest_first(grid) if tuned else None,
                               len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
-                              why, table, candidates, uniform_work(spec))
+                              why, table, candidates, uniform_work(spec), form, form_why)
 
     # ------------------------------------------------------------ 1. the grid
     def grid_tile(self, g: str, block: int, whole: bool, tuned: bool) -> Tile:

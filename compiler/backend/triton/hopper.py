@@ -24,80 +24,26 @@ base-2 weights, the stand-in 0 for a leader with no mass and `_natural` are
 the `tl` emitter's (passes/base2.py): the same formulas, rounded alike but for
 the order of the sums.
 
-`match` says whether a kernel takes this form for a signature, or why not;
-`emit` writes it.  The `tl` kernel of the same schedule stays in the module:
+Whether a kernel takes this form, and the roles and tiling it is built from, is
+the specialisation stage's decision (specialise.forms: its row); `emit` writes it.  The `tl` kernel of the same schedule stays in the module:
 the launcher runs it where TMA cannot read the operands (strides, alignment)."""
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 from string import Template
 
 import torch
 
-from ...ir import Access, Call, Const, Expr, Extent, Index, Reduce, Var, children, constant, format_expr, transform, walk
+from ...ir import Access, Call, Const, Expr, Extent, Index, constant, format_expr, walk
 from ...ops import OPS
 from ...schedule import KernelSchedule
-from ...schedule.bounds import Bound, assume_relation
-from ...specialise import ConcreteKernel
+from ...schedule.bounds import assume_relation
+from ...specialise.forms import ROWS, HopperFold, outside_folds
 from . import ops as emission
 from .emit import ident
 
-# rows of one consumer warpgroup: the warpgroup MMA's M
-ROWS = 64
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """How one block of the form is cut: `consumers` warpgroups of ROWS rows each, key tiles
-    of `key_tile` rows through a ring of `stages` shared-memory buffers, and the registers a
-    thread each consumer and the loader asks for (warp_specialize's setmaxnreg)."""
-    consumers: int
-    key_tile: int
-    stages: int
-    consumer_regs: int
-    loader_regs: int
-
-    @property
-    def rows(self) -> int:
-        return self.consumers * ROWS
-
-
-# By contraction depth.  d = 128: the tiling the probe measured fastest on the H100
-# (docs/performance.md, nineteenth session; 232 / 40 registers spilled there).
-TILINGS = {128: Tiling(consumers=2, key_tile=128, stages=2, consumer_regs=240, loader_regs=24)}
-WIDTHS = (64, 128)
-OPERAND_DTYPES = {torch.bfloat16: "gl.bfloat16", torch.float16: "gl.float16"}
-# Operators that cost a transcendental or a division a score (their emission calls tl.exp, tl.log,
-# ... or a helper, or divides; a division by a literal power of two is exact and cheap).  With one
-# in the leader argument the form lost to the tl kernel: softcap's tanh 0.86x in the probe, 0.93x /
-# 0.63x (causal) FlexAttention in the bench.
-SCORE_COSTLY = frozenset(op for op, (template, helper) in emission.TEMPLATES.items()
-                         if helper or op == "div" or any(f"tl.{fn}(" in template for fn in
-                                                         ("exp", "exp2", "log", "log2", "erf", "sigmoid", "sqrt",
-                                                          "rsqrt")))
-
-
-@dataclass(frozen=True)
-class HopperFold:
-    """What the skeleton needs, read off a kernel's schedule."""
-    fold: Reduce
-    rows: str                    # i: the rows operand's row index
-    keys: str                    # m: the fold's index
-    depth: str                   # k: the contraction's index
-    width: str                   # j: the value tensor's free index
-    batch: tuple[str, ...]       # the grid's other indices, in the rows operand's order
-    a: Access                    # A[.., i, k]
-    b: Access                    # B[.., m, k]
-    v: Access                    # V[.., m, j]
-    contraction: Reduce
-    bounds: tuple[Bound, ...]    # relations on m that bound the loop
-    leader: str                  # field names by role
-    weight_sum: str | None
-    weighted: str
-    dtype: torch.dtype           # of A, B, V
-    tiling: Tiling
+GL_DTYPES = {torch.bfloat16: "gl.bfloat16", torch.float16: "gl.float16"}
 
 
 def gluon_available() -> bool:
@@ -107,130 +53,6 @@ def gluon_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def match(kernel: ConcreteKernel, ctx) -> HopperFold | str:
-    """The Hopper form of `kernel` under the module's signature, or why it does not apply."""
-    spec = kernel.schedule
-    sig = ctx.sig
-    if sig.interpret or sig.arch != 90:
-        return "not an sm_90 GPU"
-    if len(spec.program_folds) != 1 or spec.buffers or spec.epilogue or spec.dependent:
-        return "not one program fold storing its results"
-    (fold,) = spec.program_folds
-    s = fold.summary
-    if len(fold.indices) != 1 or len(s.rescaled) != 1 or len(spec.loops) != 1 or spec.loops[0].skips:
-        return "not one rescaled fold over one index without per-tile tests"
-    (rs,) = s.rescaled
-    if not rs.base2 or rs.leader_monoid != "max" or rs.leader_arg != Var("x0") or rs.shifts:
-        return "the leader is not a base-2 running max of the first argument"
-    keys = fold.indices[0]
-    weight_sum, weighted = None, None
-    for name, value in rs.values:
-        if value == Const(1) and weight_sum is None:
-            weight_sum = name
-        elif isinstance(value, Var) and value.name != "x0" and weighted is None:
-            weighted = name
-            v = fold.args[int(value.name[1:])]
-        else:
-            return f"field {name} is neither the weight sum nor one weighted tensor"
-    if weighted is None or set(s.field_names) != {rs.leader, weighted} | ({weight_sum} - {None}):
-        return "no weighted value tensor, or fields outside the rescaled structure"
-    contractions = [n for n in walk(fold.args[0]) if isinstance(n, Reduce)]
-    if len(contractions) != 1:
-        return "the leader argument does not hold exactly one contraction"
-    (contraction,) = contractions
-    operands = contraction.args[0]
-    if (contraction.summary.name != "sum" or len(contraction.indices) != 1 or len(contraction.args) != 1
-            or not (isinstance(operands, Call) and operands.op == "mul")
-            or not all(isinstance(x, Access) for x in operands.args)):
-        return "the contraction is not a sum of a product of two tensors over one index"
-    (depth,) = contraction.indices
-    b_side = [x for x in operands.args if keys in x.indices]
-    a_side = [x for x in operands.args if keys not in x.indices]
-    if len(a_side) != 1 or len(b_side) != 1 or not isinstance(v, Access):
-        return "the contraction does not pair a row operand with a key operand"
-    (a,), (b,) = a_side, b_side
-    # the rows: the row operand's own index of the largest extent (a grouped query's replica
-    # index beside it runs one value a program, as a batch index)
-    own = [x for x in a.indices if x != depth and x not in b.indices]
-    if not own or len(set(a.indices)) != len(a.indices):
-        return "the row operand has no index of its own"
-    rows = max(reversed(own), key=ctx.extent)
-    batch = tuple(x for x in a.indices if x not in (rows, depth))
-    widths = [x for x in v.indices if x != keys and x not in batch]
-    if len(widths) != 1:
-        return "the value tensor does not have exactly one index of its own"
-    width = widths[0]
-    if (set(spec.grid) != set(batch) | {rows, width} or depth not in b.indices
-            or not set(b.indices) - {keys, depth} <= set(batch) or len(batch) > 3
-            or len(set(b.indices)) != len(b.indices) or len(set(v.indices)) != len(v.indices)):
-        return "the operands are not A[.., i, k], B[.., m, k], V[.., m, j] over the grid's batch indices"
-    dtypes = {ctx.tensors[x.tensor].dtype for x in (a, b, v) if x.tensor in ctx.tensors}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in OPERAND_DTYPES or {a.tensor, b.tensor, v.tensor} - ctx.input_names:
-        return "the operands are not inputs of one 16-bit dtype"
-    tiling = TILINGS.get(ctx.extent(depth))
-    if tiling is None or ctx.extent(width) not in WIDTHS:
-        return (f"contraction depth {ctx.extent(depth)} / value width {ctx.extent(width)} outside "
-                f"{tuple(TILINGS)} / {WIDTHS}")
-    # below one full row block the tl kernel's smaller tiles waste less
-    if ctx.extent(rows) < tiling.rows or any(ctx.extent(x) < 1 for x in (keys, *batch)):
-        return f"fewer than {tiling.rows} rows or an empty index"
-    bounds = dict(kernel.loops_of(fold, nested=False).bounds).get(keys, ())
-    for bound in bounds:
-        if bound.other not in (rows, None, *batch) or not _integral(bound.offset):
-            return f"the bound {bound} is not a shift of the rows by integers"
-    costly = sorted({n.op for n in walk(fold.args[0]) if isinstance(n, Call) and n.op in SCORE_COSTLY
-                     and not (n.op == "div" and _power_of_two(n.args[1]))})
-    if costly:
-        return (f"the leader argument computes {', '.join(costly)} on every score, where the tl kernel measured "
-                f"faster (the weights' exponentials already load the special-function unit)")
-    scoped = {"score": set(batch) | {rows, keys}, "out": set(batch) | {rows, width}}
-    for leaf in walk(transform(fold.args[0], lambda n: Var("qk") if n == contraction else n)):
-        if leaf != Var("qk") and not _elementwise(leaf, scoped["score"], ctx):
-            return f"the leader argument reads {format_expr(leaf)} (not elementwise over rows and keys)"
-    for st in spec.statements:
-        if st.dtype != "float" or set(st.indices) not in (scoped["out"], scoped["out"] - {width}):
-            return f"statement {st.name} is not a float over the rows (and values)"
-        for leaf in _outside_folds(st.expr):
-            if isinstance(leaf, Reduce):
-                if leaf.fold != fold:
-                    return f"statement {st.name} reads another fold"
-            elif not _elementwise(leaf, set(st.indices), ctx):
-                return f"statement {st.name} reads {format_expr(leaf)}"
-    return HopperFold(fold, rows, keys, depth, width, batch, a, b, v, contraction, bounds, rs.leader,
-                      weight_sum, weighted, next(iter(dtypes)), tiling)
-
-
-def _power_of_two(e: Expr) -> bool:
-    """A literal power of two: dividing by it is an exact multiplication."""
-    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value > 0 and \
-        math.isfinite(e.value) and math.frexp(e.value)[0] == 0.5
-
-
-def _outside_folds(e: Expr):
-    """The nodes of `e`, not descending into folds."""
-    yield e
-    if not isinstance(e, Reduce):
-        for c in children(e):
-            yield from _outside_folds(c)
-
-
-def _integral(e: Expr) -> bool:
-    """An offset made of integer constants and extents (floor divisions of it are exact)."""
-    return all(isinstance(n, Extent) or (isinstance(n, Const) and isinstance(n.value, int))
-               or (isinstance(n, Call) and n.op in ("add", "sub", "neg", "mul")) for n in walk(e))
-
-
-def _elementwise(e: Expr, indices: set, ctx) -> bool:
-    """Whether a node of an expression is one the generated functions compute in place."""
-    if isinstance(e, Call):
-        return e.op in emission.TEMPLATES
-    if isinstance(e, Access):
-        return set(e.indices) <= indices and e.tensor in ctx.tensors
-    if isinstance(e, Index):
-        return e.name in indices
-    return isinstance(e, Const | Extent)
 
 
 # ---------------------------------------------------------------- expressions in gl
@@ -577,9 +399,9 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
             launch_args.append(f'n["{x}"]')
         tensors = {}
         for e in [n for n in walk(h.fold.args[0]) if isinstance(n, Access) and n not in (h.a, h.b)] + \
-                 [n for st in spec.statements for n in _outside_folds(st.expr) if isinstance(n, Access)]:
+                 [n for st in spec.statements for n in outside_folds(st.expr) if isinstance(n, Access)]:
             tensors.setdefault(e.tensor, ctx.tensors[e.tensor])
-        for n in {n.name for st in spec.statements for n in _outside_folds(st.expr) if isinstance(n, Extent)} | \
+        for n in {n.name for st in spec.statements for n in outside_folds(st.expr) if isinstance(n, Extent)} | \
                 {n.name for n in walk(h.fold.args[0]) if isinstance(n, Extent)} | \
                 {n.name for b in h.bounds for n in walk(b.offset) if isinstance(n, Extent)}:
             if ("extent", n) not in names:
@@ -606,7 +428,7 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
     n_rows, n_keys = names[("extent", h.rows)], names[("extent", h.keys)]
     coord_lines = _coordinates(h, names)
     bounds = _bound_lines(h, names, helpers, n_rows)
-    dtype = OPERAND_DTYPES[h.dtype]
+    dtype = GL_DTYPES[h.dtype]
     at, block, globals_ = {}, {}, []
     for x, access, inner, rows, height in _operands(h):
         batch = [i for i in access.indices if i not in inner]

@@ -13,7 +13,6 @@ split policy, compiler.schedule.tiles.auto_split, at the call's sizes); this
 module builds what it decided."""
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -162,24 +161,24 @@ class ModuleBuilder:
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched)
 
     def _hopper_form(self, kernel: ConcreteKernel) -> hopper.HopperCode | None:
-        """The kernel's Hopper form (hopper.py) on an sm_90 GPU, if it takes it; why not,
-        as a note of the module, where it is a Hopper GPU's kernel of a rescaled fold."""
-        if self.sig.interpret or self.sig.arch != 90:
-            return None
+        """The kernel's Hopper form (hopper.py) where the specialised kernel takes it
+        (specialise.forms); why not, as a note of the module, where it is a Hopper
+        GPU's kernel of a rescaled fold."""
         spec = kernel.schedule
-        found = hopper.match(kernel, self.ctx)
-        if isinstance(found, hopper.HopperFold) and not hopper.gluon_available():
-            found = "this Triton has no Gluon for Hopper"
-        if isinstance(found, hopper.HopperFold):
-            name = spec.name + "_hopper"
-            self.ctx.module_names.add(name)
-            form = hopper.emit(found, spec, self.ctx, name)
-            if isinstance(form, hopper.HopperCode):
-                self.hopper[spec.name] = form
-                return form
-            found = form
-        if any(f.summary.rescaled for f in spec.program_folds):
-            self.notes.append(f"{spec.name}: not in the Hopper form: {found}")
+        why = kernel.form_why
+        if kernel.form is not None:
+            if not hopper.gluon_available():
+                why = "this Triton has no Gluon for Hopper"
+            else:
+                name = spec.name + "_hopper"
+                self.ctx.module_names.add(name)
+                form = hopper.emit(kernel.form, spec, self.ctx, name)
+                if isinstance(form, hopper.HopperCode):
+                    self.hopper[spec.name] = form
+                    return form
+                why = form
+        if why:
+            self.notes.append(f"{spec.name}: not in the Hopper form: {why}")
         return None
 
     # ------------------------------------------------------------ source
