@@ -45,7 +45,7 @@ kernel einfold_O: grid (b: one at a time, h: one at a time, i/64 tuned (tl.dot),
 vary over it)); programs: longest first along i
   fold[m] of r, l, u: m/64 tuned (tl.dot) [bounds: m <= i] [interior tiles without m <= i]
     nested fold[k] of acc: k/64 whole
-  form: tl (sm_90 warp-specialised: contraction depth 64 / value width 64 outside (128,) / (64, 128))
+  form: tl (not in the Hopper form: contraction depth 64 / value width 64 outside (128,) / (64, 128))
   autotuned over streamed tilings of i x m:
     i/128 x m/128, 8 warps, 3 stages
     i/64 x m/64, 4 warps, 3 stages
@@ -74,7 +74,7 @@ def test_hopper_takes_the_warp_specialised_form_at_depth_128():
     binding = program.binder({k: _input(v, torch.bfloat16) for k, v in wide.items()})
     (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
     assert (kernel.form.rows, kernel.form.keys, kernel.form.depth, kernel.form.width) == ("i", "m", "k", "j")
-    assert "  form: sm_90 warp-specialised: rows i in blocks of 2 consumer warpgroups x 64" in str(kernel)
+    assert "  form: Hopper (sm_90, warp-specialised): rows i in blocks of 2 consumer warpgroups x 64" in str(kernel)
     assert "autotuned (the tl kernel, where TMA cannot read the operands) over" in str(kernel)
     (elsewhere,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=80).kernels
     assert elsewhere.form is None and elsewhere.form_why == "" and "form:" not in str(elsewhere)

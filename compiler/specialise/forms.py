@@ -76,7 +76,7 @@ class HopperFold:
 
     def __str__(self) -> str:
         t = self.tiling
-        return (f"sm_90 warp-specialised: rows {self.rows} in blocks of {t.consumers} consumer warpgroups x {ROWS}, "
+        return (f"Hopper (sm_90, warp-specialised): rows {self.rows} in blocks of {t.consumers} consumer warpgroups x {ROWS}, "
                 f"keys {self.keys} in tiles of {t.key_tile} through {t.stages} shared-memory stages fed by a TMA "
                 f"loader warp; {self.a.tensor} {self.b.tensor}^T over {self.depth}, weights times {self.v.tensor}")
 
@@ -212,7 +212,7 @@ class Form:
     match: object          # (spec, loops, signature, extent, known) -> what the backend builds it from, or why not
 
 
-FORMS = (Form("sm_90 warp-specialised", 90, match),)
+FORMS = (Form("Hopper", 90, match),)
 
 
 def choose(spec: KernelSchedule, loops: FoldLoops | None, sig: Signature, extent, known: set[str]):
@@ -224,5 +224,5 @@ def choose(spec: KernelSchedule, loops: FoldLoops | None, sig: Signature, extent
         found = form.match(spec, loops, sig, extent, known)
         if not isinstance(found, str):
             return found, ""
-        why.append(f"{form.name}: {found}")
+        why.append(f"not in the {form.name} form: {found}")
     return None, "; ".join(why)

@@ -168,7 +168,7 @@ class ModuleBuilder:
         why = kernel.form_why
         if kernel.form is not None:
             if not hopper.gluon_available():
-                why = "this Triton has no Gluon for Hopper"
+                why = "not in the Hopper form: this Triton has no Gluon for Hopper"
             else:
                 name = spec.name + "_hopper"
                 self.ctx.module_names.add(name)
@@ -176,9 +176,9 @@ class ModuleBuilder:
                 if isinstance(form, hopper.HopperCode):
                     self.hopper[spec.name] = form
                     return form
-                why = form
+                why = f"not in the Hopper form: {form}"
         if why:
-            self.notes.append(f"{spec.name}: not in the Hopper form: {why}")
+            self.notes.append(f"{spec.name}: {why}")
         return None
 
     # ------------------------------------------------------------ source
