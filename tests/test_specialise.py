@@ -134,6 +134,18 @@ def test_layernorm_rows_stream_untuned():
     assert all(c.tiles == () for k in kernels for c in k.candidates)
 
 
+def test_a_memory_bound_row_streams_past_the_cache_and_keeps_rows_larger_than_l2():
+    """A reduction without tl.dot whose rows no other program reads marks them past the
+    cache; where they outgrow L2, an earlier read keeps them for the second one."""
+    program = compiler.compile(LAYERNORM, backend="triton")
+    binding = program.binder({"X": _input((8192, 8192), torch.bfloat16)})
+    for l2, big in ((50 * 2 ** 20, True), (2 ** 30, False)):
+        (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, l2_bytes=l2).kernels
+        assert kernel.past_cache == (("X", ("i", "j"), big),)
+    (attention,) = concrete("causal").kernels      # K and V: every program of a head reads them
+    assert attention.past_cache == ()
+
+
 def test_float32_contraction_without_tf32_is_not_held_whole_past_64():
     """A float32 tl.dot without TF32 sums its products in order: a nested contraction
     over more than 64 values streams (compensated) instead of one whole tile."""

@@ -142,6 +142,10 @@ class ConcreteKernel:
     uniform: bool = False           # every program does the same work (no loop bounds, no skipped tiles)
     form: object = None             # a form of specialise.forms the kernel takes (what it is built from)
     form_why: str = ""              # why a GPU's forms do not take a kernel of a rescaled fold
+    # reads whose elements no other program reads (a memory-bound kernel's rows): (tensor, its
+    # indices, whether they hold more than the GPU's L2 cache); the last read of each streams
+    # past the cache (evict_first), an earlier one larger than L2 is kept for it (evict_last)
+    past_cache: tuple[tuple[str, tuple[str, ...], bool], ...] = ()
 
     @property
     def name(self) -> str:
@@ -173,6 +177,10 @@ class ConcreteKernel:
             lines.append(f"  split {self.split} ways: {self.split_why}")
         elif self.split_why:
             lines.append(f"  not split: {self.split_why}")
+        if self.past_cache:
+            lines.append("  read past the cache: " + ", ".join(
+                f"{t}[{', '.join(ix)}]" + (" (larger than L2: kept for a second read)" if big else "")
+                for t, ix, big in self.past_cache))
         if self.form is not None:
             lines.append(f"  form: {self.form}")
         elif self.form_why:
@@ -189,9 +197,14 @@ class ConcreteSchedule:
     schedule: Schedule              # the schedule for these extents (Schedule.for_extents)
     signature: Signature
     kernels: tuple[ConcreteKernel, ...]
+    # every tensor's storage dtype: the inputs', the outputs' and each intermediate buffer's
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()
 
     def kernel(self, name: str) -> ConcreteKernel:
         return next(k for k in self.kernels if k.name == name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return dict(self.dtypes)[name]
 
     def __str__(self) -> str:
         lines = [f"specialised to {self.signature}: {len(self.kernels)} kernel(s)"]

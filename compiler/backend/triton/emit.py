@@ -151,7 +151,7 @@ class Load:
     """What the eviction hints need of one load (with_eviction_hints)."""
     tensor: str
     indices: tuple[str, ...]
-    read_once: bool          # no other program or kernel reads its elements (KernelEmitter.read_once)
+    read_once: bool          # no other program or kernel reads its elements (ConcreteKernel.past_cache)
     beyond_cache: bool       # more elements than the GPU's L2 cache holds
 
 
@@ -242,8 +242,6 @@ class ModuleContext:
         self.helpers: set[str] = set()
         self.combines: dict[tuple, tuple[str, str]] = {}      # (summary, fields) -> (name, source)
         self.split_layouts: dict = {}
-        # tensors that more than one kernel of the module reads (a later kernel may find them in cache)
-        self.shared_reads: set[str] = set()
         # names of the module's globals (kernels, combine functions, helpers), every kernel-local
         # name given out so far, and the names of the program (tensors, statements, buffers)
         self.module_names: set[str] = ({"launch", "torch", "triton", "tl", "_time_candidate"}
@@ -362,9 +360,6 @@ class KernelEmitter:
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
         self.contraction = set(spec.dot_indices)        # the schedule's tile roles
-        # memory-bound: the kernel folds without tl.dot (its loads may stream past the cache)
-        self.streams_rows = not self.contraction and any(
-            isinstance(n, Reduce) for st in spec.statements for n in walk(st.expr))
         self.value_only = set(spec.value_only)
 
     # ------------------------------------------------------------ names
@@ -774,7 +769,8 @@ class KernelEmitter:
         if tile is not None:
             self.tile_of[raw] = tile
         self.tile(target)
-        self.loads[raw] = Load(e.tensor, e.indices, self.read_once(e), self.beyond_cache(e))
+        past = dict(((t, ix), big) for t, ix, big in self.kernel.past_cache)
+        self.loads[raw] = Load(e.tensor, e.indices, (e.tensor, e.indices) in past, past.get((e.tensor, e.indices), False))
         hint = f", {EVICTION_MARK}{raw}"
         if mask:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0{hint})")
@@ -791,26 +787,6 @@ class KernelEmitter:
         code = raw if stored == self.ctx.cdt else f"{raw}.to({self.ctx.cdt})"
         return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)),
                      user_tensor=e.tensor in self.ctx.input_names, tensor=e.tensor)
-
-    def read_once(self, e: Access) -> bool:
-        """Whether `e` streams rows past the cache: this kernel folds without tl.dot (a
-        memory-bound reduction), no other program of the module reads the elements a
-        program reads through `e` (the access varies along every grid index of more
-        than one program, and no other kernel reads the tensor).  Only there: with the
-        same hints, elementwise kernels ran 0.98x-0.99x, and decode's K and V 0.95x-0.97x
-        at L >= 64k (H100, scripts/compare_revisions.py)."""
-        def one_program(g: str) -> bool:
-            ax = self.root.env[g]
-            return ax.block_name not in self.tunable and self.ctx.extent(g) <= max(ax.block, 1)
-        return (self.streams_rows and e.tensor not in self.ctx.shared_reads
-                and all(g in e.indices or one_program(g) for g in self.spec.grid))
-
-    def beyond_cache(self, e: Access) -> bool:
-        """Whether the elements `e` reads are more than the GPU's L2 cache holds (False
-        where the cache is not known)."""
-        l2 = self.ctx.sig.l2_bytes
-        itemsize = getattr(self.ctx.tensors[e.tensor].dtype, "itemsize", 4)
-        return l2 is not None and math.prod(self.ctx.extent(i) for i in e.indices) * itemsize > l2
 
     def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
         info = self.ctx.tensors[name]

@@ -14,7 +14,6 @@ module builds what it decided."""
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from ...schedule import Kernel, KernelSchedule, Loop, Plan
 from ...specialise import ConcreteKernel, ConcreteSchedule
 from . import hopper
-from .emit import PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, TensorInfo, tensors_read
+from .emit import PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, TensorInfo
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
 
@@ -90,32 +89,14 @@ class ModuleBuilder:
         self.ctx.reserved |= set(schedule.buffers)
         self.ctx.module_names |= {spec.name + suffix for spec in schedule.kernels
                                   for suffix in ("", "_partial", "_merge")}
-        readers = Counter(tensor for spec in schedule.kernels for tensor in tensors_read(spec))
-        self.ctx.shared_reads = {tensor for tensor, kernels in readers.items() if kernels > 1}
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
         self.hopper: dict[str, hopper.HopperCode] = {}       # tl kernel name -> its Hopper form
         self.notes: list[str] = []
 
-    def buffer_dtype(self, name: str) -> torch.dtype:
-        """An intermediate buffer's dtype: the float type the kernels compute in, except
-        that a buffer only a contraction reads (Schedule.operand_buffers) is stored as
-        tl.dot will read it, in the inputs' dtype where all of them are float16 or
-        bfloat16 (the same products, half the bytes)."""
-        low = self.sig.dtype in (torch.float16, torch.bfloat16) and all(
-            dtype == self.sig.dtype for _, kind, _, dtype in self.sig.inputs
-            if kind == "tensor" and dtype.is_floating_point)
-        if low and name in self.schedule.operand_buffers:
-            return self.sig.dtype
-        return torch.float64 if self.sig.dtype == torch.float64 else torch.float32
-
     def _register(self, spec: KernelSchedule) -> None:
         for st in spec.statements:
-            if st.name in spec.buffers:
-                self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), self.buffer_dtype(st.name))
-            else:
-                dtype = {"float": self.sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
-                self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), dtype)
+            self.ctx.tensors[st.name] = TensorInfo("tensor", len(st.indices), self.concrete.dtype(st.name))
 
     def build(self) -> Built:
         plan_kernels: list[Kernel] = []
@@ -259,7 +240,7 @@ class ModuleBuilder:
             for b in spec.buffers:
                 shape = ", ".join(f'n["{i}"]' for i in self.schedule.indices_of(b))
                 lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), '
-                                f'dtype={self.buffer_dtype(b)}, device=device)')
+                                f'dtype={self.concrete.dtype(b)}, device=device)')
         return lines
 
     def source(self) -> str:
