@@ -73,6 +73,17 @@ def _seed(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """A count of something a GPU has (its SMs): a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, not {text}")
+    return value
+
+
 def _random_inputs(program, args, points: int | None = None):
     """Random inputs for --size/--dtype/--seed, or a usage error naming what is wrong.
     `points`: the indices without a --size share one extent (at most DEFAULT_EXTENT,
@@ -285,7 +296,7 @@ def _add_gpu(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", type=int, metavar="CC",
                    help="the GPU's compute capability as 10 * major + minor (90: Hopper, whose streamed "
                         "rescaled folds take the Hopper form in Gluon); default: this machine's GPU, or none")
-    p.add_argument("--sms", type=int, metavar="N",
+    p.add_argument("--sms", type=_count, metavar="N",
                    help="the GPU's SM count, which decides automatic splits (132: H100 SXM); "
                         "default: this machine's GPU, or none (no automatic split)")
 

@@ -33,6 +33,17 @@ def usage_error(capsys, *argv):
     return code, err
 
 
+@pytest.mark.parametrize("sms", ["0", "-3", "many"])
+def test_an_sm_count_is_a_positive_integer(capsys, sms):
+    code, err = usage_error(capsys, "ir", "--print-after", "specialise", "-e", ATTENTION, "--sms", sms)
+    assert code == 2 and "--sms" in err
+
+
+def test_specialise_needs_sizes_of_the_program(capsys):
+    code, err = usage_error(capsys, "ir", "--print-after", "specialise", "-e", ATTENTION, "--size", "zz=4")
+    assert code == 2 and "--size names no index of the program: zz" in err
+
+
 def test_parse_expression(capsys):
     code, out, err = run_cli(capsys, "parse", "-e", ATTENTION)
     assert (code, out, err) == (0, ATTENTION_CANONICAL, "")
