@@ -201,11 +201,30 @@ class TensorInfo:
     dtype: object        # torch dtype, or None for numbers
 
 
+@dataclass(frozen=True)
+class Arg:
+    """What the launcher passes a kernel parameter: an index's extent, a tensor, one of
+    its strides, a float number (by value, or in memory for a float64 program), or the
+    split count.  Its text is the launcher's expression."""
+    kind: str            # "extent", "tensor", "stride", "number", "number64" or "split"
+    name: str = ""       # the index or tensor it is of
+    dim: int = 0         # a stride's dimension
+
+    def __str__(self) -> str:
+        return {"extent": f'n["{self.name}"]', "tensor": f't["{self.name}"]',
+                "stride": f't["{self.name}"].stride({self.dim})', "number": f'float(t["{self.name}"])',
+                "number64": f'torch.full((), float(t["{self.name}"]), dtype=torch.float64, device=device)',
+                "split": "n_split"}[self.kind]
+
+
+SPLIT = Arg("split")
+
+
 @dataclass
 class KernelCode:
     name: str
     source: str
-    params: list[tuple[str, str]]        # (parameter, launcher expression)
+    params: list[tuple[str, Arg]]        # (parameter, what the launcher passes)
     constexprs: dict[str, int]
     split_axis: bool                     # a second grid dimension of n_split programs
     why: str
@@ -338,7 +357,7 @@ class KernelEmitter:
         self.spec = spec = kernel.schedule
         self.tuned = kernel.tuned        # autotuned tiles, longest programs first, an unmasked interior
         self.name = spec.name + self.suffix
-        self.params: dict[str, str] = {}
+        self.params: dict[str, Arg] = {}
         self.constexprs: dict[str, int] = {}
         self.tunable: dict[str, tuple[str, str]] = {}
         self.grid_blocks: list[tuple[str, str | None]] = []
@@ -499,16 +518,16 @@ class KernelEmitter:
 
     def extent_param(self, name: str) -> str:
         p = self.local(f"n_{ident(name)}", ("extent", name))
-        self.params.setdefault(p, f'n["{name}"]')
+        self.params.setdefault(p, Arg("extent", name))
         return p
 
     def tensor_params(self, name: str, rank: int) -> tuple[str, list[str]]:
         ptr = self.local(f"{ident(name)}_ptr", ("ptr", name))
-        self.params.setdefault(ptr, f't["{name}"]')
+        self.params.setdefault(ptr, Arg("tensor", name))
         strides = []
         for d in range(rank):
             s = self.local(f"{ident(name)}_s{d}", ("stride", name, d))
-            self.params.setdefault(s, f't["{name}"].stride({d})')
+            self.params.setdefault(s, Arg("stride", name, d))
             strides.append(s)
         return ptr, strides
 
@@ -750,12 +769,12 @@ class KernelEmitter:
         info = self.ctx.tensors[e.tensor]
         if info.kind == "number" and self.ctx.cdt != "tl.float64":
             p = self.local(f"{ident(e.tensor)}_val", ("val", e.tensor))
-            self.params.setdefault(p, f'float(t["{e.tensor}"])')
+            self.params.setdefault(p, Arg("number", e.tensor))
             return Value(p, (), "float", positive=e.tensor in self.ctx.positive)
         if info.kind == "number":
             # float arguments are float32 inside a kernel; a float64 program reads its numbers from memory
             p = self.local(f"{ident(e.tensor)}_ptr", ("ptr", e.tensor))
-            self.params.setdefault(p, f'torch.full((), float(t["{e.tensor}"]), dtype=torch.float64, device=device)')
+            self.params.setdefault(p, Arg("number64", e.tensor))
             raw = self.temp(f"x_{ident(e.tensor)}")
             self.root.lines.append(f"{raw} = tl.load({p})")
             return Value(raw, (), "float", positive=e.tensor in self.ctx.positive)
@@ -2156,7 +2175,7 @@ class PartialEmitter(KernelEmitter):
 
     def split_prologue(self, lines: list[str]) -> None:
         lines.append("split_id = tl.program_id(1)")
-        self.params.setdefault("n_split", "n_split")
+        self.params.setdefault("n_split", SPLIT)
 
     def result(self, st, scope: Scope) -> Value:
         """A statement's value, named after it."""
@@ -2201,13 +2220,13 @@ class PartialEmitter(KernelEmitter):
         self.ctx.tensors[counter] = TensorInfo("tensor", 1, torch.int32)
         self.buffers.append((counter, [PROGRAMS], str(torch.int32)))
         ptr, (stride,) = self.tensor_params(counter, 1)
-        by_launcher = {expr: name for name, expr in self.params.items()}
+        by_launcher = {arg: name for name, arg in self.params.items()}
         args = []
-        for name, expr in merge.params:
-            if expr not in by_launcher:
-                by_launcher[expr] = self.local(name)
-                self.params[by_launcher[expr]] = expr
-            args.append(by_launcher[expr])
+        for name, arg in merge.params:
+            if arg not in by_launcher:
+                by_launcher[arg] = self.local(name)
+                self.params[by_launcher[arg]] = arg
+            args.append(by_launcher[arg])
         args += [f"{c}={v}" for c, v in merge.constexprs.items()]
         arrived = self.local("arrived")
         root.lines += ["# one launch: the last of this tile's n_split programs to store its state merges them all",
@@ -2227,7 +2246,7 @@ class MergeEmitter(KernelEmitter):
     suffix = "_merge"
 
     def split_prologue(self, lines: list[str]) -> None:
-        self.params.setdefault("n_split", "n_split")
+        self.params.setdefault("n_split", SPLIT)
 
     def fold_at(self, fold: Reduce, env0: dict[str, Axis], T: Scope) -> dict[str, Value]:
         if T is self.root and (self.spec.name, fold) in self.ctx.split_layouts:

@@ -13,7 +13,6 @@ split policy, compiler.schedule.tiles.auto_split, at the call's sizes); this
 module builds what it decided."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from ...schedule import Kernel, KernelSchedule, Loop, Plan
 from ...specialise import ConcreteKernel, ConcreteSchedule
 from . import hopper
-from .emit import PROGRAMS, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, TensorInfo
+from .emit import PROGRAMS, Arg, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, TensorInfo
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
 
@@ -33,19 +32,13 @@ class Built:
     launched: tuple[str, ...] = ()      # every kernel the launcher may launch (the plan's, and fallbacks)
 
 
-def packed_strides(args: list[str]) -> list[str]:
-    """The launch arguments with each tensor's strides `t["X"].stride(0)`, ...,
-    `.stride(r - 1)` passed as `*t["X"].stride()`: one call per tensor on the
+def packed_strides(args: list[Arg]) -> list[str]:
+    """The launcher's expressions for `args`, each tensor's strides `t["X"].stride(0)`,
+    ..., `.stride(r - 1)` passed as `*t["X"].stride()`: one call per tensor on the
     host's hot path instead of one per dimension (a kernel takes every stride of
     a tensor it reads, consecutively and in order: KernelEmitter.tensor_params)."""
-    out = []
-    for a in args:
-        stride = re.fullmatch(r'(t\["[^"]+"\])\.stride\((\d+)\)', a)
-        if stride is None:
-            out.append(a)
-        elif stride.group(2) == "0":
-            out.append(f"*{stride.group(1)}.stride()")
-    return out
+    return [f'*t["{a.name}"].stride()' if a.kind == "stride" else str(a) for a in args
+            if a.kind != "stride" or a.dim == 0]
 
 
 def tile_count(index: str, block: int | str | None, optional: bool) -> str:
@@ -199,7 +192,7 @@ class ModuleBuilder:
         lines = []
         if code.split_axis or n_split > 1:
             lines.append(f"    n_split = {n_split}")
-        args = packed_strides([expr for _, expr in code.params])
+        args = packed_strides([arg for _, arg in code.params])
         if code.name in self.tuned:
             # the autotuner binds every tile (each candidate is complete): the grid follows its choice
             grid = program_count(code, lambda block: f'META["{block}"]')

@@ -104,6 +104,6 @@ def decorator(code: KernelCode, configs) -> str:
                                  f"{sorted(code.constexprs)}")
     items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st}"
                       + (f", maxnreg={registers})" if registers else ")") for blocks, w, st, registers in configs)
-    keys = [p for p, expr in code.params if expr.startswith('n["')]     # the extents, by what they pass
+    keys = [p for p, arg in code.params if arg.kind == "extent"]
     # cache_results: the choice is kept in Triton's cache, so another process tunes a shape only once
     return f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True, do_bench=_time_candidate)"
