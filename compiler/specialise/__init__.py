@@ -11,4 +11,5 @@ A backend builds its kernels from the concrete schedule; `einfold ir
 from .ir import POSITIVE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops, Signature, Tile
 from .stage import specialise
 
-__all__ = ["POSITIVE", "Candidate", "ConcreteKernel", "ConcreteSchedule", "FoldLoops", "Signature", "Tile", "specialise"]
+__all__ = ["POSITIVE", "Candidate", "ConcreteKernel", "ConcreteSchedule", "FoldLoops", "Signature", "Tile",
+           "specialise"]

@@ -76,7 +76,8 @@ class HopperFold:
 
     def __str__(self) -> str:
         t = self.tiling
-        return (f"Hopper (sm_90, warp-specialised): rows {self.rows} in blocks of {t.consumers} consumer warpgroups x {ROWS}, "
+        return (f"Hopper (sm_90, warp-specialised): rows {self.rows} in blocks of {t.consumers} consumer "
+                f"warpgroups x {ROWS}, "
                 f"keys {self.keys} in tiles of {t.key_tile} through {t.stages} shared-memory stages fed by a TMA "
                 f"loader warp; {self.a.tensor} {self.b.tensor}^T over {self.depth}, weights times {self.v.tensor}")
 

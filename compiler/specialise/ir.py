@@ -8,7 +8,7 @@ tiles are tuned and from which table, and the split of its program folds.  A
 backend reads these and decides nothing of them itself."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,14 +165,23 @@ class ConcreteKernel:
                              f"{'nested ' * nested}fold {fold.summary.name}[{', '.join(fold.indices)}]")
 
     def __str__(self) -> str:
+        # "tuned" where a candidate varies the tile (none under the interpreter, none for a
+        # table of launch configurations), though the kernel keeps every tuned tile's mask
+        varied = {i for c in self.candidates for i, _ in c.tiles}
+
+        def untuned(t: Tile) -> Tile:
+            return replace(t, tuned=t.tuned and t.index in varied)
+
+        def shown(t: Tile) -> str:
+            return str(untuned(t))
         order = "" if not self.grid else (f"; programs: longest first along {self.longest_first}"
                                           if self.longest_first else "; programs: in groups of tile rows"
                                           if self.grouped else "")
-        grid = f"grid ({', '.join(str(t) for t in self.grid)})" if self.grid else "one program"
+        grid = f"grid ({', '.join(shown(t) for t in self.grid)})" if self.grid else "one program"
         lines = [f"kernel {self.name}: {grid}{order}"]
         if self.epilogue:
             lines.append(f"  epilogue loop ({', '.join(str(t) for t in self.epilogue)})")
-        lines += [f"  {'  ' * f.nested}{f}" for f in self.folds]
+        lines += [f"  {'  ' * f.nested}{replace(f, tiles=tuple(map(untuned, f.tiles)))}" for f in self.folds]
         if self.split > 1:
             lines.append(f"  split {self.split} ways: {self.split_why}")
         elif self.split_why:

@@ -28,7 +28,8 @@ from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, STREAMED, auto_split, np2,
                               held_whole, held_whole_in_epilogue, loop_tile, nested_steps, one_at_a_time,
                               split_tile, uniform_work, whole_tile)
 from . import forms
-from .ir import RANGED, ONE_AT_A_TIME, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops, Signature, Tile
+from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
+                 Signature, Tile)
 
 
 def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
