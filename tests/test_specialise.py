@@ -8,16 +8,12 @@ from compiler.backend.triton.module import ModuleBuilder
 from compiler.cli import main
 from compiler.specialise import specialise
 from compiler.specialise.ir import ONE_AT_A_TIME, RANGED, TILED, WHOLE
+from test_triton_backend import LAYERNORM
 
 H100_SMS = 132
 CAUSAL = "O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]"
 DECODE = "O[h,j] = softmax[m](Q[h,k] * K[h,m,k] * scale) * V[h,m,j]"
 MATMUL = "C[i,j] = A[i,k] * B[k,j]"
-LAYERNORM = """
-mu[i] = sum[j](X[i,j]) / len(j)
-var[i] = sum[j]((X[i,j] - mu[i]) ** 2) / len(j)
-Y[i,j] = (X[i,j] - mu[i]) * rsqrt(var[i] + 1e-5)
-"""
 SIZES = {
     "causal": (CAUSAL, {"Q": (2, 4, 1024, 64), "K": (2, 4, 1024, 64), "V": (2, 4, 1024, 64), "scale": 0.125}),
     "decode": (DECODE, {"Q": (8, 128), "K": (8, 32768, 128), "V": (8, 32768, 128), "scale": 0.125}),

@@ -33,8 +33,10 @@ class Signature:
     l2_bytes: int | None = None                         # the GPU's L2 cache (eviction hints); None: unknown
     arch: int | None = None                             # compute capability as 10 * major + minor (90: Hopper)
 
-    def extent(self, name: str) -> int:
-        return dict(self.extents)[name]
+    def sums_in_order(self, dtype) -> bool:
+        """Whether tl.dot of `dtype` operands sums each tile's products in order in
+        float32 (IEEE float32, not TF32): long contractions need compensated tiles."""
+        return dtype == torch.float32 and not self.tf32
 
     def __str__(self) -> str:
         device = "Triton's interpreter" if self.interpret else (
@@ -139,7 +141,6 @@ class ConcreteKernel:
     split_why: str                  # why (or why a requested split was refused); "" when nothing to say
     tuning: str                     # the autotune table its candidates come from ("" untuned)
     candidates: tuple[Candidate, ...] = ()   # what the autotuner tries (none: launched as decided)
-    uniform: bool = False           # every program does the same work (no loop bounds, no skipped tiles)
     form: object = None             # a form of specialise.forms the kernel takes (what it is built from)
     form_why: str = ""              # why a GPU's forms do not take a kernel of a rescaled fold
     # reads whose elements no other program reads (a memory-bound kernel's rows): (tensor, its
@@ -171,13 +172,10 @@ class ConcreteKernel:
 
         def untuned(t: Tile) -> Tile:
             return replace(t, tuned=t.tuned and t.index in varied)
-
-        def shown(t: Tile) -> str:
-            return str(untuned(t))
         order = "" if not self.grid else (f"; programs: longest first along {self.longest_first}"
                                           if self.longest_first else "; programs: in groups of tile rows"
                                           if self.grouped else "")
-        grid = f"grid ({', '.join(shown(t) for t in self.grid)})" if self.grid else "one program"
+        grid = f"grid ({', '.join(str(untuned(t)) for t in self.grid)})" if self.grid else "one program"
         lines = [f"kernel {self.name}: {grid}{order}"]
         if self.epilogue:
             lines.append(f"  epilogue loop ({', '.join(str(t) for t in self.epilogue)})")

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import torch
-
-from dataclasses import replace
 
 from ..ir import Access, Call, Reduce, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
@@ -109,7 +108,7 @@ class _Kernel:
                 form_why = ""
         return ConcreteKernel(spec, grid, self.longest_first(grid) if tuned else None,
                               len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
-                              why, table, candidates, uniform_work(spec), form, form_why,
+                              why, table, candidates, form, form_why,
                               self.past_cache(grid, shared, dtypes))
 
     def past_cache(self, grid: tuple[Tile, ...], shared: frozenset, dtypes: dict):
@@ -190,7 +189,7 @@ class _Kernel:
         s = fold.summary
         singles = one_at_a_time(fold, self.dot)
         batch = set().union(*(dot_batch_names(a) for a in fold.args))
-        exact = self.in_order(self.contraction_dtype(fold))
+        exact = self.sig.sums_in_order(self.contraction_dtype(fold))
         caps = self.caps(fold)
         tiles = []
         for p, b in enumerate(fold.indices):
@@ -260,11 +259,6 @@ class _Kernel:
         for other in stored[1:]:
             dtype = torch.promote_types(dtype, other)
         return dtype
-
-    def in_order(self, dtype) -> bool:
-        """tl.dot of `dtype` operands sums each tile's products in order in float32
-        (IEEE float32, not TF32): long contractions need compensated tiles."""
-        return dtype == torch.float32 and not self.sig.tf32
 
     # ------------------------------------------------------------ 3. the split
     def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:

@@ -241,7 +241,6 @@ class KernelCode:
     optional: frozenset[str] = frozenset()
     functions: tuple = ()        # the jit functions it calls (a one-launch split's merge), defined before it
     zeroed: frozenset[str] = frozenset()      # buffers the launcher fills with zeros (arrival counters)
-    uniform: bool = False        # every program does the same work (schedule.tiles.uniform_work)
 
 
 class ModuleContext:
@@ -380,6 +379,8 @@ class KernelEmitter:
         self.buffers: list[tuple[str, list[str], str]] = []
         self.contraction = set(spec.dot_indices)        # the schedule's tile roles
         self.value_only = set(spec.value_only)
+        # (tensor, indices) of the reads past the cache -> whether they outgrow L2 (eviction hints)
+        self.past_cache = {(t, ix): big for t, ix, big in kernel.past_cache}
 
     # ------------------------------------------------------------ names
     def clashes(self, name: str) -> bool:
@@ -788,8 +789,8 @@ class KernelEmitter:
         if tile is not None:
             self.tile_of[raw] = tile
         self.tile(target)
-        past = dict(((t, ix), big) for t, ix, big in self.kernel.past_cache)
-        self.loads[raw] = Load(e.tensor, e.indices, (e.tensor, e.indices) in past, past.get((e.tensor, e.indices), False))
+        read = (e.tensor, e.indices)
+        self.loads[raw] = Load(e.tensor, e.indices, read in self.past_cache, self.past_cache.get(read, False))
         hint = f", {EVICTION_MARK}{raw}"
         if mask:
             place.lines.append(f"{raw} = tl.load({address}, mask={mask}, other=0.0{hint})")
@@ -1330,7 +1331,7 @@ class KernelEmitter:
             # a matrix product accumulates in tl.dot's accumulator
             acc = self.state_var(prefix, field_name, role="acc")
             init.append(f"{acc} = tl.zeros({self.shape(FA)}, {self.ctx.cdt})")
-            if self.in_order(dot[6]):
+            if self.ctx.sig.sums_in_order(dot[6]):
                 self.compensated_dot(dot, acc, prefix, field_name, body, init)
             else:
                 self.emit_dot(*dot, body, into=acc)
@@ -1342,11 +1343,6 @@ class KernelEmitter:
         return {field_name: self.running(prefix, field_name, contrib, RA,
                                          f"tl.zeros({{shape}}, {self.state_dtype(contrib.kind)})",
                                          "{var} += {tile}", "tl.sum", body, init, finish)}
-
-    def in_order(self, dtype) -> bool:
-        """tl.dot of `dtype` operands sums each tile's products in order in float32
-        (IEEE float32, not TF32): long contractions need compensated tiles."""
-        return dtype == torch.float32 and not self.ctx.sig.tf32
 
     def compensated_dot(self, dot, acc: str, prefix: str, field_name: str, body: Scope, init: list[str],
                         rescale: str | None = None) -> None:
@@ -1624,7 +1620,7 @@ class KernelEmitter:
                 if in_place:
                     # rescale the accumulator, then tl.dot adds the tile's weighted values to it
                     init.append(f"{t} = tl.zeros({self.shape(FT)}, {cdt})")
-                    if self.in_order(dot[6]):
+                    if self.ctx.sig.sums_in_order(dot[6]):
                         self.compensated_dot(dot, t, prefix, fname, body, init, self.expand(alpha, FT))
                     else:
                         body.lines.append(f"{t} = {t} * {self.expand(alpha, FT)}")
@@ -1986,7 +1982,7 @@ class KernelEmitter:
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs),
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
-                          functions, zeroed, self.kernel.uniform)
+                          functions, zeroed)
 
     def finish(self, root: Scope) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit
