@@ -109,6 +109,32 @@ def test_two_programs_an_sm_only_where_every_program_does_the_same_work():
     assert all(c.registers is None for c in causal.candidates)
 
 
+def test_every_length_of_a_shape_class_decides_alike_and_shares_one_module():
+    """Decode one key longer, or a prompt a few tokens shorter, runs the module built for
+    its shape class: the split is decided at the power of two at or below each extent,
+    tiles are powers of two, and the kernels read extents as arguments.  In [4096, 8192)
+    the text differs only where the keys fill whole tiles of 256 (no masks)."""
+    program = compiler.compile(DECODE, backend="triton")
+
+    def built(keys: int):
+        binding = program.binder({"Q": _input((8, 128), torch.bfloat16), "K": _input((8, keys, 128), torch.bfloat16),
+                                  "V": _input((8, keys, 128), torch.bfloat16), "scale": 0.125})
+        (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS).kernels
+        return kernel.split, program.backend.source_for(binding, sm_count=H100_SMS)
+    splits, sources = zip(*(built(keys) for keys in range(4097, 8192, 211)))
+    assert set(splits) == {built(4096)[0]} and splits[0] > 1          # 4097 + 211 k: none a multiple of 256
+    assert len(set(sources)) == 1
+    assert built(4096 + 256)[1] == built(4096)[1] != built(4097)[1]
+    assert built(8192)[0] > splits[0]               # the next class splits further
+
+
+def test_the_autotuner_keys_on_shape_classes():
+    """A tuned kernel takes each extent's bit length beside it, and the autotuner keys on those."""
+    source = ModuleBuilder(concrete("matmul"), ()).build().source
+    assert "key=['class_i', 'class_j', 'class_k']" in source
+    assert 'n["i"].bit_length(), n["j"].bit_length(), n["k"].bit_length())' in source
+
+
 def test_without_sms_nothing_splits():
     (kernel,) = concrete("decode", sm_count=None).kernels
     assert kernel.split == 1 and kernel.split_why == ""

@@ -5,6 +5,7 @@ prefill, grouped-query heads, left padding and a sliding window; what einfold's
 programs cannot say raises an einfold error.  Tiny random models in float32, the
 kernels under Triton's interpreter."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -118,3 +119,17 @@ def test_an_unsupported_request_raises_an_einfold_error(request_):
     m = model(config, "einfold").train(request_ == "dropout")
     with pytest.raises(compiler.BindError, match=named):
         m(torch.zeros(1, 6, dtype=torch.long), **call)
+
+
+@torch.no_grad()
+def test_a_generation_builds_a_module_per_shape_class_not_per_length():
+    """Decoding 32 tokens calls attention at 33 lengths of the cache; the kernels read
+    extents as arguments and every length of a shape class decides alike, so the
+    lengths share modules (they built one each: 34 modules for 32 tokens)."""
+    torch.manual_seed(0)
+    ours = model(CONFIGS["llama"], "einfold").eval()
+    ids, mask = batch(length=40)
+    before = {name for name in sys.modules if name.startswith("einfold_")}
+    ours.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    built = {name for name in sys.modules if name.startswith("einfold_")} - before
+    assert 1 <= len(built) <= 3, sorted(built)

@@ -86,6 +86,14 @@ def np2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def size_class(n: int) -> int:
+    """The shape class of an extent: the power of two at or below it (0 for 0).  Work
+    counts (the split) are decided at it and the autotuner keys on it, so every extent
+    of a class runs one module and one tuned choice (a decode step one key longer, a
+    prompt a few tokens shorter): modules are shared by their source (cache.load)."""
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
+
+
 def dot_tile(n: int) -> int:
     return min(DOT_BLOCK, max(16, np2(n)))
 

@@ -23,9 +23,9 @@ from ..ir import Access, Call, Reduce, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.bounds import index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
-from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, STREAMED, auto_split, np2, fold_caps, free_tile, grid_tiling,
-                              held_whole, held_whole_in_epilogue, loop_tile, nested_steps, one_at_a_time,
-                              split_tile, uniform_work, whole_tile)
+from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, STREAMED, auto_split, fold_caps, free_tile, grid_tiling,
+                              held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2, one_at_a_time,
+                              size_class, split_tile, uniform_work, whole_tile)
 from . import forms
 from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
                  Signature, Tile)
@@ -267,20 +267,28 @@ class _Kernel:
             return 1, "" if self.requested in (None, 1) else "no fold streams per program; nothing to split"
         if spec.dependent:
             return 1, "" if self.requested in (None, 1) else "its program folds read each other; not split"
-        programs = math.prod(self.extent(g) if not blocks.get(g) else math.ceil(self.extent(g) / blocks[g])
-                             for g in spec.grid)
-        tiles, steps = 0, 1
-        for f in spec.program_folds:
-            block = 1 if one_at_a_time(f, self.dot) else self.loop_block(f, 0, hint, self.caps(f))
-            tiles = max(tiles, math.ceil(self.extent(f.indices[0]) / block))
-            steps = max(steps, nested_steps(f, self.extent, self.dot))
         if self.requested is None:
+            # the work counted at each extent's shape class: one split serves the class
+            programs, tiles, steps = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
             n = auto_split(programs, tiles, self.sig.sm_count, steps)
             why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
                    + (f" of {steps} nested steps each" if steps > 1 else "")) if n > 1 else ""
             return n, why
+        _, tiles, _ = self.work(blocks, hint, self.extent)
         n = max(1, min(self.requested, tiles))
         return n, f"split={self.requested} requested" + (f" (capped at {tiles} tiles)" if n < self.requested else "")
+
+    def work(self, blocks: dict[str, int], hint: int, extent) -> tuple[int, int, int]:
+        """(programs, tiles of the longest program fold, nested steps a tile) at `extent`."""
+        spec = self.spec
+        programs = math.prod(extent(g) if not blocks.get(g) else math.ceil(extent(g) / blocks[g])
+                             for g in spec.grid)
+        tiles, steps = 0, 1
+        for f in spec.program_folds:
+            block = 1 if one_at_a_time(f, self.dot) else self.loop_block(f, 0, hint, self.caps(f))
+            tiles = max(tiles, math.ceil(extent(f.indices[0]) / block))
+            steps = max(steps, nested_steps(f, extent, self.dot))
+        return programs, tiles, steps
 
     # ------------------------------------------------------------ 4. the epilogue and tuning
     def epilogue_tile(self, e: str) -> Tile:

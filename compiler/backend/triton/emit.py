@@ -203,15 +203,17 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Arg:
-    """What the launcher passes a kernel parameter: an index's extent, a tensor, one of
-    its strides, a float number (by value, or in memory for a float64 program), or the
-    split count.  Its text is the launcher's expression."""
-    kind: str            # "extent", "tensor", "stride", "number", "number64" or "split"
+    """What the launcher passes a kernel parameter: an index's extent or its shape class
+    (the extent's bit length: tiles.size_class), a tensor, one of its strides, a float
+    number (by value, or in memory for a float64 program), or the split count.  Its
+    text is the launcher's expression."""
+    kind: str            # "extent", "size_class", "tensor", "stride", "number", "number64" or "split"
     name: str = ""       # the index or tensor it is of
     dim: int = 0         # a stride's dimension
 
     def __str__(self) -> str:
-        return {"extent": f'n["{self.name}"]', "tensor": f't["{self.name}"]',
+        return {"extent": f'n["{self.name}"]', "size_class": f'n["{self.name}"].bit_length()',
+                "tensor": f't["{self.name}"]',
                 "stride": f't["{self.name}"].stride({self.dim})', "number": f'float(t["{self.name}"])',
                 "number64": f'torch.full((), float(t["{self.name}"]), dtype=torch.float64, device=device)',
                 "split": "n_split"}[self.kind]
@@ -1974,6 +1976,12 @@ class KernelEmitter:
         writes = self.store_results(root)
         functions, zeroed = self.finish(root)
         assert not self.pending, "tiles of addresses made for a loop that was not written"
+        if self.kernel.candidates:
+            # the autotuner's key: each extent's shape class, so that every size of a class
+            # shares one tuned choice (the kernel itself reads the extents)
+            for p, arg in list(self.params.items()):
+                if arg.kind == "extent":
+                    self.params[self.local(f"class_{arg.name}", ("class", arg.name))] = Arg("size_class", arg.name)
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
         body = with_eviction_hints(drop_unread(inline_single_uses(one_per_tile(

@@ -162,7 +162,10 @@ class ModuleBuilder:
         lines += [f"#   {line}" for line in (self.program.source or "").replace("\0", "\\x00").strip().splitlines()] or ["#   (none)"]
         lines.append(f"# passes (compiler.passes.PIPELINE): {', '.join(self.passes) or 'none'}")
         lines.append(f"# outputs: {', '.join(self.outputs)}; float results in {self.sig.dtype}")
-        lines.append("# specialised to extents: " + ", ".join(f"{k}={v}" for k, v in self.sig.extents))
+        # no extent is written into the module: every size whose decisions give this text runs
+        # it (cache.load shares modules by their text)
+        lines.append("# extents: launch arguments; the tiles, masks and splits below are those "
+                     "`einfold ir --print-after specialise` prints for them")
         if self.sig.interpret:
             bfloat16 = any(dtype == torch.bfloat16 for _, _, _, dtype in self.sig.inputs)
             lines.append("# for Triton's interpreter" + (" (bfloat16 tl.dot operands widened to float32)"

@@ -97,13 +97,14 @@ TIMING = """def _time_candidate(kernel_call, quantiles):
 
 
 def decorator(code: KernelCode, configs) -> str:
-    """The @triton.autotune line for `code` (its extent parameters as the key)."""
+    """The @triton.autotune line for `code`, keyed on its extents' shape classes."""
     for blocks, *_ in configs:
         if set(blocks) != set(code.constexprs):
             raise AssertionError(f"{code.name}: a candidate binds {sorted(blocks)}, the kernel declares "
                                  f"{sorted(code.constexprs)}")
     items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st}"
                       + (f", maxnreg={registers})" if registers else ")") for blocks, w, st, registers in configs)
-    keys = [p for p, arg in code.params if arg.kind == "extent"]
-    # cache_results: the choice is kept in Triton's cache, so another process tunes a shape only once
-    return f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True, do_bench=_time_candidate)"
+    keys = [p for p, arg in code.params if arg.kind == "size_class"]
+    return ("# tuned once per shape class: class_<x> is n_<x>'s bit length, so the sizes of one power of two\n"
+            "# share a choice (kept in Triton's cache, for other processes too)\n"
+            f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True, do_bench=_time_candidate)")

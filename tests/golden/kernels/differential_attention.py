@@ -4,7 +4,7 @@
 #   O[h,i,j] = softmax[m](sum[k](Q1[h,i,k] * K1[h,m,k]) * scale) * V[h,m,j] - lam * softmax[m](sum[k](Q2[h,i,k] * K2[h,m,k]) * scale) * V[h,m,j]
 # passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: O; float results in torch.bfloat16
-# specialised to extents: h=8, i=1024, j=64, k=64, m=1024
+# extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 
 
 import torch
@@ -61,9 +61,11 @@ def _time_candidate(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3, maxnreg=128)], key=['n_j', 'n_i', 'n_h', 'n_m', 'n_k'], cache_results=True, do_bench=_time_candidate)
+# tuned once per shape class: class_<x> is n_<x>'s bit length, so the sizes of one power of two
+# share a choice (kept in Triton's cache, for other processes too)
+@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3, maxnreg=128)], key=['class_j', 'class_i', 'class_h', 'class_m', 'class_k'], cache_results=True, do_bench=_time_candidate)
 @triton.jit
-def einfold_O(n_j, n_i, n_h, n_m, scale_val, n_k, K1_ptr, K1_s0, K1_s1, K1_s2, Q1_ptr, Q1_s0, Q1_s1, Q1_s2, K2_ptr, K2_s0, K2_s1, K2_s2, Q2_ptr, Q2_s0, Q2_s1, Q2_s2, V_ptr, V_s0, V_s1, V_s2, lam_val, O_ptr, O_s0, O_s1, O_s2, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
+def einfold_O(n_j, n_i, n_h, n_m, scale_val, n_k, K1_ptr, K1_s0, K1_s1, K1_s2, Q1_ptr, Q1_s0, Q1_s1, Q1_s2, K2_ptr, K2_s0, K2_s1, K2_s2, Q2_ptr, Q2_s0, Q2_s1, Q2_s2, V_ptr, V_s0, V_s1, V_s2, lam_val, O_ptr, O_s0, O_s1, O_s2, class_j, class_i, class_h, class_m, class_k, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
     pid_j = pid % tl.cdiv(n_j, BLOCK_j)
     pid = pid // tl.cdiv(n_j, BLOCK_j)
@@ -139,4 +141,4 @@ def launch(t, n, device):
     grid = lambda META: (((n["j"] + META["BLOCK_j"] - 1) // META["BLOCK_j"]) * ((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]) * n["h"],)
     if n["j"] > 0 and n["i"] > 0 and n["h"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
-            n["j"], n["i"], n["h"], n["m"], float(t["scale"]), n["k"], t["K1"], *t["K1"].stride(), t["Q1"], *t["Q1"].stride(), t["K2"], *t["K2"].stride(), t["Q2"], *t["Q2"].stride(), t["V"], *t["V"].stride(), float(t["lam"]), t["O"], *t["O"].stride())
+            n["j"], n["i"], n["h"], n["m"], float(t["scale"]), n["k"], t["K1"], *t["K1"].stride(), t["Q1"], *t["Q1"].stride(), t["K2"], *t["K2"].stride(), t["Q2"], *t["Q2"].stride(), t["V"], *t["V"].stride(), float(t["lam"]), t["O"], *t["O"].stride(), n["j"].bit_length(), n["i"].bit_length(), n["h"].bit_length(), n["m"].bit_length(), n["k"].bit_length())

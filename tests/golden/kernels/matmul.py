@@ -4,7 +4,7 @@
 #   C[i,j] = A[i,k] * B[k,j]
 # passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: C; float results in torch.bfloat16
-# specialised to extents: i=1024, j=2048, k=512
+# extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 
 
 import torch
@@ -18,9 +18,11 @@ def _time_candidate(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 256, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 256, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 32}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=4)], key=['n_i', 'n_j', 'n_k'], cache_results=True, do_bench=_time_candidate)
+# tuned once per shape class: class_<x> is n_<x>'s bit length, so the sizes of one power of two
+# share a choice (kept in Triton's cache, for other processes too)
+@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 256, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 256, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 128, 'BLOCK_k': 32}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 128, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=4)], key=['class_i', 'class_j', 'class_k'], cache_results=True, do_bench=_time_candidate)
 @triton.jit
-def einfold_C(n_i, n_j, n_k, A_ptr, A_s0, A_s1, B_ptr, B_s0, B_s1, C_ptr, C_s0, C_s1, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_k: tl.constexpr):
+def einfold_C(n_i, n_j, n_k, A_ptr, A_s0, A_s1, B_ptr, B_s0, B_s1, C_ptr, C_s0, C_s1, class_i, class_j, class_k, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
     # grouped order: 8 tile rows at a time, for L2 reuse
     in_group = 8 * tl.cdiv(n_j, BLOCK_j)
@@ -49,4 +51,4 @@ def launch(t, n, device):
     grid = lambda META: (((n["j"] + META["BLOCK_j"] - 1) // META["BLOCK_j"]) * ((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["j"] > 0 and n["i"] > 0:                       # an empty output launches nothing
         einfold_C[grid](
-            n["i"], n["j"], n["k"], t["A"], *t["A"].stride(), t["B"], *t["B"].stride(), t["C"], *t["C"].stride())
+            n["i"], n["j"], n["k"], t["A"], *t["A"].stride(), t["B"], *t["B"].stride(), t["C"], *t["C"].stride(), n["i"].bit_length(), n["j"].bit_length(), n["k"].bit_length())

@@ -6,7 +6,7 @@
 #   L[i] = min[j](X[i,j])
 # passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: S, U, L; float results in torch.float32
-# specialised to extents: i=4096, j=4096
+# extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 
 
 import torch
@@ -40,9 +40,11 @@ def _time_candidate(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=3)], key=['n_i', 'n_j'], cache_results=True, do_bench=_time_candidate)
+# tuned once per shape class: class_<x> is n_<x>'s bit length, so the sizes of one power of two
+# share a choice (kept in Triton's cache, for other processes too)
+@triton.autotune(configs=[triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=4, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=16, num_stages=2), triton.Config({'BLOCK_i': 1, 'BLOCK_j': 4096}, num_warps=8, num_stages=3)], key=['class_i', 'class_j'], cache_results=True, do_bench=_time_candidate)
 @triton.jit
-def einfold_S(n_i, n_j, X_ptr, X_s0, X_s1, S_ptr, S_s0, U_ptr, U_s0, L_ptr, L_s0, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr):
+def einfold_S(n_i, n_j, X_ptr, X_s0, X_s1, S_ptr, S_s0, U_ptr, U_s0, L_ptr, L_s0, class_i, class_j, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr):
     pid = tl.program_id(0)
     pid_i = pid
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
@@ -78,4 +80,4 @@ def launch(t, n, device):
     grid = lambda META: (((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_S[grid](
-            n["i"], n["j"], t["X"], *t["X"].stride(), t["S"], *t["S"].stride(), t["U"], *t["U"].stride(), t["L"], *t["L"].stride())
+            n["i"], n["j"], t["X"], *t["X"].stride(), t["S"], *t["S"].stride(), t["U"], *t["U"].stride(), t["L"], *t["L"].stride(), n["i"].bit_length(), n["j"].bit_length())

@@ -4,7 +4,7 @@
 #   O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]
 # passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: O; float results in torch.bfloat16
-# specialised to extents: b=1, h=8, i=1, j=128, k=128, m=65536
+# extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 
 
 import torch

@@ -6,7 +6,7 @@
 #   L[i] = logsumexp[m](S[i,m])
 # passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
 # outputs: O, L; float results in torch.float32
-# specialised to extents: i=1000, j=64, k=64, m=777
+# extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 
 
 import torch
@@ -63,9 +63,11 @@ def _time_candidate(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=25, rep=25, quantiles=quantiles)
 
 
-@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3, maxnreg=128)], key=['n_j', 'n_i', 'n_m', 'n_k'], cache_results=True, do_bench=_time_candidate)
+# tuned once per shape class: class_<x> is n_<x>'s bit length, so the sizes of one power of two
+# share a choice (kept in Triton's cache, for other processes too)
+@triton.autotune(configs=[triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=4, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=3), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 64, 'BLOCK_k': 64}, num_warps=8, num_stages=4), triton.Config({'BLOCK_i': 64, 'BLOCK_j': 64, 'BLOCK_m': 32, 'BLOCK_k': 64}, num_warps=4, num_stages=4), triton.Config({'BLOCK_i': 128, 'BLOCK_j': 64, 'BLOCK_m': 128, 'BLOCK_k': 64}, num_warps=8, num_stages=3, maxnreg=128)], key=['class_j', 'class_i', 'class_m', 'class_k'], cache_results=True, do_bench=_time_candidate)
 @triton.jit
-def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, V_ptr, V_s0, V_s1, O_ptr, O_s0, O_s1, L_ptr, L_s0, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
+def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, V_ptr, V_s0, V_s1, O_ptr, O_s0, O_s1, L_ptr, L_s0, class_j, class_i, class_m, class_k, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
     pid_j = pid % tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
     pid = pid // tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
@@ -126,4 +128,4 @@ def launch(t, n, device):
     grid = lambda META: (max((n["j"] + META["BLOCK_j"] - 1) // META["BLOCK_j"], 1) * ((n["i"] + META["BLOCK_i"] - 1) // META["BLOCK_i"]),)
     if n["i"] > 0:                       # an empty output launches nothing
         einfold_O[grid](
-            n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["O"], *t["O"].stride(), t["L"], *t["L"].stride())
+            n["j"], n["i"], n["m"], float(t["scale"]), n["k"], t["K"], *t["K"].stride(), t["Q"], *t["Q"].stride(), t["V"], *t["V"].stride(), t["O"], *t["O"].stride(), t["L"], *t["L"].stride(), n["j"].bit_length(), n["i"].bit_length(), n["m"].bit_length(), n["k"].bit_length())
