@@ -110,7 +110,7 @@ def _backward(checked) -> list[str]:
     out = ["", f"backward (einfold grad --saved: the gradients of {', '.join(wrt)}):",
            *_indent(format_program(backward))]
     if found.saved:
-        out.append("saved by the forward (extra outputs that share the softmax's fold):")
+        out.append("saved by the forward (extra outputs that share the folds it makes anyway):")
         out += [f"  {format_statement(s)}" for s in found.saved]
     if found.unsaved:
         out.append("recomputed by the backward:")

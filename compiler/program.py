@@ -154,7 +154,9 @@ class Program(CompiledProgram):
         """The forward that a call under autograd runs: this program plus one
         output `lse_<Statement>[rows] = logsumexp[I](x)` per softmax[I](x) that
         its gradient programs read (the statistic shares the softmax's fold:
-        same kernels); this program itself when there is none."""
+        same kernels), and one per row fold they would fold again (a norm's
+        mean and variance, `<op>_<Statement>[rows]`);
+        this program itself when there is none."""
         found = deep(lambda: saving_forward(self.checked), what="the program", source=self.text)
         if not found.saved:
             return self

@@ -23,7 +23,7 @@ from compiler.algebra import BUILTINS
 from compiler.check import check
 from compiler.cli import main
 from compiler.errors import CheckError
-from compiler.ir import Access, Call, format_expr, format_program
+from compiler.ir import Access, Call, Composite, Reduce, format_expr, format_program, walk
 from compiler.ops import BOOL, OPS
 from compiler.parse import parse
 from compiler.passes import run_pipeline
@@ -835,7 +835,7 @@ def test_explain_ends_with_the_backward_and_its_saved_statistics():
     backward = compiler.grad(CORPUS["attention"][0], backend="reference", saved=True).text
     tail = ("backward (einfold grad --saved: the gradients of Q, K, V):\n"
             + "".join(f"  {line}\n" for line in backward.splitlines())
-            + "saved by the forward (extra outputs that share the softmax's fold):\n"
+            + "saved by the forward (extra outputs that share the folds it makes anyway):\n"
             "  lse_O[i] = logsumexp[m](sum[k](Q[i, k] * K[m, k]) * scale)\n")
     assert text.endswith(tail)
     assert "backward" not in compiler.compile("N[i] = sum[k](where(X[i,k] > 0, 1, 0))").explain()
@@ -963,7 +963,8 @@ def _gpu_module(source: str, sizes: dict[str, tuple], saved=True, **scalars) -> 
     (built on the CPU, autotune candidates included; nothing runs)."""
     backward = compiler.grad(source, backend="triton", saved=saved)
     inputs = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in sizes.items()}
-    inputs = {n: (torch.zeros(v.shape) if n.startswith("lse_") else v) for n, v in inputs.items()}
+    # the saved statistics are float32, as the saving forward stores them
+    inputs = {n: (torch.zeros(v.shape) if n in backward.statistic_inputs else v) for n, v in inputs.items()}
     return backward.backend.source_for(backward.binder({**inputs, **scalars}), sm_count=132)
 
 
@@ -1005,10 +1006,14 @@ def test_a_fold_an_earlier_kernel_streams_is_read_not_recomputed():
     assert plan.buffers == ("buf0",)
     assert set(plan.kernels[0].writes) == {"dQ", "buf0"}
     assert "reads buf0 (sum[j], stored by einfold_dQ) instead of recomputing it per program" in plan.kernels[1].why
-    # a layernorm's row statistics inside its column sums dG, dB
-    layernorm = compiler.grad(CORPUS["layernorm"][0], backend="triton", saved=True)
+    # a layernorm's row statistics inside its column sums dG, dB: the recomputing backward
+    # folds them in dX's kernel and dG's reads them stored; the saved one reads the forward's
+    layernorm = compiler.grad(CORPUS["layernorm"][0], backend="triton")
     why = [k.why for k in layernorm.plan(X=randn(9, 70), G=randn(70), dY=randn(9, 70)).kernels]
     assert len(why) == 2 and "stored by einfold_dX" in why[1]
+    layernorm = compiler.grad(CORPUS["layernorm"][0], backend="triton", saved=True)
+    plan = layernorm.plan(X=randn(9, 70), G=randn(70), dY=randn(9, 70), mean_mu=randn(9), mean_var=randn(9))
+    assert len(plan.kernels) == 2 and plan.buffers == ()
 
 
 def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl_dot():
@@ -1039,7 +1044,8 @@ def test_column_sums_tile_the_columns_and_every_tiling_fits_triton():
     # dG[k] = sum[i](...) over a row-major X: a tile of 64 contiguous columns, rows
     # streamed in the rest of the column tile's budget (one column per program read
     # memory with a stride per element)
-    module = _gpu_module(CORPUS["layernorm"][0], {"X": (16385, 1000), "G": (1000,), "dY": (16385, 1000)})
+    module = _gpu_module(CORPUS["layernorm"][0], {"X": (16385, 1000), "G": (1000,), "dY": (16385, 1000),
+                                                  "mean_mu": (16385,), "mean_var": (16385,)})
     # (16385 rows in 65 tiles of 256 over 16 column tiles: split over 16 programs each on 132 SMs)
     launch = module.split("einfold_dG_partial[(grid, n_split)](")[1].splitlines()[1]
     assert launch.endswith("BLOCK_k=64, BLOCK_i=256)")
@@ -1154,3 +1160,28 @@ def test_every_spelling_of_attention_gets_one_backward_schedule():
     names = dict(zip("zyanec", "bhimkj"))
     assert [(st, tuple(names[g] for g in grid), [re.sub(r"\b[zyanec]\b", lambda m: names[m.group()], loop)
                                                   for loop in loops]) for st, grid, loops in renamed] == want
+
+
+def test_a_norms_row_statistics_are_saved_by_the_forward_and_read_by_the_backward():
+    """The rule of rsqrt(v) reads v: the gradient program would fold a norm's row mean
+    and mean square again from X.  The forward stores them (float32, from the fold it
+    makes anyway: still one kernel) and the backward reads them: one fold over the row
+    left in dX's kernel (of dY's two sums), none in dG's.  A fold of exponentials (a
+    sink's normaliser) is not saved: as a value it may overflow where its ratio does not."""
+    rms = "Y[i,k] = X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps) * G[k]"
+    program = compiler.compile(rms, backend="triton")
+    assert program._saving.outputs == ("Y", "mean_Y")
+    assert len(program._saving.plan(X=randn(9, 70), G=randn(70), eps=1e-6).kernels) == 1
+    X, G = randn(9, 70).requires_grad_(), randn(70).requires_grad_()
+    dY = randn(9, 70, seed=3)
+    got = torch.autograd.grad(program(X=X, G=G, eps=1e-6), (X, G), dY)
+    X64, G64 = (t.detach().double().requires_grad_() for t in (X, G))
+    want = torch.autograd.grad(X64 * torch.rsqrt((X64 ** 2).mean(-1, keepdim=True) + 1e-6) * G64, (X64, G64),
+                               dY.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    backward = compiler.grad(rms, backend="triton", saved=True)
+    assert [s.name for s in backward.saved] == ["mean_Y"] and "mean_Y" in backward.inputs
+    assert not any(isinstance(n, Reduce | Composite) and "n" in n.indices
+                   for s in backward.checked.statements for n in walk(s.expr))
+    assert not compiler.grad(CORPUS["sink"][0], backend="reference", saved=True).saved

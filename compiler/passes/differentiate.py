@@ -591,9 +591,11 @@ class Statistics:
     """What the forward saves for the backward, and what it cannot save.
 
     Attributes:
-        saved: one statement per statistic, in the forward's names
-            (`lse_O[i] = logsumexp[m](x)`): appended to the forward program,
-            it is an extra output that shares the fold of the softmax.
+        saved: one statement per statistic, in the forward's names: a softmax's
+            (`lse_O[i] = logsumexp[m](x)`), or a row fold the backward would fold
+            again (`mean_Y[i] = mean[n](X[i,n] ** 2)`, `mean_mu[i] = mean[k](X[i,k])`).
+            Appended to the forward program, each is an extra output that shares
+            the fold the forward makes anyway.
         unsaved: one line per softmax the backward recomputes although the
             forward has it, saying why."""
 
@@ -658,8 +660,55 @@ def statistics(program: Program, backward: Program) -> Statistics:
         rows = tuple(i for i in st.indices if i in free_indices(node) and i not in node.indices)
         saved[key] = Assign(names.tensor(f"lse_{st.name}"), rows, Composite(STATISTIC, node.indices, node.arg),
                             FLOAT)
-    return Statistics(tuple(a for k, a in saved.items() if k in wanted),
+    folds = _row_folds(program, backward, names)
+    return Statistics(tuple(a for k, a in saved.items() if k in wanted) + folds,
                       tuple(why for k, why in unsaved.items() if k in wanted))
+
+
+# Any other fold the backward folds again as the forward did (a norm's row mean and
+# variance, an RMS): the rule of a function of a fold reads the fold (d rsqrt(v) =
+# -rsqrt(v)**3 / 2), so the gradient program recomputes it from the inputs, one more
+# pass over each row in each kernel that reads it.  Where the fold's value is a row
+# statistic (fewer indices than a tensor the forward writes) the forward stores it
+# from the kernel that folds it anyway, in float32, and the backward reads it.
+def _is_fold(e: Expr) -> bool:
+    return isinstance(e, Reduce) or (isinstance(e, Composite) and e.op not in _SAVED_FROM)
+
+
+def _exponential(e: Expr) -> bool:
+    """Whether `e` folds exponentials: the stabiliser rescales such a fold, whose value
+    may overflow where the ratios the program computes from it do not (a softmax's
+    normaliser with a sink); it is recomputed, or saved as its logarithm (lse_)."""
+    return any(isinstance(n, Call) and n.op in ("exp", "exp2") for n in walk(e))
+
+
+def _row_folds(program: Program, backward: Program, names) -> tuple[Assign, ...]:
+    """`<op>_<Statement>[rows] = fold` for each fold of the forward that the backward
+    folds again, whose rows (free indices) are fewer than a statement's the forward
+    writes, not folded by an enclosing fold, and not a fold of exponentials (the
+    forward folds it once: the fuse pass shares equal folds, as `mu[i] =
+    mean[k](X[i,k])` and `mean_mu[i]`)."""
+    wanted = {alpha_key(n)[0] for s in backward.statements for n in walk(s.expr) if _is_fold(n)}
+    widths = [frozenset(s.indices) for s in program.statements]
+    found: dict[Expr, Assign] = {}
+
+    def visit(e: Expr, st: Assign, enclosing: frozenset[str]) -> None:
+        if _is_fold(e):
+            key = alpha_key(e)[0]
+            rows = free_indices(e)
+            if (key in wanted and key not in found and not set(rows) & enclosing
+                    and any(set(rows) < w for w in widths) and not _exponential(e)):
+                op = e.op if isinstance(e, Composite) else e.summary.name
+                found[key] = Assign(names.tensor(f"{op}_{st.name}"), tuple(i for i in st.indices if i in rows), e,
+                                    FLOAT)
+            enclosing = enclosing | set(e.indices)
+        for c in children(e):
+            visit(c, st, enclosing)
+
+    for st in program.statements:
+        if st.dtype == FLOAT:
+            visit(st.expr, st, frozenset())
+    return tuple(found.values())
 
 
 def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
@@ -673,13 +722,25 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
     recomputed softmax (0/0) is.  A row holding +inf has L = +inf: exp(x - L) is
     0 at its finite logits and NaN at the infinite ones, where the softmax is
     NaN throughout; its gradient is NaN either way."""
-    by_key = {}
+    by_key, folds = {}, {}
     for st in saved:
-        key, order = _alpha(Composite("softmax", st.expr.indices, st.expr.arg))
-        by_key[key] = (st, order)
+        if isinstance(st.expr, Composite) and st.expr.op == STATISTIC:       # a softmax's
+            key, order = _alpha(Composite("softmax", st.expr.indices, st.expr.arg))
+            by_key[key] = (st, order)
+        else:
+            key, order = alpha_key(st.expr)
+            folds[key] = (st, order)
     used: dict[str, None] = {}
 
     def rewrite(e: Expr) -> Expr:
+        if _is_fold(e) and folds:
+            key, order = alpha_key(e)
+            hit = folds.get(key)
+            if hit is not None:
+                st, theirs = hit
+                to_ours = dict(zip(theirs, order))
+                used[st.name] = None
+                return Access(st.name, tuple(to_ours[i] for i in st.indices))
         if isinstance(e, Composite) and e.op == "softmax":
             key, order = _alpha(e)
             hit = by_key.get(key)
