@@ -1046,10 +1046,12 @@ def test_column_sums_tile_the_columns_and_every_tiling_fits_triton():
     # memory with a stride per element)
     module = _gpu_module(CORPUS["layernorm"][0], {"X": (16385, 1000), "G": (1000,), "dY": (16385, 1000),
                                                   "mean_mu": (16385,), "mean_var": (16385,)})
-    # (16385 rows in 65 tiles of 256 over 16 column tiles: split over 16 programs each on 132 SMs)
+    # dG and dB are two sums, each a running value per element of the tile: they share the
+    # 16384 elements, 64 columns by 128 rows; the split counts the work at the extents'
+    # classes (16384 rows in 128 tiles, 512 columns in 8 tiles): 32 programs a column tile
     launch = module.split("einfold_dG_partial[(grid, n_split)](")[1].splitlines()[1]
-    assert launch.endswith("BLOCK_k=64, BLOCK_i=256)")
-    assert "n_split = 16" in module
+    assert launch.endswith("BLOCK_k=64, BLOCK_i=128)")
+    assert "n_split = 32" in module
     # the cross-entropy backward builds (every tile within Triton's 2**20 elements), and
     # dH, dW are one contraction each (tl.dot), not a fold of a pair of sums over 3-D tiles
     kernels = _kernels(_gpu_module(CORPUS["cross_entropy"][0], {"H": (509, 256), "W": (5003, 256), "Y": (509, 5003),
