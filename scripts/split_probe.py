@@ -36,10 +36,12 @@ def main() -> None:
     copy = copy_bandwidth()
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     splits = [int(s) for s in os.environ.get("PROBE_SPLITS", "8,16,32,64,128").split(",")]
-    for h, length in [tuple(int(v) for v in c.split(":")) for c in
-                      os.environ.get("PROBE_DECODE", "8:8192,32:8192,8:65536").split(",") if c]:
+    # PROBE_DECODE: heads:keys[:query rows] each (one query row: decode; more: a short prefill)
+    for h, length, *more in [tuple(int(v) for v in c.split(":")) for c in
+                             os.environ.get("PROBE_DECODE", "8:8192,32:8192,8:65536").split(",") if c]:
+        queries = more[0] if more else 1
         g = torch.Generator(device="cuda").manual_seed(0)
-        x = {"Q": torch.randn(1, h, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g),
+        x = {"Q": torch.randn(1, h, queries, 128, device="cuda", dtype=torch.bfloat16, generator=g),
              "K": torch.randn(1, h, length, 128, device="cuda", dtype=torch.bfloat16, generator=g),
              "V": torch.randn(1, h, length, 128, device="cuda", dtype=torch.bfloat16, generator=g),
              "scale": 1 / math.sqrt(128)}
@@ -51,17 +53,25 @@ def main() -> None:
         contenders = {"cudnn": cudnn, "einfold (auto split)": (lambda p: lambda: p(**x))(compiler.compile(ATTENTION))}
         for n in splits:
             contenders[f"einfold split={n}"] = (lambda p: lambda: p(**x))(compiler.compile(ATTENTION, split=n))
-        nbytes = 2 * (2 * h * length * 128 + 2 * h * 128)
+        nbytes = 2 * (2 * h * length * 128 + 2 * h * queries * 128)
         base = None
         for name, fn in contenders.items():
             out = fn()
             err = ((out.double() - ref).norm() / ref.norm()).item()
             ms = bench(fn)
             base = base or ms
-            rows.append({"case": f"decode H{h} L{length}", "contender": name, "ms": ms, "vs_cudnn": base / ms,
-                         "rel_err_vs_cudnn": err})
-            print(f"decode H{h} L{length:6d} {name:22s} {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s "
-                  f"{base / ms:5.2f}x cuDNN", flush=True)
+            case = f"decode H{h} L{length}" + (f" rows {queries}" if queries > 1 else "")
+            rows.append({"case": case, "contender": name, "ms": ms, "vs_cudnn": base / ms, "rel_err_vs_cudnn": err})
+            print(f"{case} {name:22s} {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s {base / ms:5.2f}x cuDNN "
+                  f"(err {err:.1e})", flush=True)
+    if not os.environ.get("PROBE_ATTENTION_ONLY"):
+        rows += memory_bound(splits, copy)
+    with open(os.path.join(os.environ.get("OUT", "."), "split_probe.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def memory_bound(splits: list[int], copy: float) -> list[dict]:
+    rows = []
     x = torch.randn(256, 262144, device="cuda", dtype=torch.bfloat16)
     nbytes = x.numel() * x.element_size()
     for n in [None] + splits[:4]:
@@ -87,8 +97,7 @@ def main() -> None:
                          "pct_copy": nbytes / ms / 1e6 / copy})
             print(f"read 8192^2 {str(dtype):15s} {name:20s} {ms * 1e3:7.1f} us {100 * nbytes / ms / 1e6 / copy:5.1f}% "
                   f"of copy bandwidth", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "split_probe.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

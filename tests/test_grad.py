@@ -1034,8 +1034,8 @@ def test_the_sink_backward_reads_its_normaliser_once_a_row_and_contracts_with_tl
     for kernel in schedule.kernels[1:3]:
         assert "loop m" not in str(kernel), str(kernel)
         assert all(f.summary.field_names == ("r",) for f in kernel.program_folds if f.summary.rescaled)
-    kernels = _kernels(_gpu_module(source, {"Q": (2, S, D), "K": (2, S, D), "V": (2, S, D), "S": (2,),
-                                            "dO": (2, S, D), "O": (2, S, D)}, scale=0.125))
+    kernels = _kernels(_gpu_module(source, {"Q": (8, S, D), "K": (8, S, D), "V": (8, S, D), "S": (8,),
+                                            "dO": (8, S, D), "O": (8, S, D)}, scale=0.125))
     for name in ("einfold_dQ", "einfold_dK", "einfold_dV"):
         assert "tl.dot(op" in kernels[name] and ", None, :]" not in kernels[name], kernels[name]
 

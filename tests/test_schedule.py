@@ -31,7 +31,7 @@ kernel einfold_S: grid (i)  # one program per (i) tile; folds fold1_s1_s1_p1_s1_
   f0 = fold1_s1_s1_p1_s1_p0[k](X[i, k], -(G[k] * W[k] / len(k)), G[k] * W[k] * X[i, k])  # one per program
   S[i] = f0.s1_p0 + f0.s1_p1 * f0.s1
   tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
-  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
+  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps; >= 8 under a quarter of a program per SM), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop k: fold1_s1_s1_p1_s1_p0
 intermediate buffers: none"""),
     "a full reduction beside a row reduction is materialised": (
@@ -41,12 +41,12 @@ schedule: 2 kernel(s), outputs Y
 kernel einfold_buf0: one program  # materialises sum[i] over () into buf0 (it shares no output index with the others)
   buf0[] = sum[i](X[i])  # buffer
   tiles: BLOCK_i = np2(n_i) up to 8192 (streamed); warps and stages from 4 launch configs
-  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
+  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps; >= 8 under a quarter of a program per SM), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop i: sum
 kernel einfold_Y: grid (j)  # one program per (j) tile; folds max[k] streamed over their indices
   Y[j] = max[k](Z[j, k]) + buf0
   tiles: BLOCK_k = np2(n_k) up to 8192 (streamed); BLOCK_j = np2(n_j) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
-  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
+  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps; >= 8 under a quarter of a program per SM), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop k: max
 intermediate buffers: buf0[]"""),
     "a window bounds its loop on both sides; the output and its logsumexp share one fold": (
@@ -59,7 +59,7 @@ kernel einfold_O: grid (i, j)  # one program per (i, j) tile; folds fold1_r_l_u[
   O[i, j] = f0.u / f0.l
   L[i] = where(abs(f0.r) < inf, f0.r + log(f0.l), f0.r)
   tiles: BLOCK_i in {64, 128} (tl.dot rows, tuned); BLOCK_j = np2(n_j) up to 256 (values held whole), else 64; BLOCK_m in {32, 64, 128} (tl.dot, streamed, tuned); BLOCK_k = np2(n_k) up to 256, 64 for float32 without TF32 (nested tl.dot, whole), else 64
-  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
+  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps; >= 8 under a quarter of a program per SM), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop m [bounds: m > i - 3, m <= i]: fold1_r_l_u { loop k: sum }
 intermediate buffers: none"""),
 }
@@ -79,12 +79,12 @@ schedule: 2 kernel(s), outputs Y, split=2
 kernel einfold_buf0: grid (i)  # materialises sum[j] over (i) into buf0 (a split fold reads it)
   buf0[i] = sum[j](X[i, j])  # buffer
   tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
-  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
+  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps; >= 8 under a quarter of a program per SM), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop j: sum
 kernel einfold_Y: grid (i)  # one program per (i) tile; folds sum[j] streamed over their indices
   Y[i] = sum[j](tanh(X[i, j] - buf0[i] / len(j)))
   tiles: BLOCK_j = np2(n_j) up to 8192 (streamed); BLOCK_i = np2(n_i) up to 1024, the program's tiles within 4096 elements (elementwise grid tile); warps and stages from 4 launch configs
-  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
+  split (unless split= says): under 2 programs per SM and >= 64 tiles (with their nested steps; >= 8 under a quarter of a program per SM), over min(8 SMs / programs, tiles, steps / 4, max(64, 2 SMs / programs)) programs, merged in order by the combine
   loop j: sum
 intermediate buffers: buf0[i]"""
 

@@ -639,7 +639,9 @@ def test_auto_split_heuristic():
     assert auto_split(programs=8, tiles=10_000, sm_count=132) == 64     # capped
     assert auto_split(programs=1, tiles=10_000, sm_count=132) == 264    # a scalar: 2 programs per SM
     assert auto_split(programs=2, tiles=10_000, sm_count=132) == 132
-    assert auto_split(programs=1, tiles=40, sm_count=132) == 1          # 40 short tiles: not worth it
+    assert auto_split(programs=1, tiles=40, sm_count=132) == 10         # 40 tiles, one program: runs of 4
+    assert auto_split(programs=64, tiles=40, sm_count=132) == 1         # ... but not beside a quarter of the SMs
+    assert auto_split(programs=8, tiles=7, sm_count=132) == 1           # under two runs of 4
     assert auto_split(programs=1, tiles=40, sm_count=132, steps=500) == 40   # 40 long ones: one each
     assert auto_split(programs=16, tiles=512, sm_count=None) == 1       # no GPU: never by default
 

@@ -70,6 +70,13 @@ LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 # tiles or more (H100, decode H8 L8k, 128 tiles: 8 a split 0.82x cuDNN, 4 a split 0.96x).
 SPLIT_MIN_TILES = 64
 SPLIT_MIN_RUN = 4
+# A kernel of at most one program for four SMs splits from two runs of SPLIT_MIN_RUN
+# tiles (H200, scripts/split_probe.py, unsplit -> as split now): decode over 8 heads at L
+# 1024, 2048, 3000 (16 to 47 tiles): 39.3 -> 23.6, 72.7 -> 21.4 (8 splits), 105.4 -> 21.6
+# us (cuDNN 34.8-67.0, 14.9-56.9 us across runs); a prefill of 4 or 8 heads (32 programs of
+# 128 rows, 16 tiles): 29.8 -> 20.1, 34.3 -> 20.9 us.  Not at 128 programs (16 heads, 2048
+# keys: 68.1 us unsplit, 69.3 split 4 ways); 64 were not measured.
+SPLIT_SHORT_TILES = 2 * SPLIT_MIN_RUN
 SPLIT_MAX = 64
 # ... or, for a kernel of fewer than 4 programs (a scalar or a few values: a mean loss, a
 # dot product), up to this many splits an SM in all: one program over a 512 MB sum ran
@@ -363,11 +370,14 @@ def nested_steps(fold, extent: Callable[[str], int], dot, memo: dict | None = No
 def auto_split(programs: int, tiles: int, sm_count: int | None, steps: int = 1) -> int:
     """The default number of splits (1: none) for a kernel of `programs` programs whose
     longest fold streams `tiles` tiles, each of `steps` steps of the folds nested in it,
-    on a GPU with `sm_count` SMs: every split streams one tile or more and
-    SPLIT_MIN_RUN steps or more, and there are at most SPLIT_MAX splits, or
-    SPLITS_PER_SM programs an SM in all where that is more."""
+    on a GPU with `sm_count` SMs: it splits from SPLIT_MIN_TILES steps, or from
+    SPLIT_SHORT_TILES with at most one program for four SMs; every split streams one
+    tile or more and SPLIT_MIN_RUN steps or more, and there are at most SPLIT_MAX
+    splits, or SPLITS_PER_SM programs an SM in all where that is more."""
+    if not sm_count or programs >= 2 * sm_count:
+        return 1
     work = tiles * steps
-    if not sm_count or work < SPLIT_MIN_TILES or programs >= 2 * sm_count:
+    if work < (SPLIT_SHORT_TILES if 4 * programs <= sm_count else SPLIT_MIN_TILES):
         return 1
     most = max(SPLIT_MAX, SPLITS_PER_SM * sm_count // max(programs, 1))
     n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles, work // SPLIT_MIN_RUN, most)
@@ -462,6 +472,6 @@ def describe(kernel) -> list[str]:
     lines = [f"  tiles: {'; '.join(tiles)}{tuning}"] if tiles else []
     if kernel.program_folds and not kernel.dependent:
         lines.append(f"  split (unless split= says): under 2 programs per SM and >= {SPLIT_MIN_TILES} tiles (with their "
-                     f"nested steps), over min({PROGRAMS_PER_SM} SMs / programs, tiles, steps / {SPLIT_MIN_RUN}, "
+                     f"nested steps; >= {SPLIT_SHORT_TILES} under a quarter of a program per SM), over min({PROGRAMS_PER_SM} SMs / programs, tiles, steps / {SPLIT_MIN_RUN}, "
                      f"max({SPLIT_MAX}, {SPLITS_PER_SM} SMs / programs)) programs, merged in order by the combine")
     return lines
