@@ -217,6 +217,33 @@ def test_a_masked_backward_over_several_tiles_matches_float64(mask):
         torch.testing.assert_close(g.double().cpu(), w, **TOL["triton"], msg=name)
 
 
+@pytest.mark.parametrize("mask", [None, "m <= i"])
+def test_the_saved_backward_over_ragged_whole_head_dimensions_matches_float64(mask):
+    """Head dimensions 24 and 40, held whole in tiles of 32 and 64 (masked past the
+    extent) by dK's grid and by the sums over k and j nested in its loop over the
+    queries, which share those tiles: Q and dO are loaded once a step and read both
+    ways; dQ's epilogue over k is the tile the scores' sum reduces.  Rows and keys over
+    three tiles of 64, with a causal mask's interior and boundary tiles."""
+    logits = "Q[i,k] * K[m,k] * scale"
+    source = f"O[i,j] = softmax[m]({logits if mask is None else f'where({mask}, {logits}, -inf)'}) * V[m,j]"
+    n = 150
+    inputs = {"Q": randn(n, 24, seed=1), "K": randn(n, 24, seed=2), "V": randn(n, 40, seed=3), "scale": 0.3}
+    forward = compiler.compile(source, backend="reference")
+    saved = dict(zip(forward._saving.outputs, forward._saving(**inputs)))       # float64 statistics
+    given = {**inputs, **saved, "dO": randn(n, 40, seed=4)}
+    backward = compiler.grad(source, saved=True, backend="triton")
+    oracle = compiler.grad(source, saved=True, backend="reference")
+    want = oracle(**{k: v for k, v in given.items() if k in oracle.inputs})
+    got = backward(**{k: v.to(DEVICE["triton"], torch.float32) if isinstance(v, torch.Tensor) else v
+                      for k, v in given.items() if k in backward.inputs})
+    for name, g, w in zip(("dQ", "dK", "dV"), got, want, strict=True):
+        torch.testing.assert_close(g.double().cpu(), w, **TOL["triton"], msg=name)
+    # one axis each: no second tile of k (nor of j in dK's kernel), the other layout read as tl.trans
+    dk = backward.source.split("def einfold_dK(")[1].split("\ndef launch(")[0]
+    assert "BLOCK_k2" not in backward.source and "BLOCK_j2" not in dk
+    assert "tl.trans(x_Q" in dk and "tl.trans(x_dO" in dk
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients_on_triton(dtype):
     # storage in half precision, folds in float32: errors of the order of the inputs' rounding

@@ -182,6 +182,29 @@ def test_float32_contraction_without_tf32_is_not_held_whole_past_64():
         assert nested.tile("k").how == how
 
 
+def test_a_nested_fold_shares_the_whole_tile_the_grid_or_the_epilogue_holds():
+    """The saved attention backward at d = 128: dK's grid holds k and j whole, and the
+    scores' sum over k and dO V^T's sum over j inside its loop hold them whole in the
+    same tiles, so they are one axis each (Q and dO loaded once a step); dQ's epilogue
+    holds k whole, which the scores' sum shares (K loaded once a step)."""
+    backward = compiler.grad(CAUSAL, saved=True)
+    program = compiler.compile(backward.text, backend="triton")
+    shapes = {n: (2, 4, 1024, 128) for n in ("Q", "K", "V", "O", "dO")} | {"lse_O": (2, 4, 1024)}
+    binding = program.binder({n: _input(shapes[n], torch.float32 if n == "lse_O" else torch.bfloat16)
+                              if n in shapes else 0.088 for n in backward.inputs})
+    dq, dk = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    assert [str(f) for f in dk.folds] == [
+        "fold[i] of acc, acc_2: i/64 tuned (tl.dot) [bounds: i >= m] [interior tiles without i >= m]",
+        "nested fold[k] of acc: k/128 whole [k shares the grid's tile]",
+        "nested fold[j] of acc: j/128 whole [j shares the grid's tile]"]
+    assert [str(t) for t in dk.grid[-2:]] == ["k/128 whole (a field does not vary over it)",
+                                              "j/128 whole (a field does not vary over it)"]
+    assert [str(f) for f in dq.folds if f.nested] == [
+        "nested fold[k] of acc: k/128 whole [k shares the epilogue's tile]",
+        "nested fold[j] of acc: j/128 whole"]
+    assert str(dq.epilogue[0]).startswith("k/128 whole")
+
+
 @pytest.mark.parametrize("name", sorted(SIZES))
 def test_the_backend_builds_what_was_decided(name):
     """Every grid tile, tuned tile and split of the built kernels is the concrete

@@ -3,6 +3,7 @@
 On a CPU machine the kernels run under Triton's interpreter (conftest sets
 TRITON_INTERPRET=1), so shapes here are tiny and deliberately not powers of
 two.  Tests marked `gpu` run realistic sizes against torch on the device machine."""
+import itertools
 import math
 import re
 import os
@@ -884,6 +885,45 @@ def test_float32_statistics_keep_a_gradient_programs_dots_in_bfloat16():
     t = {n: torch.randn(1, 2, 64, 32, dtype=torch.bfloat16) for n in ("Q", "K", "V", "O", "dO")}
     module = gpu_source(gradient, **t, lse_O=torch.randn(1, 2, 64), scale=0.2)
     assert len(dots(module)) >= 4 and not any("input_precision" in d for d in dots(module))
+
+
+def loop_loads(module: str, kernel: str, index: str) -> list[str]:
+    """The tensor of each load in a step of `kernel`'s loop over `index` in `module` (a
+    load reads `<tensor>_ptr` or a tile of addresses `<tensor>_tile`)."""
+    body = module.split(f"def {kernel}(")[1].split("\n@triton")[0].split("\n\n\n")[0]
+    header = re.search(rf"\n( *)for start_{index} in range\(", body)
+    lines = body[header.end():].split("\n")[1:]
+    deeper = header.group(1) + " "
+    inside = itertools.takewhile(lambda line: line.startswith(deeper) or not line.strip(), lines)
+    return [m.group(1) for line in inside for m in re.finditer(r"tl\.load\((\w+?)_(?:tile\w*|ptr)\b", line)]
+
+
+def test_the_attention_backward_loads_each_tile_once_a_step():
+    """dK and dV's loop over the queries reads Q for dK's sum (rows i) and for the
+    scores' sum over k (columns i), dO for dV's sum and for dO V^T's sum over j: each
+    index held whole by the grid and by the nested sum is one axis, so each tile is
+    loaded once a step and read the other way as tl.trans (FlashAttention-2's loop).
+    dQ's loop over the keys likewise loads K once, and dO not at all (once a program)."""
+    gradient = compiler.grad(ATTENTION, saved=True)
+    t = {n: torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16).expand(2, 4, 1024, 128)
+         for n in ("Q", "K", "V", "O", "dO")}
+    module = gpu_source(gradient.text, **t, lse_O=torch.zeros(2, 4, 1024), scale=0.088)
+    assert sorted(loop_loads(module, "einfold_dK", "i")) == ["Q", "buf0", "dO", "lse_O"]
+    assert sorted(loop_loads(module, "einfold_dQ", "m")) == ["K", "V"]
+    dk = module.split("def einfold_dK(")[1]
+    assert re.search(r"tl\.dot\(\w+, tl\.trans\(x_Q\d*\), acc\)", dk)
+    assert re.search(r"tl\.dot\(\w+, tl\.trans\(x_dO\d*\), acc_2\)", dk)
+    assert "BLOCK_k2" not in module and "pid_k" not in module
+
+
+@pytest.mark.parametrize("inner", ["sum[j](V[m,j] * V[m,j])", "max[j](V[m,j])"])
+def test_a_nested_fold_over_the_grids_whole_index_reduces_that_tile(inner):
+    """The grid holds j whole (the row statistics do not vary over it), and so does the
+    fold over j nested in the loop over m: one axis, which the nested fold reduces (the
+    lanes past j = 5 of the tile of 16 at its identity) and the values beside it keep."""
+    src = f"O[i,j] = softmax[m](X[i,m] + {inner}) * (V[m,j] + X[i,m])"
+    ref, backend = assert_matches_oracle(src, {"X": randn(70, 150), "V": randn(150, 5, seed=1)})
+    assert "offs_j = tl.arange(0, BLOCK_j)" in backend.source and "BLOCK_j2" not in backend.source
 
 
 def test_mixed_matrix_dtypes_promote_and_float32_dots_follow_torchs_tf32_setting():

@@ -95,6 +95,10 @@ class FoldLoops:
     # a single loop's comparisons on data whose live span (first to last tile where each may
     # hold) a scan of their sides finds before the loop
     span: tuple[Expr, ...] = ()
+    # an index held whole -> "grid" or "epilogue": the kernel's whole tile of that index there
+    # is the same tile (same extent, same size), so the fold reduces over that axis itself
+    # (one load of a tensor serves both, read in either layout)
+    shared: tuple[tuple[str, str], ...] = ()
 
     def tile(self, index: str) -> Tile:
         return next(t for t in self.tiles if t.index == index)
@@ -108,6 +112,7 @@ class FoldLoops:
         notes += [f"skips tiles where {' and '.join(format_expr(c) for c in cs)} fails" for _, cs in self.skips]
         if self.span:
             notes.append(f"live span of {' and '.join(format_expr(c) for c in self.span)} scanned first")
+        notes += [f"{index} shares the {where}'s tile" for index, where in self.shared]
         return (f"{where}[{', '.join(self.fold.indices)}] of {fields}: "
                 f"{'; '.join(str(t) for t in self.tiles)}" + "".join(f" [{n}]" for n in notes))
 

@@ -5,12 +5,15 @@ Per kernel, in this order (each step reads the ones before):
 1. the grid: which indices are tiled and by how much (tiles.grid_tiling), which
    are tuned, and the order of the programs (longest loops first under an upper
    bound such as m <= i; groups of tile rows for a matrix product's two tuned tiles);
-2. every fold the kernel streams, walked as the kernel evaluates them (statements
+2. the epilogue's tiles;
+3. every fold the kernel streams, walked as the kernel evaluates them (statements
    at the grid or the epilogue, each fold's arguments inside its loop): per
-   reduced index, a loop of tiles, one tile holding it whole, or one value at a time;
-3. the split of its program folds (tiles.auto_split, or the split asked for), and
+   reduced index, a loop of tiles, one tile holding it whole (the grid's or the
+   epilogue's where they hold the index whole in a tile of that size), or one
+   value at a time;
+4. the split of its program folds (tiles.auto_split, or the split asked for), and
    for a split kernel the folds again at the split's tiles, untuned;
-4. the epilogue's tiles, and the autotune table its tuned tiles draw from."""
+5. the autotune table its tuned tiles draw from."""
 from __future__ import annotations
 
 import math
@@ -96,8 +99,11 @@ class _Kernel:
         split, why = self.split(blocks, hint)
         tuned = split == 1
         grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole, tuned) for g in spec.grid)
-        folds = self.folds(blocks, split if split > 1 else hint, tuned)
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
+        # the grid's and the epilogue's whole tiles, which a nested fold's whole tile may share
+        self.held = {t.index: (where, t) for where, tiles in (("grid", grid), ("epilogue", epilogue))
+                     for t in tiles if t.how == WHOLE}
+        folds = self.folds(blocks, split if split > 1 else hint, tuned)
         tuned_grid = [t for t in grid if t.tuned]
         table, candidates = self.tuning(tuned_grid, folds) if tuned and not self.sig.interpret else ("", ())
         form, form_why = None, ""
@@ -150,7 +156,15 @@ class _Kernel:
                         return b.other
         return None
 
-    # ------------------------------------------------------------ 2. the folds
+    # ------------------------------------------------------------ 2. the epilogue
+    def epilogue_tile(self, e: str) -> Tile:
+        n, dot = self.extent(e), e in self.dot
+        if held_whole_in_epilogue(self.spec, e, self.extent):
+            return Tile(e, WHOLE, whole_tile(n, dot), why="a tile would recompute the folds nested in its fold")
+        block = free_tile(n, dot, e in self.spec.value_only)
+        return Tile(e, TILED, block or loop_tile(n, dot, self.loop_cap))
+
+    # ------------------------------------------------------------ 3. the folds
     def folds(self, blocks: dict[str, int], split: int, tuned: bool) -> tuple[FoldLoops, ...]:
         """Every fold the kernel evaluates, in the order it meets them: the program
         folds, then each statement's folds (at the grid, or inside the epilogue loop),
@@ -207,7 +221,19 @@ class _Kernel:
                 why = ("tl.dot" if dot else "streamed") + (f", sized for {split} splits"
                                                           if self.split_here(fold, p, split) else "")
                 tiles.append(Tile(b, TILED, block, tuned=dot and tuned and b in contraction_names(fold), why=why))
-        return self.bands(FoldLoops(fold, nested, tuple(tiles)), tuned, scope)
+        return self.bands(FoldLoops(fold, nested, tuple(tiles), shared=self.shared(tiles)), tuned, scope)
+
+    def shared(self, tiles: list[Tile]) -> tuple[tuple[str, str], ...]:
+        """The indices a nested fold holds whole in the tile the grid or the epilogue holds
+        them whole in: an index has one extent wherever it is bound, so the two tiles hold
+        the same values and are one axis (dK's Q[i, k], read by the sum over i and by the
+        scores' sum over k: one load, read in either layout)."""
+        out = []
+        for t in tiles:
+            where, held = self.held.get(t.index, (None, None))
+            if t.how == WHOLE and held is not None and held.size == t.size:
+                out.append((t.index, where))
+        return tuple(out)
 
     def bands(self, loops: FoldLoops, tuned: bool, scope) -> FoldLoops:
         """The loops' bounds from index predicates, the tiles a predicate on data skips,
@@ -260,7 +286,7 @@ class _Kernel:
             dtype = torch.promote_types(dtype, other)
         return dtype
 
-    # ------------------------------------------------------------ 3. the split
+    # ------------------------------------------------------------ 4. the split
     def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:
         spec = self.spec
         if not spec.program_folds:
@@ -290,14 +316,7 @@ class _Kernel:
             steps = max(steps, nested_steps(f, extent, self.dot))
         return programs, tiles, steps
 
-    # ------------------------------------------------------------ 4. the epilogue and tuning
-    def epilogue_tile(self, e: str) -> Tile:
-        n, dot = self.extent(e), e in self.dot
-        if held_whole_in_epilogue(self.spec, e, self.extent):
-            return Tile(e, WHOLE, whole_tile(n, dot), why="a tile would recompute the folds nested in its fold")
-        block = free_tile(n, dot, e in self.spec.value_only)
-        return Tile(e, TILED, block or loop_tile(n, dot, self.loop_cap))
-
+    # ------------------------------------------------------------ 5. tuning
     def tuning(self, grid: list[Tile], folds: tuple[FoldLoops, ...]) -> tuple[str, tuple[Candidate, ...]]:
         """The autotune table of the kernel's tuned tiles and its candidates, each tile
         clamped to its index's extent (next power of two, at least 16): one tuned grid

@@ -372,7 +372,9 @@ class KernelEmitter:
         self.named: dict[tuple, str] = {}            # meaning (("extent", index), ...) -> its name
         self.role_names: dict[str, str] = {}         # numbered temporary -> the role it is written as
         ctx.module_names.add(self.name)
-        self.whole: dict[str, Axis] = {}
+        self.whole: dict[tuple[str, bool], Axis] = {}     # (index, the grid's or the epilogue's) -> its axis
+        # grid indices held whole: one program along each (its one tile holds the extent)
+        self.whole_grid = {t.index for t in kernel.grid if t.how == WHOLE}
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
         self.loads: dict[str, Load] = {}             # a load's variable -> what its hint depends on
@@ -839,7 +841,9 @@ class KernelEmitter:
         scope.lines.append(f"# {name}[{', '.join(indices)}]")
         # a statement over fewer indices than the grid (a row statistic beside a row
         # tile's output) is stored once: by the programs of the first tile of the others
-        first = [f"pid_{scope.env[g].var} == 0" for g in self.spec.grid if g not in indices]
+        # (an index held whole has one)
+        first = [f"pid_{scope.env[g].var} == 0" for g in self.spec.grid
+                 if g not in indices and g not in self.whole_grid]
         if first:
             scope.lines += [f"if {' and '.join(first)}:", f"    {line}"]
         else:
@@ -894,8 +898,10 @@ class KernelEmitter:
         loops: list[Axis] = []
         bound: list[Axis] = []
         how = self.kernel.loops_of(fold, nested=T.kind in ("body", "merge"))
+        shared = {index for index, _ in how.shared}
         for t in how.tiles:
-            ax = self.whole_axis(t) if t.how == WHOLE else self.new_axis(t.index, T.level + 1, "loop", t.size)
+            ax = self.whole_axis(t, t.index in shared) if t.how == WHOLE else \
+                self.new_axis(t.index, T.level + 1, "loop", t.size)
             if t.tuned:
                 self.tunable[ax.block_name] = ("loop", t.index)
             bound.append(ax)
@@ -1257,15 +1263,17 @@ class KernelEmitter:
         """A loop's stride: its tile, or 1 for an index folded one value at a time."""
         return "1" if ax.scalar else ax.block_name
 
-    def whole_axis(self, t: Tile) -> Axis:
-        """The one tile of an index a nested fold holds whole, made once per kernel."""
-        name = t.index
-        if name not in self.whole:
-            ax = self.new_axis(name, 0, "whole", t.size)
+    def whole_axis(self, t: Tile, held: bool = False) -> Axis:
+        """The one tile of an index held whole, made once per kernel: nested folds' own, or
+        (`held`) the epilogue's or the grid's (declared with the grid), which nested folds
+        that hold the index in a tile of that size share (FoldLoops.shared)."""
+        key = (t.index, held)
+        if key not in self.whole:
+            ax = self.new_axis(t.index, 0, "whole", t.size)
             self.root.lines.append(f"{ax.offs} = tl.arange(0, {ax.block_name})")
-            self.root.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(name)}")
-            self.whole[name] = ax
-        return self.whole[name]
+            self.root.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(t.index)}")
+            self.whole[key] = ax
+        return self.whole[key]
 
     def reduce_padded(self, v: Value, RA, fn: str, identity: str, body: Scope, stem: str = "t",
                       keep=()) -> Value:
@@ -1861,6 +1869,8 @@ class KernelEmitter:
         axes = {}
         for t in self.kernel.grid:
             axes[t.index] = self.new_axis(t.index, 0, "grid", t.size)
+            if t.how == WHOLE:
+                self.whole[t.index, True] = axes[t.index]
             if t.tuned:
                 self.tunable[axes[t.index].block_name] = ("grid", t.index)
         self.optional = frozenset(g for g in lacking if not axes[g].scalar)
@@ -1879,8 +1889,13 @@ class KernelEmitter:
         for p, g in enumerate(order):
             ax = axes[g]
             n = self.extent_param(g)
-            count = self.tile_count(ax)
             self.grid_blocks.append((g, None if ax.scalar else ax.block_name))
+            if g in self.whole_grid:
+                # one program along it (the launcher's count of its tiles is 1): no coordinate
+                lines.append(f"{ax.offs} = tl.arange(0, {ax.block_name})")
+                lines.append(f"{ax.mask} = {ax.offs} < {n}")
+                continue
+            count = self.tile_count(ax)
             coord = f"pid_{ax.var}"
             if grouped and p < 2:
                 lines += grouped[p]
@@ -1950,23 +1965,27 @@ class KernelEmitter:
                 writes.append(st.name)
         if spec.epilogue:
             epi = Scope(root, 1, dict(root.env), "epilogue")
-            headers = []
-            for depth, t in enumerate(self.kernel.epilogue):
-                e = t.index
-                ax = self.new_axis(e, 1, "epilogue", t.size)
-                epi.env[e] = ax
-                header = f"for start_{ax.var} in range(0, {self.extent_param(e)}, {ax.block_name}):"
-                headers += indent([header], depth)
+            loops = []
+            for t in self.kernel.epilogue:
+                if t.how == WHOLE:      # one tile, no loop: an axis of the kernel's, as the grid's are
+                    epi.env[t.index] = self.whole_axis(t, held=True)
+                    continue
+                ax = self.new_axis(t.index, 1, "epilogue", t.size)
+                epi.env[t.index] = ax
+                loops.append(ax)
                 epi.lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
-                epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(e)}")
+                epi.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(t.index)}")
             for st in spec.statements:
                 if set(st.indices) == full and set(st.indices) != set(spec.grid):
                     self.store(st.name, st.indices, self.result(st, epi), epi)
                     writes.append(st.name)
-            self.flush_tiles(root, [epi.env[e] for e in spec.epilogue])
-            root.lines.append(f"# epilogue: loop over tiles of {', '.join(spec.epilogue)}")
-            root.lines.extend(headers)
-            root.lines.extend(indent(epi.lines, len(spec.epilogue)))
+            self.flush_tiles(root, loops)
+            if loops:
+                root.lines.append(f"# epilogue: loop over tiles of {', '.join(ax.name for ax in loops)}")
+            for depth, ax in enumerate(loops):
+                root.lines += indent([f"for start_{ax.var} in range(0, {self.extent_param(ax.name)}, "
+                                      f"{ax.block_name}):"], depth)
+            root.lines.extend(indent(epi.lines, len(loops)))
         return writes
 
     def build(self) -> KernelCode:

@@ -67,9 +67,7 @@ def _time_candidate(kernel_call, quantiles):
 @triton.jit
 def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, K_s3, Q_ptr, Q_s0, Q_s1, Q_s2, Q_s3, V_ptr, V_s0, V_s1, V_s2, V_s3, O_ptr, O_s0, O_s1, O_s2, O_s3, class_j, class_i, class_h, class_b, class_i_2, class_k, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_i_2: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
-    pid_j = pid % tl.cdiv(n_j, BLOCK_j)
-    pid = pid // tl.cdiv(n_j, BLOCK_j)
-    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
+    offs_j = tl.arange(0, BLOCK_j)
     pid_i = tl.cdiv(n_i, BLOCK_i) - 1 - pid % tl.cdiv(n_i, BLOCK_i)
     pid = pid // tl.cdiv(n_i, BLOCK_i)
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)

@@ -115,9 +115,7 @@ def _time_candidate(kernel_call, quantiles):
 @triton.jit
 def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, K_s3, Q_ptr, Q_s0, Q_s1, Q_s2, Q_s3, V_ptr, V_s0, V_s1, V_s2, V_s3, O_ptr, O_s0, O_s1, O_s2, O_s3, L_ptr, L_s0, L_s1, L_s2, class_j, class_i, class_h, class_b, class_m, class_k, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
-    pid_j = pid % tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
-    pid = pid // tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
-    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
+    offs_j = tl.arange(0, BLOCK_j)
     pid_i = tl.cdiv(n_i, BLOCK_i) - 1 - pid % tl.cdiv(n_i, BLOCK_i)
     pid = pid // tl.cdiv(n_i, BLOCK_i)
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
@@ -191,8 +189,7 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     tl.store(O_ptr + idx_b.to(tl.int64) * O_s0 + idx_h.to(tl.int64) * O_s1 + offs_i[:, None].to(tl.int64) * O_s2 + offs_j[None, :].to(tl.int64) * O_s3, tl.cast(O, O_ptr.dtype.element_ty))
     L = tl.where((tl.abs(scale_val * r) < float("inf")), (scale_val * r + tl.log(_natural(l, r, scale_val))), scale_val * r)
     # L[b, h, i]
-    if pid_j == 0:
-        tl.store(L_ptr + idx_b.to(tl.int64) * L_s0 + idx_h.to(tl.int64) * L_s1 + offs_i.to(tl.int64) * L_s2, tl.cast(L, L_ptr.dtype.element_ty))
+    tl.store(L_ptr + idx_b.to(tl.int64) * L_s0 + idx_h.to(tl.int64) * L_s1 + offs_i.to(tl.int64) * L_s2, tl.cast(L, L_ptr.dtype.element_ty))
 
 
 einfold_O_hopper_a_block = [1, 1, 64, 128]

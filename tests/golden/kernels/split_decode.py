@@ -58,9 +58,7 @@ def _natural(t, r, c=1.0):
 @triton.jit
 def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j: tl.constexpr):
     pid = tl.program_id(0)
-    pid_j = pid % tl.cdiv(n_j, BLOCK_j)
-    pid = pid // tl.cdiv(n_j, BLOCK_j)
-    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
+    offs_j = tl.arange(0, BLOCK_j)
     pid_i = pid % n_i
     pid = pid // n_i
     idx_i = pid_i
@@ -94,9 +92,7 @@ def einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold
 def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, K_s3, Q_ptr, Q_s0, Q_s1, Q_s2, Q_s3, V_ptr, V_s0, V_s1, V_s2, V_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_arrivals_ptr, einfold_O_arrivals_s0, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     split_id = tl.program_id(1)
     pid = tl.program_id(0)
-    pid_j = pid % tl.cdiv(n_j, BLOCK_j)
-    pid = pid // tl.cdiv(n_j, BLOCK_j)
-    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
+    offs_j = tl.arange(0, BLOCK_j)
     pid_i = pid % n_i
     pid = pid // n_i
     idx_i = pid_i

@@ -69,9 +69,7 @@ def _time_candidate(kernel_call, quantiles):
 @triton.jit
 def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s1, V_ptr, V_s0, V_s1, O_ptr, O_s0, O_s1, L_ptr, L_s0, class_j, class_i, class_m, class_k, BLOCK_i: tl.constexpr, BLOCK_j: tl.constexpr, BLOCK_m: tl.constexpr, BLOCK_k: tl.constexpr):
     pid = tl.program_id(0)
-    pid_j = pid % tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
-    pid = pid // tl.maximum(tl.cdiv(n_j, BLOCK_j), 1)
-    offs_j = pid_j * BLOCK_j + tl.arange(0, BLOCK_j)
+    offs_j = tl.arange(0, BLOCK_j)
     pid_i = pid
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
     mask_i = offs_i < n_i
@@ -117,8 +115,7 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
     tl.store(O_ptr + offs_i[:, None].to(tl.int64) * O_s0 + offs_j[None, :].to(tl.int64) * O_s1, tl.cast(O, O_ptr.dtype.element_ty), mask=mask_i[:, None])
     L = tl.where((tl.abs(scale_val * r) < float("inf")), (scale_val * r + tl.log(_natural(l, r, scale_val))), scale_val * r)
     # L[i]
-    if pid_j == 0:
-        tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(L, L_ptr.dtype.element_ty), mask=mask_i)
+    tl.store(L_ptr + offs_i.to(tl.int64) * L_s0, tl.cast(L, L_ptr.dtype.element_ty), mask=mask_i)
 
 
 def launch(t, n, device):
