@@ -183,7 +183,9 @@ class ConcreteKernel:
         grid = f"grid ({', '.join(str(untuned(t)) for t in self.grid)})" if self.grid else "one program"
         lines = [f"kernel {self.name}: {grid}{order}"]
         if self.epilogue:
-            lines.append(f"  epilogue loop ({', '.join(str(t) for t in self.epilogue)})")
+            # an index held whole is one tile of the kernel's: no loop over it
+            looped = any(t.how != WHOLE for t in self.epilogue)
+            lines.append(f"  epilogue{' loop' if looped else ''} ({', '.join(str(t) for t in self.epilogue)})")
         lines += [f"  {'  ' * f.nested}{replace(f, tiles=tuple(map(untuned, f.tiles)))}" for f in self.folds]
         if self.split > 1:
             lines.append(f"  split {self.split} ways: {self.split_why}")
