@@ -34,7 +34,9 @@ import compiler
 import compiler.bench as new_bench
 
 
-def main(names: list[str], groups: list[str]) -> None:
+def revisions(names: list[str]) -> dict:
+    """This tree's package ("new") and each named earlier revision's from .before/, each
+    loading its own modules and registering its own torch ops."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / ".before"))
     packages = {"new": compiler, **{n: importlib.import_module(n) for n in names}}
     for tag, package in packages.items():
@@ -47,6 +49,11 @@ def main(names: list[str], groups: list[str]) -> None:
         # and its own torch ops: op names are digests of the program, so under one namespace
         # the revisions' forward and backward ops would be one op, registered once
         importlib.import_module(f"{package.__name__}.autograd").NAMESPACE = f"einfold_{tag}"
+    return packages
+
+
+def main(names: list[str], groups: list[str]) -> None:
+    packages = revisions(names)
     benches = {"new": new_bench, **{n: importlib.import_module(f"{n}.bench") for n in names}}
     rows = []
     baselines = bool(os.environ.get("COMPARE_BASELINES"))

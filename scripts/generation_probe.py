@@ -59,18 +59,12 @@ def generate(implementation: str) -> None:
 
 def decode(revisions: list[str]) -> None:
     """Child: decode attention at lengths between powers of two, this tree against `revisions`."""
-    import importlib
     import math
 
     import torch
     import triton.testing
-    sys.path.insert(0, str(ROOT / ".before"))
-    import compiler
-    packages = {"new": compiler, **{n: importlib.import_module(n) for n in revisions}}
-    for tag, package in packages.items():
-        backend = importlib.import_module(f"{package.__name__}.backend.triton.backend")
-        backend.load = lambda source, key, interpret, load=backend.load, tag=tag: load(source, f"{key} {tag}",
-                                                                                     interpret)
+    from compare_revisions import revisions as loaded
+    packages = loaded(revisions)
     source = "O[b,g,r,i,j] = softmax[m](Q[b,g,r,i,k] * K[b,g,m,k] * scale) * V[b,g,m,j]"
     programs = {tag: p.compile(source, backend="triton") for tag, p in packages.items()}
     rows = []

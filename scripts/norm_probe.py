@@ -7,18 +7,13 @@ revision's forward + backward under torch autograd, profiled; prints the CUDA ti
 of each kernel per step, and the step's total, beside torch.compile's and eager's."""
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 
 import torch
+from compare_revisions import revisions
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / ".before"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import compiler  # noqa: E402
-import compiler.bench as bench  # noqa: E402
+import compiler.bench as bench
 
 
 def kernels(step, steps: int = 20) -> list[tuple[str, float]]:
@@ -33,13 +28,8 @@ def kernels(step, steps: int = 20) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def main(revisions: list[str]) -> None:
-    packages = {"new": compiler, **{r: importlib.import_module(r) for r in revisions}}
-    for tag, package in packages.items():
-        backend = importlib.import_module(f"{package.__name__}.backend.triton.backend")
-        backend.load = lambda source, key, interpret, load=backend.load, tag=tag: load(source, f"{key} {tag}",
-                                                                                     interpret)
-        importlib.import_module(f"{package.__name__}.autograd").NAMESPACE = f"einfold_{tag}"
+def main(names: list[str]) -> None:
+    packages = revisions(names)
     n, features = 16384, 4096
     g = torch.Generator(device="cuda").manual_seed(0)
     x = {key: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)

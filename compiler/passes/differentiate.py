@@ -732,24 +732,23 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
             folds[key] = (st, order)
     used: dict[str, None] = {}
 
+    def read(table: dict, key_and_order) -> Access | None:
+        """The saved statistic `table` holds for this node (up to index names), read at
+        the node's own indices; None: none."""
+        key, order = key_and_order
+        hit = table.get(key)
+        if hit is None:
+            return None
+        st, theirs = hit
+        to_ours = dict(zip(theirs, order))
+        used[st.name] = None
+        return Access(st.name, tuple(to_ours[i] for i in st.indices))
+
     def rewrite(e: Expr) -> Expr:
-        if _is_fold(e) and folds:
-            key, order = alpha_key(e)
-            hit = folds.get(key)
-            if hit is not None:
-                st, theirs = hit
-                to_ours = dict(zip(theirs, order))
-                used[st.name] = None
-                return Access(st.name, tuple(to_ours[i] for i in st.indices))
-        if isinstance(e, Composite) and e.op == "softmax":
-            key, order = _alpha(e)
-            hit = by_key.get(key)
-            if hit is not None:
-                st, theirs = hit
-                to_ours = dict(zip(theirs, order))
-                used[st.name] = None
-                read = Access(st.name, tuple(to_ours[i] for i in st.indices))
-                return Call("exp", (Call("minimum", (Call("sub", (rewrite(e.arg), read)), Const(0))),))
+        if _is_fold(e) and folds and (saved_fold := read(folds, alpha_key(e))) is not None:
+            return saved_fold
+        if isinstance(e, Composite) and e.op == "softmax" and (lse := read(by_key, _alpha(e))) is not None:
+            return Call("exp", (Call("minimum", (Call("sub", (rewrite(e.arg), lse)), Const(0))),))
         return with_children(e, tuple(rewrite(c) for c in children(e)))
 
     statements = tuple(replace(s, expr=rewrite(s.expr)) for s in backward.statements)
