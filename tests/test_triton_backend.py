@@ -239,6 +239,19 @@ def test_causal_attention_split():
     assert kernel.name.endswith("_partial") and "einfold_O_merge, called: one launch" in kernel.why
 
 
+@pytest.mark.parametrize("keep", ["m <= i and i - m < 20", "m <= i + len(m) - len(i)", "m + 30 <= i"],
+                         ids=["window", "bottom-right causal", "rows no key reaches"])
+def test_a_split_fold_under_index_masks_matches_the_oracle(keep):
+    """A fold of few programs splits on the GPU from 8 tiles (tiles.SPLIT_SHORT_TILES), so
+    a short masked prefill runs split: chunks a mask leaves empty merge as the identity,
+    and a row no key reaches is NaN (0/0) as the oracle's."""
+    src = f"O[h,i,j] = softmax[m](where({keep}, Q[h,i,k] * K[h,m,k] * scale, -inf)) * V[h,m,j]"
+    inputs = {"Q": randn(2, 37, 16), "K": randn(2, 53, 16, seed=1), "V": randn(2, 53, 8, seed=2), "scale": 0.3}
+    ref, backend = assert_matches_oracle(src, inputs, split=3)
+    (name,) = kernel_names(plan(backend, ref, inputs))
+    assert name.endswith("_partial")
+
+
 def test_fully_masked_rows_follow_the_oracle():
     # row 0 of a strict causal mask has no mass: the language defines 0/0 there
     src = "O[i,j] = softmax[m](where(m < i, S[i,m], -inf)) * V[m,j]"
