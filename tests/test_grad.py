@@ -1196,7 +1196,8 @@ def test_a_norms_row_statistics_are_saved_by_the_forward_and_read_by_the_backwar
     and mean square again from X.  The forward stores them (float32, from the fold it
     makes anyway: still one kernel) and the backward reads them: one fold over the row
     left in dX's kernel (of dY's two sums), none in dG's.  A fold of exponentials (a
-    sink's normaliser) is not saved: as a value it may overflow where its ratio does not."""
+    sink's normaliser) is not saved: as a value it may overflow where its ratio does not;
+    nor is a fold of integer value."""
     rms = "Y[i,k] = X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps) * G[k]"
     program = compiler.compile(rms, backend="triton")
     assert program._saving.outputs == ("Y", "mean_Y")
@@ -1214,3 +1215,5 @@ def test_a_norms_row_statistics_are_saved_by_the_forward_and_read_by_the_backwar
     assert not any(isinstance(n, Reduce | Composite) and "n" in n.indices
                    for s in backward.checked.statements for n in walk(s.expr))
     assert not compiler.grad(CORPUS["sink"][0], backend="reference", saved=True).saved
+    # an argmax's position is no float statistic: recomputed
+    assert compiler.compile("Y[i,k] = X[i,k] * argmax[j](X[i,j], j)")._saving.outputs == ("Y",)

@@ -41,6 +41,7 @@ import sympy
 
 from ..algebra import BUILTINS, COMPOSITES
 from ..algebra.user import Sym, fn
+from ..check import expression_type
 from ..config import deep
 from ..errors import CheckError
 from ..ir import (
@@ -685,11 +686,13 @@ def _exponential(e: Expr) -> bool:
 def _row_folds(program: Program, backward: Program, names) -> tuple[Assign, ...]:
     """`<op>_<Statement>[rows] = fold` for each fold of the forward that the backward
     folds again, whose rows (free indices) are fewer than a statement's the forward
-    writes, not folded by an enclosing fold, and not a fold of exponentials (the
+    writes, not folded by an enclosing fold, of float value (an argmax's position is
+    recomputed), and not a fold of exponentials (the
     forward folds it once: the fuse pass shares equal folds, as `mu[i] =
     mean[k](X[i,k])` and `mean_mu[i]`)."""
     wanted = {alpha_key(n)[0] for s in backward.statements for n in walk(s.expr) if _is_fold(n)}
     widths = [frozenset(s.indices) for s in program.statements]
+    dtypes = {**{i.name: i.dtype for i in program.inputs}, **{s.name: s.dtype for s in program.statements}}
     found: dict[Expr, Assign] = {}
 
     def visit(e: Expr, st: Assign, enclosing: frozenset[str]) -> None:
@@ -697,7 +700,8 @@ def _row_folds(program: Program, backward: Program, names) -> tuple[Assign, ...]
             key = alpha_key(e)[0]
             rows = free_indices(e)
             if (key in wanted and key not in found and not set(rows) & enclosing
-                    and any(set(rows) < w for w in widths) and not _exponential(e)):
+                    and any(set(rows) < w for w in widths) and not _exponential(e)
+                    and expression_type(e, dtypes.__getitem__, program.source) == FLOAT):
                 op = e.op if isinstance(e, Composite) else e.summary.name
                 found[key] = Assign(names.tensor(f"{op}_{st.name}"), tuple(i for i in st.indices if i in rows), e,
                                     FLOAT)
