@@ -73,6 +73,10 @@ class Op:
 # literal power of two is exact and cheap; the rule that reads this says so.
 COSTLY = frozenset({"div", "pow", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "erf", "tanh", "sigmoid",
                     "silu", "gelu", "softplus"})
+# Operators whose value grows exponentially with their operand: a fold of them may overflow
+# as a value where the ratios a program takes of it do not (the stabiliser rescales such
+# folds), so the forward does not save one for the backward (passes.differentiate).
+EXPONENTIAL = frozenset({"exp", "exp2"})
 
 
 def _torch(name: str) -> Callable:

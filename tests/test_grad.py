@@ -1217,3 +1217,38 @@ def test_a_norms_row_statistics_are_saved_by_the_forward_and_read_by_the_backwar
     assert not compiler.grad(CORPUS["sink"][0], backend="reference", saved=True).saved
     # an argmax's position is no float statistic: recomputed
     assert compiler.compile("Y[i,k] = X[i,k] * argmax[j](X[i,j], j)")._saving.outputs == ("Y",)
+
+
+def _loop_structure(plan):
+    """A plan's kernels with their loops, the number of folds each streams, index and fold names aside."""
+    def loop(x):
+        return len(x.indices), len(x.folds), tuple(loop(y) for y in x.inner), len(x.bounds)
+    return [(k.name, tuple(loop(x) for x in k.loops)) for k in plan.kernels]
+
+
+@pytest.mark.parametrize("spellings", [
+    ["Y[i,k] = X[i,k] * rsqrt(mean[n](X[i,n] ** 2) + eps) * G[k]",
+     "Y[i,k] = X[i,k] * rsqrt(sum[n](X[i,n] * X[i,n]) / len(n) + eps) * G[k]",
+     "Out[r,c] = G[c] * X[r,c] * rsqrt(eps + mean[q](X[r,q] ** 2))",
+     "ms[i] = mean[n](X[i,n] ** 2)\nY[i,k] = X[i,k] * rsqrt(ms[i] + eps) * G[k]"],
+    ["mu[i] = mean[k](X[i,k])\nvar[i] = mean[k]((X[i,k] - mu[i]) ** 2)\n"
+     "Y[i,k] = (X[i,k] - mu[i]) * rsqrt(var[i] + eps) * G[k]",
+     "mu[i] = sum[j](X[i,j]) / len(j)\nvar[i] = sum[j]((X[i,j] - mu[i]) ** 2) / len(j)\n"
+     "Y[i,j] = (X[i,j] - mu[i]) * rsqrt(var[i] + eps) * G[j]",
+     "Y[a,b] = G[b] * (X[a,b] - mean[c](X[a,c])) * rsqrt(mean[d]((X[a,d] - mean[e](X[a,e])) ** 2) + eps)"]],
+    ids=["rmsnorm", "layernorm"])
+def test_a_norms_saved_backward_has_one_plan_whatever_the_spelling(spellings):
+    """Spelled with mean or a sum over len, inline or through statements, with other
+    names: every saved backward reads the row statistics (a len(n) beside a saved sum
+    over n reads the extent under another name of it) and streams one fold over the row
+    in dX's kernel and one over the rows in dG's."""
+    plans = []
+    for source in spellings:
+        backward = compiler.grad(source, wrt=("X", "G"), backend="triton", saved=True)
+        assert backward.saved and all(s.name in backward.inputs for s in backward.saved)
+        upstream = next(iter(backward.upstream.values()))
+        given = {"X": randn(9, 70), "G": randn(70), "eps": 1e-5, upstream: randn(9, 70, seed=1),
+                 **{s.name: randn(9).abs() for s in backward.saved}}
+        plans.append(_loop_structure(backward.plan(**{n: v for n, v in given.items() if n in backward.inputs})))
+    assert all(p == plans[0] for p in plans), plans
+    assert plans[0] == [("einfold_dX", ((1, 1, (), 0), (1, 0, (), 0))), ("einfold_dG", ((1, 1, (), 0),))]

@@ -66,7 +66,7 @@ from ..ir import (
     walk,
     with_children,
 )
-from ..ops import BOOL, FLOAT, OPS
+from ..ops import BOOL, EXPONENTIAL, FLOAT, OPS
 from .canonicalise import order_operands
 from .fuse import FreshNames, rename_indices
 from .stabilise import factors, product, signed_sum
@@ -680,16 +680,15 @@ def _exponential(e: Expr) -> bool:
     """Whether `e` folds exponentials: the stabiliser rescales such a fold, whose value
     may overflow where the ratios the program computes from it do not (a softmax's
     normaliser with a sink); it is recomputed, or saved as its logarithm (lse_)."""
-    return any(isinstance(n, Call) and n.op in ("exp", "exp2") for n in walk(e))
+    return any(isinstance(n, Call) and n.op in EXPONENTIAL for n in walk(e))
 
 
 def _row_folds(program: Program, backward: Program, names) -> tuple[Assign, ...]:
     """`<op>_<Statement>[rows] = fold` for each fold of the forward that the backward
     folds again, whose rows (free indices) are fewer than a statement's the forward
     writes, not folded by an enclosing fold, of float value (an argmax's position is
-    recomputed), and not a fold of exponentials (the
-    forward folds it once: the fuse pass shares equal folds, as `mu[i] =
-    mean[k](X[i,k])` and `mean_mu[i]`)."""
+    recomputed), and not a fold of exponentials.  The forward folds it once: the fuse
+    pass shares equal folds (`mu[i] = mean[k](X[i,k])` and `mean_mu[i]`)."""
     wanted = {alpha_key(n)[0] for s in backward.statements for n in walk(s.expr) if _is_fold(n)}
     widths = [frozenset(s.indices) for s in program.statements]
     dtypes = {**{i.name: i.dtype for i in program.inputs}, **{s.name: s.dtype for s in program.statements}}
@@ -734,7 +733,6 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
         else:
             key, order = alpha_key(st.expr)
             folds[key] = (st, order)
-    used: dict[str, None] = {}
 
     def read(table: dict, key_and_order) -> Access | None:
         """The saved statistic `table` holds for this node (up to index names), read at
@@ -745,7 +743,6 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
             return None
         st, theirs = hit
         to_ours = dict(zip(theirs, order))
-        used[st.name] = None
         return Access(st.name, tuple(to_ours[i] for i in st.indices))
 
     def rewrite(e: Expr) -> Expr:
@@ -755,9 +752,42 @@ def read_saved(backward: Program, saved: tuple[Assign, ...]) -> Program:
             return Call("exp", (Call("minimum", (Call("sub", (rewrite(e.arg), lse)), Const(0))),))
         return with_children(e, tuple(rewrite(c) for c in children(e)))
 
-    statements = tuple(replace(s, expr=rewrite(s.expr)) for s in backward.statements)
-    inputs = tuple(Input(st.name, len(st.indices)) for st in saved if st.name in used)
-    return replace(backward, statements=statements, inputs=(*backward.inputs, *inputs))
+    rewritten = tuple(replace(s, expr=rewrite(s.expr)) for s in backward.statements)
+    # a saved fold's index may be left only in a len(...) beside it (sum[n](...) / len(n)):
+    # that extent is read under another index of the same extent the program still names,
+    # and where there is none the statement keeps its fold
+    named = _index_names(rewritten)
+    extents = dict(backward.extents)
+    statements = []
+    for old, new in zip(backward.statements, rewritten):
+        expr = _extents_named(new.expr, named, extents)
+        statements.append(old if expr is None else replace(new, expr=expr))
+    reads = {n.tensor for s in statements for n in walk(s.expr) if isinstance(n, Access)}
+    inputs = tuple(Input(st.name, len(st.indices)) for st in saved if st.name in reads)
+    return replace(backward, statements=tuple(statements), inputs=(*backward.inputs, *inputs))
+
+
+def _index_names(statements) -> set[str]:
+    """Every index the statements name outside len(...): on the left, in an access, as a
+    value, or reduced over."""
+    names = {i for s in statements for i in s.indices}
+    for s in statements:
+        for n in walk(s.expr):
+            if isinstance(n, Access | Reduce | Composite):
+                names |= set(n.indices)
+            elif isinstance(n, Index):
+                names.add(n.name)
+    return names
+
+
+def _extents_named(e: Expr, named: set[str], extents: dict) -> Expr | None:
+    """`e` with each len(x) of an index x not in `named` written as len(y) of one that is,
+    of the same extent symbol; None where some x has none."""
+    if isinstance(e, Extent) and e.name not in named:
+        same = sorted(i for i in named if extents.get(i) == extents.get(e.name))
+        return Extent(same[0], e.span) if same else None
+    args = tuple(_extents_named(c, named, extents) for c in children(e))
+    return None if None in args else with_children(e, args)
 
 
 def read_outputs(backward: Program, forward: Program) -> tuple[Program, tuple[str, ...]]:
