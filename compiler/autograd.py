@@ -1,13 +1,18 @@
-"""torch integration: every compiled program is a torch custom op.
+"""torch integration: every compiled program is a torch op.
 
 A call under grad mode with an input that requires grad, and every call that
-torch.compile traces, goes through `torch.library.custom_op`: one op per
+torch.compile traces, goes through a `torch.library.triton_op`: one op per
 program content and kind of call (which 0-d inputs are numbers, which
 tensors), made on first use, with
 
 - its implementation: the program's backend, as a plain call runs it;
-- a fake implementation: the output shapes and dtypes from the binder, so that
-  torch.compile traces the op without running it;
+- what torch traces (torch.compile's fake and functional tensors): the same
+  kernels launched through `torch.library.wrap_triton`, so that inductor's graph
+  holds the program's Triton kernels, compiles them with its own code and
+  schedules them with the rest; where torch cannot trace them (the interpreter,
+  a Gluon kernel, sizes torch keeps symbolic, the reference backend) an opaque
+  `torch.library.custom_op` of the program's kernels, whose fake implementation
+  gives the output shapes and dtypes from the binder;
 - autograd (`register_autograd`): the backward calls a second op, made with the
   first, that runs the program's gradient program (`compiler.grad`, same
   backend, compiled once per set of inputs that require grad) and gives a
@@ -40,6 +45,7 @@ A plain call (no grad needed, not compiling, no transform) does not go through t
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 from numbers import Real
 
@@ -140,6 +146,44 @@ def _content_name(program, kinds: tuple[str, ...]) -> str:
     return f"program_{h.hexdigest()[:20]}"
 
 
+def _traceable_op(qualified: str, run, traced, fake, schema: str):
+    """The op `qualified` (a `torch.library.triton_op`) of `schema`: a call runs
+    `run(*args)`, as a plain call of the program launches its kernels; where torch
+    traces it (torch.compile's fake and functional tensors), `traced(*args)` launches
+    the same kernels through `torch.library.wrap_triton`, so that the graph holds the
+    Triton kernels and inductor compiles and schedules them with the rest, instead
+    of one opaque op.  Where `traced` gives None (kernels torch cannot trace: the
+    interpreter, a Gluon kernel, symbolic sizes, the reference backend) the traced
+    op calls an opaque op of its own, `<name>_kernels`, whose shapes `fake` gives."""
+    from torch._library.triton import is_wrap_triton_enabled
+
+    opaque = torch.library.custom_op(f"{qualified}_kernels", run, mutates_args=(), schema=schema)
+    opaque.register_fake(fake)
+
+    def body(*args):
+        if not is_wrap_triton_enabled():        # triton_op's own call on real tensors
+            return run(*args)
+        found = traced(*args)
+        return opaque(*args) if found is None else found
+
+    # triton_op takes its schema from the function's signature
+    body.__signature__ = _signature(schema)
+    return torch.library.triton_op(qualified, body, mutates_args=())
+
+
+_ANNOTATIONS = {"Tensor": torch.Tensor, "float": float, "Tensor[]": list[torch.Tensor], "bool[]": list[bool]}
+
+
+def _signature(schema: str) -> inspect.Signature:
+    """The Python signature of an op's `schema` ("(Tensor x0, float x1) -> (Tensor, Tensor)")."""
+    params, _, results = schema.partition(" -> ")
+    parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_ANNOTATIONS[kind])
+                  for kind, name in (p.strip().rsplit(" ", 1) for p in params.strip("()").split(",") if p.strip())]
+    kinds = [r.strip() for r in results.strip("()").split(",")]
+    returns = _ANNOTATIONS[kinds[0]] if len(kinds) == 1 else tuple[tuple(_ANNOTATIONS[k] for k in kinds)]
+    return inspect.Signature(parameters, return_annotation=returns)
+
+
 def _make_ops(program, kinds: tuple[str, ...]):
     """The forward op of `program` for arguments of `kinds` and, made with it, its
     backward op (so that a compiled graph loaded from torch.compile's cache in a
@@ -161,11 +205,10 @@ def _make_ops(program, kinds: tuple[str, ...]):
         # no output aliases an input: each backend returns memory of its own (an op must)
         return forward._run(dict(zip(names, args)))
 
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", implementation, mutates_args=(),
-                                 schema=f"({params}) -> {results}")
+    def traced(*args):
+        return forward._traced(dict(zip(names, args)))
 
-    @op.register_fake
-    def _(*args):
+    def shapes(*args):
         typed, binding = forward._typed(dict(zip(names, args)))      # integer inputs may make int results
         wide = forward.schedule_options.get("float32_outputs", ())
         shaped = tuple(torch.empty([binding.extents[i] for i in s.indices],
@@ -173,6 +216,9 @@ def _make_ops(program, kinds: tuple[str, ...]):
                                    device=binding.device)
                        for s in (typed.checked.statement(o) for o in forward.outputs))
         return shaped[0] if len(shaped) == 1 else shaped
+
+    op = _traceable_op(f"{NAMESPACE}::{name}", implementation, traced, shapes,
+                       f"({params}) -> {results}")
 
     def gradient_inputs(gradient, inputs: dict, statistics, produced, upstream) -> dict:
         """The gradient program's inputs: the forward's, the statistics and outputs
@@ -182,26 +228,28 @@ def _make_ops(program, kinds: tuple[str, ...]):
         inputs.update({gradient.upstream[s.name]: g for s, g in zip(differentiable, upstream)})
         return gradient._read(inputs)
 
-    def gradients(*args):
+    def gradients(*args, traced: bool = False):
         *values, statistics, produced, upstream, needs = args
         wrt = tuple(n for n, needed in zip(names, needs) if needed)
         inputs = dict(zip(names, values))
         gradient = program._gradient(wrt, saved=bool(statistics))
-        results = gradient._run(gradient_inputs(gradient, inputs, statistics, produced, upstream))
+        inputs = gradient_inputs(gradient, inputs, statistics, produced, upstream)
+        results = gradient._traced(inputs) if traced else gradient._run(inputs)
+        if results is None:
+            return None
         results = results if isinstance(results, tuple) else (results,)
-        return [r.to(inputs[n].dtype) for n, r in zip(wrt, results)]
+        return [r.to(values[names.index(n)].dtype) for n, r in zip(wrt, results)]
 
-    # the backward of a call that keeps no graph: the gradient program, reading the saved statistics
-    backward_op = torch.library.custom_op(
-        f"{NAMESPACE}::{name}_backward", gradients, mutates_args=(),
-        schema=f"({params}, Tensor[] statistics, Tensor[] produced, Tensor[] upstream, bool[] needs) -> Tensor[]")
-
-    @backward_op.register_fake
-    def _(*args):
+    def gradient_shapes(*args):
         # as `gradients` makes them: the gradient program's outputs, contiguous whatever
         # the inputs' strides (a transposed view's gradient is not a transposed view)
         *values, _, _, _, needs = args
         return [torch.empty(v.shape, dtype=v.dtype, device=v.device) for v, needed in zip(values, needs) if needed]
+
+    # the backward of a call that keeps no graph: the gradient program, reading the saved statistics
+    backward_op = _traceable_op(
+        f"{NAMESPACE}::{name}_backward", gradients, lambda *args: gradients(*args, traced=True), gradient_shapes,
+        f"({params}, Tensor[] statistics, Tensor[] produced, Tensor[] upstream, bool[] needs) -> Tensor[]")
 
     def setup_context(ctx, inputs, output):
         ctx.numbers = {n: v for n, v in zip(names, inputs) if not isinstance(v, torch.Tensor)}

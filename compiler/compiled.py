@@ -155,6 +155,22 @@ class CompiledProgram:
             return results[self.outputs[0]]
         return tuple(results[name] for name in self.outputs)
 
+    def _traced(self, inputs: dict) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """The outputs for `inputs` as torch traces the program's op (its fake or
+        functional tensors; compiler/autograd.py): the kernels launched through
+        `torch.library.wrap_triton`, so that the traced graph holds them; None where
+        the backend cannot launch them so (backend.traced_runner; the reference
+        backend evaluates with torch, which the op hides)."""
+        program, binding = self._typed(inputs)
+        traced = getattr(program.backend, "traced_runner", None)
+        run = traced and deep(lambda: traced(binding), what="the program", source=self.text)
+        if run is None:
+            return None
+        results = run(binding.values)
+        if len(self.outputs) == 1:
+            return results[self.outputs[0]]
+        return tuple(results[name] for name in self.outputs)
+
     def _typed(self, inputs: dict) -> tuple[CompiledProgram, Binding]:
         """(the program that runs `inputs`: this one, or where an integer tensor comes for
         an input it reads as a float, its specialisation to such inputs (_specialised);

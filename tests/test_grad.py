@@ -646,9 +646,10 @@ def test_torch_compile_traces_a_program_in_one_graph(backend):
 
 
 @pytest.mark.gpu
-def test_torch_compile_with_inductor_traces_a_program_in_one_graph_on_the_gpu():
-    # inductor around the custom op: the surrounding torch code is compiled, the
-    # program stays one opaque op, forward and backward
+def test_torch_compile_with_inductor_compiles_a_programs_triton_kernels_on_the_gpu():
+    # the program's op is a triton_op: inductor's code holds the program's own Triton
+    # kernels, forward and backward (the backward's op too), not an opaque call
+    from torch._inductor.utils import run_and_get_code
     source, reference, make, _ = CORPUS["causal"]
     program = compiler.compile(source, backend="triton")
 
@@ -659,10 +660,17 @@ def test_torch_compile_with_inductor_traces_a_program_in_one_graph_on_the_gpu():
     inputs = make()
     ours = [inputs[n].to("cuda", torch.float32, copy=True).requires_grad_() for n in ("Q", "K", "V")]
     theirs = [inputs[n].clone().requires_grad_() for n in ("Q", "K", "V")]
-    compiled(*ours, inputs["scale"]).backward()
+    _, code = run_and_get_code(lambda: compiled(*ours, inputs["scale"]).backward())
     (reference(*theirs, inputs["scale"]) ** 2).sum().backward()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad.double().cpu(), b.grad, rtol=1e-3, atol=1e-4)
+    code = "\n".join(code)
+    forward = program.plan(Q=ours[0], K=ours[1], V=ours[2], scale=inputs["scale"]).kernels
+    gradient = program._gradient(("Q", "K", "V"), saved=True)
+    assert forward and all(f"def {kernel.name}(" in code for kernel in forward), code[:2000]
+    assert gradient.backend._last is not None and all(f"def {kernel.name}(" in code
+                                                      for kernel in gradient.backend._last.plan.kernels)
+    assert "_kernels.default(" not in code          # no opaque op (compiler/autograd.py) left in the graph
 
 
 # ---------------------------------------------------------------- saved statistics

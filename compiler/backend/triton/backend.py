@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 import warnings
 
 import torch
@@ -21,7 +22,7 @@ from ...errors import BackendError
 from ...schedule import Plan, Schedule
 from .cache import load
 from ...specialise import POSITIVE, ConcreteSchedule, Signature, specialise
-from .launch import bind_directly, direct_launch_supported, output_maker
+from .launch import DirectLaunch, bind_directly, direct_launch_supported, output_maker
 from .module import Built, ModuleBuilder
 
 _warned_interpreter = False
@@ -277,6 +278,40 @@ class TritonBackend:
                 t.update(kept[stream])
             launch(t, extents, device)
             return {name: t[name] for name, _ in made}
+        return run
+
+    def traced_runner(self, binding: Binding):
+        """Run the kernels as torch traces a call (torch.compile's fake and functional
+        tensors inside the program's `torch.library.triton_op`, compiler/autograd.py):
+        every launch through `torch.library.wrap_triton`, so that the graph holds the
+        Triton kernels themselves and inductor compiles and schedules them with the
+        rest; outputs, buffers and split scratch made per call (a graph keeps no
+        tensor of an earlier call).  None where torch cannot trace the kernels: under
+        the interpreter, where one is in Gluon (the Hopper form), and at sizes torch
+        keeps symbolic (tiles and splits are chosen for whole numbers)."""
+        if self.interpreted(binding) or not all(type(e) is int for e in binding.extents.values()):
+            return None
+        from torch.library import wrap_triton
+        extents = self._extents(binding)
+        built, launch, _ = self._entry(binding, extents)
+        if built.gluon:
+            return None
+        # the launcher finds its kernels among its module's globals: a copy of it whose
+        # globals hold them wrapped (the module's own are DirectLaunches, shared by calls)
+        namespace = dict(launch.__globals__)
+        for name in built.launched:
+            kernel = namespace[name]
+            namespace[name] = wrap_triton(kernel.kernel if isinstance(kernel, DirectLaunch) else kernel)
+        traced = types.FunctionType(launch.__code__, namespace, launch.__name__)
+        outputs = self._output_specs(binding)
+        device = binding.device
+
+        def run(values):
+            t = dict(values)
+            for name, shape, dtype in outputs:
+                t[name] = torch.empty(shape, dtype=dtype, device=device)
+            traced(t, extents, device)
+            return {name: t[name] for name, _, _ in outputs}
         return run
 
     def _output_specs(self, binding: Binding) -> list[tuple[str, list[int], torch.dtype]]:

@@ -774,7 +774,10 @@ class KernelEmitter:
         info = self.ctx.tensors[e.tensor]
         if info.kind == "number" and self.ctx.cdt != "tl.float64":
             p = self.local(f"{ident(e.tensor)}_val", ("val", e.tensor))
-            self.params.setdefault(p, Arg("number", e.tensor))
+            if p not in self.params:
+                self.params[p] = Arg("number", e.tensor)
+                # float32 whoever launches: Triton passes a Python float as one, inductor as a float64
+                self.root.lines.append(f"{p} = tl.cast({p}, tl.float32)")
             return Value(p, (), "float", positive=e.tensor in self.ctx.positive)
         if info.kind == "number":
             # float arguments are float32 inside a kernel; a float64 program reads its numbers from memory

@@ -30,6 +30,7 @@ class Built:
     source: str
     plan: Plan
     launched: tuple[str, ...] = ()      # every kernel the launcher may launch (the plan's, and fallbacks)
+    gluon: tuple[str, ...] = ()         # those of them in Gluon (the Hopper form), which torch cannot trace
 
 
 def packed_strides(args: list[Arg]) -> list[str]:
@@ -132,7 +133,8 @@ class ModuleBuilder:
                                                f"where TMA cannot read the operands)", spec.loops))
             buffers += list(spec.buffers)
         launched = tuple(code.name for code, _ in self.kernels) + tuple(form.name for form in self.hopper.values())
-        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched)
+        gluon = tuple(form.name for form in self.hopper.values())
+        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched, gluon)
 
     def _hopper_form(self, kernel: ConcreteKernel) -> hopper.HopperCode | None:
         """The kernel's Hopper form (hopper.py) where the specialised kernel takes it

@@ -77,6 +77,7 @@ def einfold_O(n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, K_s2, 
     pid_b = pid
     idx_b = pid_b
     # fold 0: fold1_r_l_u[m] over tiles of m
+    scale_val = tl.cast(scale_val, tl.float32)
     offs_k = tl.arange(0, BLOCK_k)
     x_Q2 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + offs_i[:, None].to(tl.int64) * Q_s2 + offs_k[None, :].to(tl.int64) * Q_s3)
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)

@@ -74,6 +74,7 @@ def einfold_O(n_j, n_i, n_h, n_m, scale_val, n_k, K1_ptr, K1_s0, K1_s1, K1_s2, Q
     pid_h = pid
     idx_h = pid_h
     # fold 0: fold1_r_l_u_r2_l2_u2[m] over tiles of m
+    scale_val = tl.cast(scale_val, tl.float32)
     offs_k = tl.arange(0, BLOCK_k)
     x_Q11 = tl.load(Q1_ptr + idx_h.to(tl.int64) * Q1_s0 + offs_i[:, None].to(tl.int64) * Q1_s1 + offs_k[None, :].to(tl.int64) * Q1_s2)
     x_Q23 = tl.load(Q2_ptr + idx_h.to(tl.int64) * Q2_s0 + offs_i[:, None].to(tl.int64) * Q2_s1 + offs_k[None, :].to(tl.int64) * Q2_s2)
@@ -126,6 +127,7 @@ def einfold_O(n_j, n_i, n_h, n_m, scale_val, n_k, K1_ptr, K1_s0, K1_s1, K1_s2, Q
         r = r_new
         r2_2 = r_new_2
     t11 = (_natural(acc, r[:, None], scale_val) / (_natural(l, r, scale_val))[:, None])
+    lam_val = tl.cast(lam_val, tl.float32)
     t13 = ((lam_val * _natural(acc_2, r2_2[:, None], scale_val)) / (_natural(l2, r2_2, scale_val))[:, None])
     O = (t11 - t13)
     # O[h, i, j]

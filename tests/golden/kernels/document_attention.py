@@ -80,6 +80,7 @@ def einfold_O(n_j, n_i, n_h, n_b, n_i_2, D_ptr, D_s0, D_s1, scale_val, n_k, K_pt
     x_D0 = tl.load(D_ptr + idx_b.to(tl.int64) * D_s0 + offs_i.to(tl.int64) * D_s1)
     min_D = tl.min(x_D0.to(tl.float32))
     max_D = tl.max(x_D0.to(tl.float32))
+    scale_val = tl.cast(scale_val, tl.float32)
     offs_k = tl.arange(0, BLOCK_k)
     x_Q6 = tl.load(Q_ptr + idx_b.to(tl.int64) * Q_s0 + idx_h.to(tl.int64) * Q_s1 + offs_i[:, None].to(tl.int64) * Q_s2 + offs_k[None, :].to(tl.int64) * Q_s3)
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)

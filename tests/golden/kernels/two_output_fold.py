@@ -74,6 +74,7 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
     offs_i = pid_i * BLOCK_i + tl.arange(0, BLOCK_i)
     mask_i = offs_i < n_i
     # fold 0: fold1_r_l_u[m] over tiles of m
+    scale_val = tl.cast(scale_val, tl.float32)
     offs_k = tl.arange(0, BLOCK_k)
     x_Q1 = tl.load(Q_ptr + offs_i[:, None].to(tl.int64) * Q_s0 + offs_k[None, :].to(tl.int64) * Q_s1, mask=mask_i[:, None], other=0.0)
     r = tl.full([BLOCK_i], -float("inf"), tl.float32)
