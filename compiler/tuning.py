@@ -25,8 +25,8 @@ def tune(program, shapes: Iterable[Mapping[str, int]], *, dtype=None) -> None:
     if not torch.cuda.is_available():
         raise TuningError("tuning times each kernel's candidates on a CUDA GPU, and this machine has none")
     if program.backend.name != "triton":
-        raise TuningError(f"the program runs on the {program.backend.name} backend, which has nothing to tune: "
-                          f"compile it with backend='triton'")
+        raise TuningError(f"the program runs on the {program.backend.name} backend, which has nothing to "
+                          f"tune: compile it with backend='triton'")
     sizes = [shape_sizes(program, shape) for shape in shapes]
     for extents in sizes:
         inputs = random_inputs(program.checked, extents, dtype=dtype or torch.float32, device="cuda")

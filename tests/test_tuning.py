@@ -50,17 +50,20 @@ def _forget_this_process():
 # ---------------------------------------------------------------- the file
 def test_records_round_trip_through_a_file(tmp_path):
     path = tmp_path / "tuning.json"
-    other = replace(KEY, kernel="einfold_Z", classes=(("class_i", 8), ("class_k", 12)), dtypes=("bfloat16",) * 2)
+    other = replace(KEY, kernel="einfold_Z", classes=(("class_i", 8), ("class_k", 12)),
+                    dtypes=("bfloat16",) * 2)
     records.note(KEY, CONFIGS[1])
     records.note(other, CONFIGS[2])
     assert compiler.save_tuning(path) == 2
     assert path.stat().st_mode & 0o777 == 0o644          # a file to share, not a private temporary one
     data = json.loads(path.read_text())
     assert data["format"] == "einfold tuning" and data["version"] == 1
-    assert data["records"][0] == {"gpu": GPU, "module": KEY.module, "kernel": "einfold_Y", "classes": {"class_i": 8},
-                                  "dtypes": ["float32"], "config": {"constexprs": {"BLOCK_i": 128, "BLOCK_k": 32},
-                                                                    "num_warps": 8, "num_stages": 3, "maxnreg": None}}
-    assert sum(line.lstrip().startswith('{"gpu"') for line in path.read_text().splitlines()) == 2   # a line each
+    assert data["records"][0] == {
+        "gpu": GPU, "module": KEY.module, "kernel": "einfold_Y", "classes": {"class_i": 8},
+        "dtypes": ["float32"], "config": {"constexprs": {"BLOCK_i": 128, "BLOCK_k": 32},
+                                          "num_warps": 8, "num_stages": 3, "maxnreg": None}}
+    lines = path.read_text().splitlines()
+    assert sum(line.lstrip().startswith('{"gpu"') for line in lines) == 2      # a line each
     _forget_this_process()
     assert records.choice(KEY, CONFIGS) is None
     assert compiler.load_tuning(path) == 2
@@ -79,7 +82,8 @@ def test_saving_keeps_the_records_of_the_file(tmp_path):
     _forget_this_process()
     records.note(KEY, CONFIGS[1])
     assert compiler.save_tuning(path) == 1
-    assert records.read_records(path) == {elsewhere: TunedConfig.of(CONFIGS[0]), KEY: TunedConfig.of(CONFIGS[1])}
+    assert records.read_records(path) == {elsewhere: TunedConfig.of(CONFIGS[0]),
+                                          KEY: TunedConfig.of(CONFIGS[1])}
 
 
 def test_records_of_other_gpu_models_are_kept_and_ignored(tmp_path):
@@ -102,7 +106,8 @@ def test_a_record_chooses_the_candidate_it_names_or_none():
 
 def _valid() -> dict:
     return {"format": "einfold tuning", "version": 1, "records": [
-        {"gpu": GPU, "module": KEY.module, "kernel": "einfold_Y", "classes": {"class_i": 8}, "dtypes": ["float32"],
+        {"gpu": GPU, "module": KEY.module, "kernel": "einfold_Y", "classes": {"class_i": 8},
+         "dtypes": ["float32"],
          "config": {"constexprs": {"BLOCK_i": 64}, "num_warps": 4, "num_stages": 3, "maxnreg": None}}]}
 
 
@@ -132,7 +137,8 @@ def _deep(levels: int) -> str:
     (_with(lambda d: d["records"][0].update(config=[4, 3])), "records[0].config is a list, not an object"),
     (_with(lambda d: d["records"][0]["config"].update(num_warps="4")),
      'records[0].config.num_warps is "4", not an integer of at least 1'),
-    (_with(lambda d: d["records"][0]["config"].update(num_warps=0)), "num_warps is 0, not an integer of at least 1"),
+    (_with(lambda d: d["records"][0]["config"].update(num_warps=0)),
+     "num_warps is 0, not an integer of at least 1"),
     (_with(lambda d: d["records"][0]["config"].update(num_stages=2.5)), "num_stages is 2.5, not an integer"),
     (_with(lambda d: d["records"][0]["config"].update(maxnreg=False)), "maxnreg is false, not an integer"),
     (_with(lambda d: d["records"][0]["config"]["constexprs"].update(BLOCK_i="64")),
@@ -141,7 +147,8 @@ def _deep(levels: int) -> str:
     (_with(lambda d: d["records"][0].update(gpu="")), 'records[0].gpu is "", not a non-empty string'),
     (_with(lambda d: d["records"][0].update(dtypes=["float32", 7])), "records[0].dtypes[1] is 7"),
     (_with(lambda d: d["records"][0].update(kernel=None)), "records[0].kernel is null"),
-    (_with(lambda d: d["records"].append(d["records"][0])), "records[1] repeats the key of an earlier record"),
+    (_with(lambda d: d["records"].append(d["records"][0])),
+     "records[1] repeats the key of an earlier record"),
     (_deep(100_000), "its JSON is nested too deeply"),
 ], ids=lambda value: value[:40] if isinstance(value, str) else None)
 def test_a_malformed_file_is_a_tuning_error_naming_it(tmp_path, text, message):
@@ -157,7 +164,8 @@ def test_a_malformed_file_is_a_tuning_error_naming_it(tmp_path, text, message):
 def test_a_file_that_cannot_be_read_or_written_is_a_tuning_error(tmp_path):
     (tmp_path / "bytes.json").write_bytes(b'{"format": "\xff"}')
     for path, message in [(tmp_path / "missing.json", "cannot read the tuning file"),
-                          (tmp_path, "it is a folder"), (tmp_path / "bytes.json", "is not UTF-8 text (byte 12)")]:
+                          (tmp_path, "it is a folder"),
+                          (tmp_path / "bytes.json", "is not UTF-8 text (byte 12)")]:
         with pytest.raises(TuningError, match="tuning file") as caught:
             compiler.load_tuning(path)
         assert str(path) in str(caught.value) and message in str(caught.value)
@@ -186,8 +194,9 @@ def test_a_malformed_file_of_the_environment_variable_fails_the_launch_that_read
     path = tmp_path / "tuning.json"
     path.write_text('{"format": "einfold tuning", "version": 7, "records": []}')
     monkeypatch.setenv(records.TUNING_ENV, str(path))
+    wrong = f"{path} is not a tuning file of this einfold: format version 7"
     for _ in range(2):          # every time: the user named the file
-        with pytest.raises(TuningError, match=f"{path} is not a tuning file of this einfold: format version 7"):
+        with pytest.raises(TuningError, match=wrong):
             records.choice(KEY, CONFIGS)
 
 
@@ -267,7 +276,8 @@ def _launch_twice(tuner) -> DirectLaunch:
 def test_a_first_launch_without_a_record_tunes_and_records_its_choice(stand_in_gpu):
     tuner = Autotuner(Jit(), best=1)
     _launch_twice(tuner)
-    assert tuner.timed == 1 and len(tuner.fn.compiles) == len(CONFIGS) + 1      # every candidate, then the bound
+    assert tuner.timed == 1
+    assert len(tuner.fn.compiles) == len(CONFIGS) + 1          # every candidate, then the bound one
     assert records._used == {KEY: TunedConfig.of(CONFIGS[1])}
     (run,) = tuner.fn.compiled.runs
     assert run[-2:] == (128, 32)            # the bound launch: the chosen BLOCK_i, then BLOCK_k
@@ -278,7 +288,7 @@ def test_a_first_launch_with_a_record_times_and_compiles_nothing_else(stand_in_g
     tuner = Autotuner(Jit(), best=0)
     _launch_twice(tuner)
     assert tuner.timed == 0
-    assert tuner.fn.launches == tuner.fn.compiles == [CONFIGS[2].all_kwargs()]    # the recorded candidate alone
+    assert tuner.fn.launches == tuner.fn.compiles == [CONFIGS[2].all_kwargs()]     # the recorded one alone
     assert records._used == {KEY: TunedConfig.of(CONFIGS[2])}              # saved with this process's choices
     assert tuner.fn.compiled.runs[0][-2:] == (128, 32)
 
@@ -312,7 +322,8 @@ def test_tuning_needs_a_cuda_gpu(monkeypatch, capsys):
         compiler.tune(compiler.compile(MATMUL), [{"i": 64, "j": 64, "k": 64}])
     assert main(["tune", "-e", MATMUL, "--shape", "i=64,j=64,k=64"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == "einfold: tune needs a CUDA GPU: tuning times each kernel's candidates on one\n"
+    assert out == ""
+    assert err == "einfold: tune needs a CUDA GPU: tuning times each kernel's candidates on one\n"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -354,9 +365,13 @@ SHIPPED = textwrap.dedent("""
     import compiler
     from compiler.backend.triton.launch import DirectLaunch
 
-    timed = []
+    timed = []          # the autotuner's timings of a candidate
     bench = autotuner.Autotuner._bench
-    autotuner.Autotuner._bench = lambda self, *args, **kwargs: timed.append(1) or bench(self, *args, **kwargs)
+
+    def counted(self, *args, **kwargs):
+        timed.append(kwargs["config"])
+        return bench(self, *args, **kwargs)
+    autotuner.Autotuner._bench = counted
     program = compiler.compile(sys.argv[1])
     inputs = torch.load(sys.argv[2])
     if sys.argv[3] == "load":
@@ -386,12 +401,14 @@ def test_a_shipped_tuning_file_spares_a_fresh_process_the_timing(tmp_path):
 
     def run(step: str) -> tuple[str, torch.Tensor]:
         folder = tmp_path / step
-        env = {**os.environ, "EINFOLD_CACHE_DIR": str(folder / "einfold"), "TRITON_CACHE_DIR": str(folder / "triton"),
+        env = {**os.environ, "EINFOLD_CACHE_DIR": str(folder / "einfold"),
+               "TRITON_CACHE_DIR": str(folder / "triton"),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent.parent),
                                                            os.environ.get("PYTHONPATH")]))}
         env.pop(records.TUNING_ENV, None)
-        done = subprocess.run([sys.executable, "-c", SHIPPED, source, str(tmp_path / "inputs.pt"), step, str(tuning),
-                               str(tmp_path / f"{step}.pt")], env=env, capture_output=True, text=True, timeout=600)
+        argv = [source, str(tmp_path / "inputs.pt"), step, str(tuning), str(tmp_path / f"{step}.pt")]
+        done = subprocess.run([sys.executable, "-c", SHIPPED, *argv], env=env, capture_output=True, text=True,
+                              timeout=600)
         assert done.returncode == 0, done.stderr
         return done.stdout, torch.load(tmp_path / f"{step}.pt")
 
@@ -401,7 +418,7 @@ def test_a_shipped_tuning_file_spares_a_fresh_process_the_timing(tmp_path):
     assert int(written) == kernels >= 1 and timed >= 2        # the tuned kernel timed its candidates
     (record,) = json.loads(tuning.read_text())["records"]
     assert record["gpu"] == torch.cuda.get_device_name()
-    assert record["classes"] == {"class_i": 13, "class_j": 12, "class_k": 9}       # the bit lengths of the extents
+    assert record["classes"] == {"class_i": 13, "class_j": 12, "class_k": 9}      # the extents' bit lengths
     loaded, shipped = run("load")
     assert loaded.split("\n")[:2] == ["1", f"{kernels} 0"]      # one record read; nothing timed
     assert torch.equal(shipped, tuned)

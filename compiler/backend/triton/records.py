@@ -208,9 +208,11 @@ def read_records(path: str | os.PathLike) -> dict[TuningKey, TunedConfig]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise TuningError(f"the tuning file {path} is not JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+        raise TuningError(f"the tuning file {path} is not JSON: {e.msg} "
+                          f"(line {e.lineno}, column {e.colno})") from None
     except RecursionError:
-        raise TuningError(f"the tuning file {path} is not a tuning file: its JSON is nested too deeply") from None
+        raise TuningError(f"the tuning file {path} is not a tuning file: "
+                          f"its JSON is nested too deeply") from None
     try:
         return _records(data)
     except _Malformed as e:
