@@ -8,12 +8,15 @@
 """
 from .algebra import Field, Summary
 from .algebra.user import summary
+from .backend.triton.records import load_tuning, save_tuning
 from .einsum import einsum
 from .errors import (BackendError, BindError, CheckError, EinfoldError, ImplicitSumWarning, LawError,
-                     LimitError, ParseError, ShardError, TransformError)
+                     LimitError, ParseError, ShardError, TransformError, TuningError)
 from .program import GradientProgram, Program, compile, grad
+from .tuning import tune
 from .version import __version__
 
 __all__ = ["compile", "Program", "grad", "GradientProgram", "einsum", "summary", "Summary", "Field",
+           "tune", "save_tuning", "load_tuning",
            "EinfoldError", "ParseError", "CheckError", "BindError", "LawError", "LimitError", "BackendError", "ShardError",
-           "TransformError", "ImplicitSumWarning", "__version__"]
+           "TransformError", "TuningError", "ImplicitSumWarning", "__version__"]

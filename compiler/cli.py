@@ -1,7 +1,7 @@
 """The `einfold` command line.
 
 `parse`, `ir`, `grad` and `explain` import neither torch nor Triton's runtime, so
-they start quickly; `run`, `dump` and `bench` import torch when they need tensors.
+they start quickly; `run`, `dump`, `tune` and `bench` import torch when they need tensors.
 Every mistake of the user (a bad option, a bad program, unreadable input)
 exits with status 2 and a message on stderr, never a traceback."""
 from __future__ import annotations
@@ -49,16 +49,16 @@ def _read_program(args) -> str:
         raise _UsageError(f"cannot read {args.file}: not UTF-8 text (byte {e.start})") from None
 
 
-def _parse_sizes(items: list[str]) -> dict[str, int]:
+def _parse_sizes(items: list[str], option: str = "--size") -> dict[str, int]:
     sizes = {}
     for item in items:
         name, _, value = item.partition("=")
         if not value.isdigit() or not name.isidentifier():
-            raise _UsageError(f"--size takes INDEX=N, got '{item}'")
+            raise _UsageError(f"{option} takes INDEX=N, got '{item}'")
         if int(value) > MAX_EXTENT:
-            raise _UsageError(f"--size {name}={value}: an extent is at most {MAX_EXTENT}")
+            raise _UsageError(f"{option} {name}={value}: an extent is at most {MAX_EXTENT}")
         if name in sizes and sizes[name] != int(value):
-            raise _UsageError(f"--size gives {name} twice: {sizes[name]} and {value}")
+            raise _UsageError(f"{option} gives {name} twice: {sizes[name]} and {value}")
         sizes[name] = int(value)
     return sizes
 
@@ -245,6 +245,43 @@ def cmd_cache(args) -> int:
     triton_cache = getattr(getattr(knobs, "cache", None), "dir", None) or \
         os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
     print(f"compiled kernels and autotuning results: {triton_cache} (Triton's cache)")
+    _print_tuning_records()
+    return 0
+
+
+def _print_tuning_records() -> None:
+    """The tuning records this process loads at its first tuned launch: each file of
+    EINFOLD_TUNING with its records' count by GPU model."""
+    from collections import Counter
+
+    from .backend.triton import records
+    paths = records.environment_paths()
+    if not paths:
+        print(f"tuning records: none ({records.TUNING_ENV} names files of them, which compiler.save_tuning "
+              f"and einfold tune write)")
+    for path in paths:
+        by_gpu = Counter(key.gpu for key in records.read_records(path))
+        models = "".join(f", {count} of {gpu}" for gpu, count in sorted(by_gpu.items()))
+        print(f"tuning records: {path} ({sum(by_gpu.values())} record(s){models}; from {records.TUNING_ENV})")
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from . import compile
+    from .backend.triton.records import save_tuning
+    from .tuning import shape_sizes, tune
+    program = compile(_read_program(args), backend="triton")
+    shapes = [shape_sizes(program, _parse_sizes(text.split(","), "--shape")) for text in args.shape]
+    if not torch.cuda.is_available():
+        raise _UsageError("tune needs a CUDA GPU: tuning times each kernel's candidates on one")
+    try:
+        tune(program, shapes, dtype=getattr(torch, args.dtype))
+    except torch.cuda.OutOfMemoryError as e:
+        raise _UsageError(f"cannot tune at these shapes: {str(e).splitlines()[0]}") from None
+    written = save_tuning(args.output)
+    print(f"wrote {written} tuning record(s) of {torch.cuda.get_device_name()} ({len(shapes)} shape(s)) "
+          f"to {args.output}")
     return 0
 
 
@@ -378,11 +415,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gpu(p)
     p.set_defaults(run=cmd_dump)
 
-    p = _command(sub, "cache", "print where generated modules and compiled kernels are kept, or clear the modules",
+    p = _command(sub, "cache", "print where generated modules, compiled kernels and tuning records are kept, "
+                 "or clear the modules",
                  "einfold cache", "einfold cache --clear", program=False)
     p.add_argument("--clear", action="store_true",
                    help="remove einfold's generated modules (they are written again on the next call)")
     p.set_defaults(run=cmd_cache)
+
+    p = _command(sub, "tune", "tune the program's kernels at given shapes on this CUDA GPU and write the "
+                 "choices to a tuning file (load it with EINFOLD_TUNING or compiler.load_tuning)",
+                 f'einfold tune -e "{ATTENTION}" --shape i=4096,m=4096,k=128,j=128 --dtype bfloat16',
+                 'einfold tune -e "C[i,j] = A[i,k] * B[k,j]" --shape i=4096,k=4096,j=4096 '
+                 '--shape i=512,k=4096,j=4096 -o tuning.json')
+    p.add_argument("--shape", action="append", required=True, metavar="INDEX=N,...",
+                   help="the extents of every index of one shape to tune, separated by commas; repeat for "
+                        "several shapes")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="dtype of the random float inputs (default: %(default)s)")
+    p.add_argument("-o", "--output", default="tuning.json", metavar="PATH",
+                   help="the tuning file to write; the records it holds already are kept unless retuned "
+                        "(default: %(default)s)")
+    p.set_defaults(run=cmd_tune)
 
     p = _command(sub, "bench", "benchmark the generated kernels against torch baselines (needs a CUDA GPU)",
                  "einfold bench --group attention --quick", "einfold bench --out results/", program=False)

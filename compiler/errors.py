@@ -101,6 +101,14 @@ class BackendError(EinfoldError):
     kind = "backend error"
 
 
+class TuningError(BackendError):
+    """Tuning cannot be saved, loaded or done as asked: a tuning file that cannot be
+    read or is not one (the message names the file and what is wrong), a shape to
+    tune that does not fit the program, tuning without a CUDA GPU."""
+
+    kind = "tuning error"
+
+
 class ShardError(EinfoldError):
     """A program cannot be sharded across processes as asked."""
 

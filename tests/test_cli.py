@@ -277,7 +277,7 @@ def test_every_option_has_help_and_every_command_an_example():
     parser = build_parser()
     assert "examples:" in parser.format_help()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"parse", "ir", "run", "explain", "dump", "grad", "cache", "bench"}
+    assert set(commands) == {"parse", "ir", "run", "explain", "dump", "grad", "cache", "tune", "bench"}
     for name, sub in commands.items():
         text = sub.format_help()
         assert "examples:\n  einfold " + name in text, name

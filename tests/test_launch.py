@@ -23,6 +23,7 @@ from compiler.backend.triton.launch import DirectLaunch, guard_function
 
 pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"     # the GPU machine runs compiled kernels
+MODULE = "0123456789abcdef01234567"                         # the digest of a generated module
 
 
 class FakeCompiled:
@@ -73,7 +74,7 @@ def fake_driver(monkeypatch):
 def test_a_kernel_binds_once_per_guard_then_launches_directly(fake_driver):
     compiled = FakeCompiled()
     tuner = FakeAutotuner(FakeJit(compiled))
-    kernel = DirectLaunch(tuner)
+    kernel = DirectLaunch(tuner, MODULE)
     grid = lambda META: (-(-META["n_i"] // META["BLOCK_i"]),)  # noqa: E731
     x = torch.zeros(64)
     kernel[grid](x, 130, 0.5, BLOCK_k=16)
@@ -107,7 +108,7 @@ def test_a_launch_hook_gets_the_launch_metadata(fake_driver, monkeypatch):
         assert hooked(enter)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", enter)
     compiled = FakeCompiled()
-    kernel = DirectLaunch(FakeAutotuner(FakeJit(compiled)))
+    kernel = DirectLaunch(FakeAutotuner(FakeJit(compiled)), MODULE)
     grid = lambda META: (-(-META["n_i"] // META["BLOCK_i"]),)  # noqa: E731
     for _ in range(2):
         kernel[grid](torch.zeros(64), 130, 0.5, BLOCK_k=16)
@@ -307,7 +308,7 @@ def test_first_launches_from_threads_bind_one_at_a_time(fake_driver):
     others wait for it and launch the kernel it bound."""
     compiled = FakeCompiled()
     tuner = OneAtATime(FakeJit(compiled))
-    kernel = DirectLaunch(tuner)
+    kernel = DirectLaunch(tuner, MODULE)
     grid = lambda META: (-(-META["n_i"] // META["BLOCK_i"]),)  # noqa: E731
     x = torch.zeros(64)
     _in_threads(lambda _: kernel[grid](x, 130, 0.5, BLOCK_k=16), list(range(4)))

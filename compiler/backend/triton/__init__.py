@@ -8,6 +8,7 @@ evaluates the policy's tiles and splits:
     hopper.py    the Hopper form (sm_90, Gluon) of a streamed rescaled fold
     ops.py       the operator emission table
     tuning.py    autotune candidates (the schedule's tables), complete configs
+    records.py   tuning records: the autotuner's choices, saved and loaded
     module.py    the whole module (kernels + launcher), splits, Plan
     backend.py   TritonBackend: signatures, runners, plans
     cache.py     the on-disk module cache and import

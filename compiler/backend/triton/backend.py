@@ -20,7 +20,7 @@ from ...arguments import positive_number
 from ...bind import Binding
 from ...errors import BackendError
 from ...schedule import Plan, Schedule
-from .cache import load
+from .cache import load, module_digest
 from ...specialise import POSITIVE, ConcreteSchedule, Signature, specialise
 from .launch import DirectLaunch, bind_directly, direct_launch_supported, output_maker
 from .module import Built, ModuleBuilder
@@ -221,7 +221,7 @@ class TritonBackend:
         options = repr((self.split, [(name, str(dtype)) for name, _, _, dtype in sig.inputs], str(sig.dtype)))
         module = load(built.source, options, sig.interpret)
         if not sig.interpret and direct_launch_supported():
-            bind_directly(module, built.launched)
+            bind_directly(module, built.launched, module_digest(built.source, options))
         launch = _interpreted(module.launch) if sig.interpret else module.launch
         return built, launch, getattr(module, "scratch", None)
 

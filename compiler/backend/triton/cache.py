@@ -100,6 +100,12 @@ def safe_source(source: str) -> str:
     return source
 
 
+def module_digest(source: str, key: str) -> str:
+    """The digest that names the module of `source` (its cache file and module name):
+    its identity, which tuning records key on (records.py)."""
+    return digest(safe_source(source), key)
+
+
 def digest(source: str, key: str) -> str:
     h = hashlib.sha256()
     for part in (source, key, triton.__version__, __version__):
@@ -124,7 +130,7 @@ def write(source: str, key: str) -> Path:
     different; a path that cannot be replaced, e.g. a folder, leaves the module in
     a private file of the same folder instead)."""
     source = safe_source(source)
-    name = f"einfold_{digest(source, key)}"
+    name = f"einfold_{module_digest(source, key)}"
     folder = cache_dir()
     path = folder / f"{name}.py"
     data = source.encode("utf-8")
@@ -178,7 +184,7 @@ def load(source: str, key: str, interpret: bool) -> ModuleType:
     """Write (once) and run the module from `source` itself; interpreted and
     compiled instances of one source are separate modules.  Safe from several threads."""
     source = safe_source(source)
-    name = f"einfold_{digest(source, key)}" + ("_interpreted" if interpret else "")
+    name = f"einfold_{module_digest(source, key)}" + ("_interpreted" if interpret else "")
     with _loading:
         # run before by this process: no file system work
         return sys.modules.get(name) or _run(source, key, name, interpret)

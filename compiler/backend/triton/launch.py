@@ -11,6 +11,9 @@ compiled kernel, its full argument tail (the tuned constexprs) and its grid
 under a guard that determines everything the binder would derive: each
 tensor's dtype and 16-byte alignment, each integer's value, the current device.
 A later launch with the same guard calls the compiled kernel directly.
+A tuned kernel's first launch runs a recorded choice where one matches
+(records.py: only that candidate compiled, none timed), and records the
+autotuner's choice where none does.
 
 Only for compiled kernels on Triton versions with `triton.knobs` (3.4 and
 later, whose `CompiledKernel.run` takes the launch hooks and every bound
@@ -23,6 +26,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from . import records
 
 # First launches (tuning, compiling, binding) run one at a time: Triton's autotuner keeps
 # the launch in progress on itself and AsyncCompileMode is process-wide, so two threads'
@@ -60,12 +65,13 @@ def guard_function(args: tuple):
 class DirectLaunch:
     """`kernel[grid](*args, **constexprs)` with Triton's per-call binding done once
     per guard (see the module docstring).  `kernel` is a JITFunction or an
-    Autotuner over one."""
+    Autotuner over one, of the generated module whose digest is `module`."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, module: str):
         from triton import knobs
         from triton.runtime.driver import driver
         self.kernel = kernel
+        self.module = module
         self.tuned = hasattr(kernel, "configs")          # an Autotuner (a JITFunction's fn is its Python function)
         self.jit = kernel.fn if self.tuned else kernel
         self.bound: dict[tuple, tuple] = {}
@@ -90,10 +96,7 @@ class DirectLaunch:
             with _BINDING:
                 found = self.bound.get(key)         # bound by another thread meanwhile?
                 if found is None:
-                    if self.tuned:
-                        self.compile_candidates(grid, args, constexprs)
-                    self.kernel[grid](*args, **constexprs)        # tunes and compiles where needed
-                    self.bound[key] = self.bind(grid, args, constexprs)
+                    self.bound[key] = self.first_launch(grid, args, constexprs, device)
                     return
         compiled, grid3, tail = found
         stream = self.current_stream(device)
@@ -105,6 +108,39 @@ class DirectLaunch:
         else:       # no profiler's hooks: no launch metadata to build (a dict per launch), none to call
             compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
+    def first_launch(self, grid, args: tuple, constexprs: dict, device) -> tuple:
+        """Launch through Triton, compiling (and tuning) as needed, and bind the kernel
+        it ran.  A tuned kernel of several candidates launches a recorded choice of its
+        tuning key where there is one, otherwise the autotuner's after it timed every
+        candidate, and notes the choice it launched (what save_tuning writes)."""
+        if not self.tuned or len(self.kernel.configs) < 2:        # nothing to choose
+            self.kernel[grid](*args, **constexprs)
+            chosen = self.kernel.best_config.all_kwargs() if self.tuned else {}
+            return self.bind(grid, args, {**constexprs, **chosen})
+        from triton.runtime.errors import OutOfResources
+        key = self.tuning_key(args, device)
+        config = records.choice(key, self.kernel.configs)
+        if config is not None:
+            try:
+                self.jit[grid](*args, **constexprs, **config.all_kwargs())
+            except OutOfResources:      # a record (an edited file) naming a candidate the chip cannot run
+                config = None
+        if config is None:
+            self.compile_candidates(grid, args, constexprs)
+            self.kernel[grid](*args, **constexprs)          # times the candidates
+            config = self.kernel.best_config
+        records.note(key, config)
+        return self.bind(grid, args, {**constexprs, **config.all_kwargs()})
+
+    def tuning_key(self, args: tuple, device) -> records.TuningKey:
+        """The key of a tuned launch's choice: this device's GPU model, the module,
+        the kernel, its autotune key (the shape classes) and its tensors' dtypes."""
+        by_name = dict(zip(self.jit.arg_names, args))
+        return records.TuningKey(torch.cuda.get_device_name(device), self.module, self.jit.__name__,
+                                 tuple((name, by_name[name]) for name in self.kernel.keys),
+                                 tuple(str(a.dtype).removeprefix("torch.") for a in args
+                                       if isinstance(a, torch.Tensor)))
+
     def compile_candidates(self, grid, args: tuple, constexprs: dict) -> None:
         """Compile every autotune candidate for these arguments at once, so that the
         autotuner only times them: Triton's AsyncCompileMode over a thread pool (the
@@ -112,7 +148,7 @@ class DirectLaunch:
         candidates were most of an attention variant's first call.  Candidates that
         fail to compile are left to the autotuner, which skips them."""
         import triton
-        if not hasattr(triton, "AsyncCompileMode") or len(self.kernel.configs) < 2:
+        if not hasattr(triton, "AsyncCompileMode"):
             return
         workers = min(len(self.kernel.configs), os.cpu_count() or 1)
         with ThreadPoolExecutor(workers) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
@@ -128,12 +164,10 @@ class DirectLaunch:
             grid = grid(dict(zip(names, (*args, *tail))))
         return (*grid, *(1,) * (3 - len(grid))), tail
 
-    def bind(self, grid, args: tuple, constexprs: dict) -> tuple:
+    def bind(self, grid, args: tuple, options: dict) -> tuple:
         """(compiled kernel, 3-D grid, the constexprs in parameter order) for this
-        launch, as the launch just made chose them."""
-        options = dict(constexprs)
-        if self.tuned:
-            options.update(self.kernel.best_config.all_kwargs())
+        launch with `options` (the constexprs and the chosen config's), as the launch
+        just made compiled it."""
         grid3, tail = self.grid3(grid, args, options)
         compiled = self.jit.warmup(*args, grid=grid3, **options)
         if hasattr(compiled, "result"):             # an asynchronous compile's future
@@ -164,12 +198,13 @@ def output_maker(shape: list[int], dtype: torch.dtype, device: torch.device):
     return functools.partial(torch.empty, shape, dtype=dtype, device=device)
 
 
-def bind_directly(module, kernels) -> None:
-    """Replace the kernels named `kernels` of a loaded generated module by their
-    DirectLaunch (the module's launcher looks its kernels up by name at each call;
-    the helpers that kernels call stay JIT functions).  Idempotent: a module is
-    shared by the backends that generate its source."""
+def bind_directly(module, kernels, digest: str) -> None:
+    """Replace the kernels named `kernels` of a loaded generated module, whose digest
+    (cache.module_digest) is `digest`, by their DirectLaunch (the module's launcher
+    looks its kernels up by name at each call; the helpers that kernels call stay
+    JIT functions).  Idempotent: a module is shared by the backends that generate
+    its source."""
     for name in kernels:
         kernel = getattr(module, name)
         if not isinstance(kernel, DirectLaunch):
-            setattr(module, name, DirectLaunch(kernel))
+            setattr(module, name, DirectLaunch(kernel, digest))
