@@ -304,6 +304,9 @@ class Former:
             todo = [f for f in folds if free(f) != set(s.indices)]
             s = self._materialise(s, todo, "it shares no output index with the others")
             grid, folds = _grid_of(s.expr, s.indices)
+        if not s.indices and any(_folded_elements(f) for f in folds):
+            s = self._materialise_elements(s, folds)
+            grid, folds = _grid_of(s.expr, s.indices)
         chains = _recomputed(folds, grid)
         if chains and self.materialise_chains:
             s = self._materialise_operands(s, chains)
@@ -400,6 +403,30 @@ class Former:
             self.kernels[-1].why = f"materialises {note} into {name} ({reason})"
             table[f] = Access(name, indices)
         return replace(s, expr=replace_folds(s.expr, table))
+
+    def _materialise_elements(self, s: Assign, folds: list[Reduce]) -> Assign:
+        """A scalar is one program: where a fold's elements fold others (a mean loss over
+        rows, each a logsumexp over a vocabulary of contractions), that program would
+        fold them one row tile after another, a split over the outermost index at
+        most.  Each such argument becomes a buffer over the fold's indices, made by a
+        kernel whose grid they are, and the scalar folds the buffer."""
+        table: dict[Reduce, Reduce] = {}
+        for f in folds:
+            args = []
+            for arg in f.args:
+                if _folds_in(arg):
+                    indices = tuple(i for i in f.indices if i in free(arg))
+                    name = self._buffer_name()
+                    self.buffer_indices[name] = indices
+                    self._add(Assign(name, indices, arg, "float"), buffer=True)
+                    self.kernels[-1].why = (f"materialises the elements of {f.summary.name}[{', '.join(f.indices)}] "
+                                            f"into {name}[{', '.join(indices)}] (they fold others: in the scalar's "
+                                            f"one program they would run one after another)")
+                    arg = Access(name, indices)
+                args.append(arg)
+            table[f] = replace(f, args=tuple(args))
+        return replace(s, expr=_folds_replaced(s.expr, set(table), lambda node: replace(table[node.fold],
+                                                                                        result=node.result)))
 
     def _materialise_operands(self, s: Assign, found: list[_Recomputed]) -> Assign:
         """Each recomputed part (_recomputed) as a buffer over its own indices, the outer
@@ -569,6 +596,15 @@ def _flattened(fold: Reduce) -> Reduce:
             break
         fold = Reduce(fold.summary, fold.indices + nested[0].indices, (product(rest + [nested[0].args[0]], []),))
     return fold
+
+
+def _folds_in(e: Expr) -> bool:
+    return any(isinstance(n, Reduce) for n in nodes(e))
+
+
+def _folded_elements(fold: Reduce) -> bool:
+    """Whether an element of `fold` folds others (an argument holds a fold)."""
+    return any(_folds_in(arg) for arg in fold.args)
 
 
 def _folds_replaced(e: Expr, folds, by) -> Expr:
