@@ -563,7 +563,7 @@ def _host_us_side_by_side(fns: dict[str, Callable], x, calls: int = 200, rounds:
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 
-def host_cost(compile_) -> list[Row]:
+def host_cost(compile_, quick: bool = False) -> list[Row]:
     """Host time per cached call on tiny inputs, where launching is most of the cost:
     einfold against the torch call a user would make instead (attention and a single
     query row split over 8192 keys against SDPA, add+gelu against eager torch)."""
@@ -603,7 +603,8 @@ def host_cost(compile_) -> list[Row]:
     return rows
 
 
-# groups that make their own rows instead of cases for run_case: name -> (compile_) -> rows
+# groups that make their own rows instead of cases for run_case: name -> (compile_, quick) -> rows
+# (compiler/bench_gpt.py adds its rows to "training")
 ROW_GROUPS = {"host": host_cost}
 
 
@@ -714,10 +715,12 @@ def compile_cost() -> list[Row]:
 
 
 def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | None = None,
-         cases_of: dict[str, Callable] | None = None) -> list[Row]:
-    """Run `groups` side by side and write the table; `cases_of`: each group's case maker
-    (default: this module's GROUPS)."""
+         cases_of: dict[str, Callable] | None = None, rows_of: dict[str, Callable] | None = None) -> list[Row]:
+    """Run `groups` side by side and write the table; `cases_of`: each group's case maker,
+    `rows_of`: each group's row maker (defaults: this module's GROUPS and ROW_GROUPS); a
+    group may have both."""
     cases_of = GROUPS if cases_of is None else cases_of
+    rows_of = ROW_GROUPS if rows_of is None else rows_of
     import compiler
     import triton
     out.mkdir(parents=True, exist_ok=True)
@@ -725,15 +728,14 @@ def main(out: Path, groups: list[str], quick: bool = False, only: list[str] | No
     rows: list[Row] = []
     bandwidth = copy_bandwidth()
     for group in groups:
-        if group in ROW_GROUPS:
-            rows += [r for r in ROW_GROUPS[group](compile_) if not only or any(text in r.name for text in only)]
-            print(f"  done {group}", flush=True)
-            continue
-        for case in cases_of[group](compile_, quick):
+        for case in cases_of.get(group, lambda *_: [])(compile_, quick):
             if only and not any(text in case.name for text in only):
                 continue
             rows += run_case(case)
             print(f"  done {case.group}: {case.name}", flush=True)
+        if group in rows_of:
+            rows += [r for r in rows_of[group](compile_, quick) if not only or any(text in r.name for text in only)]
+            print(f"  done {group}", flush=True)
     rows += compile_cost()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),

@@ -288,17 +288,18 @@ def cmd_tune(args) -> int:
 def cmd_bench(args) -> int:
     import torch
 
-    from . import bench, bench_general
+    from . import bench, bench_general, bench_gpt
     if not torch.cuda.is_available():
         raise _UsageError("bench needs a CUDA GPU (the benchmarks compare kernels on one)")
     cases_of = {**bench.GROUPS, **bench_general.GROUPS}
-    groups = args.group or [*cases_of, *bench.ROW_GROUPS]      # the default: every group of one GPU
+    rows_of = {**bench.ROW_GROUPS, "training": bench_gpt.gpt_rows}
+    groups = args.group or list(dict.fromkeys([*cases_of, *rows_of]))      # the default: every group of one GPU
     if "distributed" in groups:
         from . import bench_distributed
         bench_distributed.main(Path(args.out), quick=args.quick, only=args.case)
         groups = [g for g in groups if g != "distributed"]
     if groups:
-        bench.main(Path(args.out), groups, quick=args.quick, only=args.case, cases_of=cases_of)
+        bench.main(Path(args.out), groups, quick=args.quick, only=args.case, cases_of=cases_of, rows_of=rows_of)
     return 0
 
 

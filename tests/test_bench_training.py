@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import compiler
-from compiler import bench
+from compiler import bench, bench_gpt
 
 # einfold's "no CUDA tensors", FlexAttention's "called without torch.compile"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -96,3 +96,23 @@ def test_cross_entropy_gradients():
 
 def test_the_group_is_registered():
     assert bench.GROUPS["training"] is bench.training_cases
+
+
+def test_the_training_gpt_with_einfolds_modules_gives_torchs_loss_and_gradients():
+    # the training rows' two models differ only in their kit: float64, one batch
+    config = bench_gpt.GPTConfig("tiny", vocab=11, d_model=8, heads=2, layers=2, seq=5, batch=3)
+    ((tokens, labels),) = bench_gpt.batches(config, 1, device="cpu")
+    assert torch.equal(labels[:, :-1], tokens[:, 1:]) and torch.equal(labels, (5 * tokens + 7) % 11)
+    results = []
+    for kit in (bench_gpt.einfold_kit(compiler, backend="reference"), bench_gpt.torch_kit()):
+        torch.manual_seed(0)
+        model = bench_gpt.GPT(config, kit, loss_dtype=torch.float64).double()
+        loss = model(tokens, labels)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ours, our_grads), (theirs, their_grads) = results
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    assert our_grads.keys() == their_grads.keys()
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, their_grads[name], rtol=1e-8, atol=1e-10, msg=name)
+
