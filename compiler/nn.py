@@ -199,8 +199,8 @@ class Attention(_ByRank):
 
 
 @functools.cache
-def _compiled(source: str, backend: str) -> Program:
-    return compile_program(source, backend=backend)
+def _compiled(source: str, backend: str, float32_outputs: tuple[str, ...] = ()) -> Program:
+    return compile_program(source, backend=backend, float32_outputs=float32_outputs)
 
 
 class FusedLinearCrossEntropy(torch.nn.Module):
@@ -221,6 +221,9 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         reduction: "mean" (over the rows not ignored), "sum" or "none" (one loss a row,
             0 at ignored rows).
         backend: as `compiler.compile`.
+
+    The loss is float32 (as `F.cross_entropy` under autocast, Liger-Kernel's and Cut
+    Cross-Entropy's); the gradients take their inputs' dtypes.
 
     `forward(hidden, weight, target, bias=None)` takes hidden states [..., d], the
     classifier weight [v, d] (`lm_head.weight`), integer labels of the leading shape
@@ -279,7 +282,10 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         if DTYPE_TYPES.get(target.dtype) != INT:
             raise BindError(f"FusedLinearCrossEntropy takes integer class labels; "
                             f"the target is {target.dtype}")
-        program = _compiled(self.source(hidden.dim(), bias is not None), self.backend)
+        # the loss in float32 whatever the logits' dtype, as F.cross_entropy under autocast
+        # gives it (a bfloat16 mean of ~10 would be off by up to 0.03)
+        program = _compiled(self.source(hidden.dim(), bias is not None), self.backend,
+                            ("L",) if self.reduction == "none" else ("loss",))
         inputs = {"H": hidden, "W": weight, "Y": target, "B": bias,
                   "softcap": self.softcap, "smoothing": self.label_smoothing, "z_loss": self.z_loss}
         # a variant reads only the inputs of its options

@@ -132,8 +132,10 @@ class Program(CompiledProgram):
         `_saving` saves where `saved` (compiled on first use, then kept)."""
         program = self._gradients.get((wrt, saved))
         if program is None:
+            # a gradient takes its input's dtype, whichever outputs are float32 here
+            options = {k: v for k, v in self._options.items() if k != "float32_outputs"}
             program = self._gradients[wrt, saved] = grad(self.text, wrt=wrt, outputs=self.outputs,
-                                                         backend=self.backend_name, saved=saved, **self._options)
+                                                         backend=self.backend_name, saved=saved, **options)
         return program
 
     def _batched(self, inputs: tuple[str, ...]) -> tuple[Program, str]:
@@ -162,7 +164,8 @@ class Program(CompiledProgram):
             return self
         text = self.text.rstrip() + "\n" + "".join(format_statement(s) + "\n" for s in found.saved)
         return Program(text, outputs=(*self.outputs, *(s.name for s in found.saved)), backend=self.backend_name,
-                       **{**self._options, "float32_outputs": tuple(s.name for s in found.saved)})
+                       **{**self._options, "float32_outputs": (*self._options.get("float32_outputs", ()),
+                                                               *(s.name for s in found.saved))})
 
     def shard(self, index: str, group=None, layout: str = "contiguous", rows: str | None = None):
         """This program with the reduction over `index` sharded across the ranks

@@ -243,3 +243,15 @@ def test_fused_linear_cross_entropy_rejects_bad_inputs_with_einfold_errors():
         module(hidden, weight, labels(7, 1, classes=19))
     with pytest.raises(compiler.BindError, match="rank 1"):
         module(hidden[0], weight, labels(classes=19))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_linear_cross_entropy_gives_a_float32_loss_beside_bfloat16_logits(reduction):
+    # as F.cross_entropy under autocast: a bfloat16 loss of ~3 would be off by up to 0.008
+    module = nn.FusedLinearCrossEntropy(reduction=reduction)
+    hidden, weight = randn(7, 8, dtype=torch.bfloat16), randn(19, 8, seed=1, dtype=torch.bfloat16)
+    y = labels(7, classes=19)
+    loss = module(hidden, weight, y)
+    want = torch_linear_cross_entropy(hidden.double(), weight.double(), y, None, reduction=reduction)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)

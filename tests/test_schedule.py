@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import compiler
+from compiler.nn import FusedLinearCrossEntropy
 from compiler.ir import Access, format_expr, nodes
 from compiler.random_inputs import random_inputs
 from compiler.schedule import Schedule, schedule
@@ -257,6 +258,9 @@ def test_a_product_of_summaries_keeps_each_part_apart():
     # [tokens, vocab], 3x its weight; the tiles recompute it instead
     ("Z[t,v] = sum[d](H[t,d] * W[v,d])\nL[t] = logsumexp[v](Z[t,v]) - sum[v](where(v == Y[t], Z[t,v], 0))\n"
      "S[] = sum[t](L[t])", ("H", "W"), {"t": 8192, "d": 2048, "v": 32000}, False),
+    # the same through compiler.nn's mean over the rows not ignored: both schedules store
+    # counts, and the fused one's second count was named like the materialised one's dZ
+    (FusedLinearCrossEntropy().source(3), ("H", "W"), {"t0": 8, "t1": 1024, "d": 768, "v": 32768}, False),
     # attention's backward at a head dimension of 1024: no score-sized buffer
     ("O[b,h,i,j] = softmax[m](Q[b,h,i,k] * K[b,h,m,k] * scale) * V[b,h,m,j]", ("Q", "K", "V"),
      {"b": 1, "h": 2, "i": 4096, "m": 4096, "k": 1024, "j": 1024}, False),

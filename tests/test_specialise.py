@@ -245,3 +245,19 @@ def test_cli_prints_the_specialised_schedule(capsys):
     assert code == 0
     assert out.startswith("# after specialise\nspecialised to h=8, j=64, k=64, m=32768; bfloat16; 132 SMs")
     assert "ways: 8 programs for 132 SMs" in out and "fold[m] of r, l, u" in out
+
+
+def test_a_grid_index_whose_tiles_each_recompute_the_nested_folds_takes_the_widest_tile():
+    # a fused linear cross-entropy's dW[v, d] and dH[t0, t1, d] fold the logits
+    # sum[d](H[t0, t1, d] * W[v, d]) afresh for every tile of d: 768 in three tiles of 256
+    # recomputes them 3 times, not 12
+    from compiler.nn import FusedLinearCrossEntropy
+    program = compiler.compile(FusedLinearCrossEntropy().source(3), backend="triton")
+    gradient = program._gradient(("H", "W"), saved=True)
+    inputs = {"H": _input((8, 1024, 768), torch.bfloat16), "W": _input((32768, 768), torch.bfloat16),
+              "Y": torch.zeros(8, 1024, dtype=torch.int64), "dloss": torch.ones((), dtype=torch.bfloat16),
+              "lse_lse": _input((8, 1024), torch.float32)}
+    typed, binding = gradient._typed(inputs)
+    grids = {k.schedule.statements[0].name: {t.index: t.size for t in k.grid}
+             for k in typed.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels}
+    assert grids["dW"] == {"v": 64, "d": 256} and grids["dH"] == {"t0": 0, "t1": 64, "d": 256}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ir import Access, Assign, Program, Reduce, format_expr, nodes
 from .folds import Contraction
@@ -109,10 +109,18 @@ class Schedule:
         inputs = {i.name for i in self.program.inputs}
         largest = max((math.prod(extent(i) for i in n.indices) for s in self.program.statements
                        for n in nodes(s.expr) if isinstance(n, Access) and n.tensor in inputs), default=0)
-        added = [indices for name, indices in self.materialised.buffer_indices if name not in self.buffers]
+        # by what they hold, not their names: the two schedules number their buffers apart (the
+        # fused one's buf1 may be a count where the materialised one's is [tokens, vocab] logits)
+        ours = set(self.buffer_definitions().values())
+        added = [indices for (name, indices) in self.materialised.buffer_indices
+                 if self.materialised.buffer_definitions()[name] not in ours]
         if any(math.prod(extent(i) for i in indices) > largest for indices in added):
             return self
         return self.materialised
+
+    def buffer_definitions(self) -> dict[str, Assign]:
+        """Each buffer's statement, with the buffer's name left out (what it holds)."""
+        return {st.name: replace(st, name="") for k in self.kernels for st in k.statements if st.name in self.buffers}
 
     def indices_of(self, buffer: str) -> tuple[str, ...]:
         return dict(self.buffer_indices)[buffer]

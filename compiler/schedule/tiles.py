@@ -277,6 +277,13 @@ def lacked(kernel) -> frozenset:
                      if isinstance(n, Reduce) and n.result is not None and g not in free_indices(n))
 
 
+def recomputed_per_grid_tile(kernel, g: str) -> bool:
+    """Whether every tile of grid index g recomputes the folds nested in the kernel's
+    program folds, which do not read g: a fused linear cross-entropy's dW[v, d] (and
+    dH[t, d]) folds the logits sum[d](H[t, d] * W[v, d]) afresh for each tile of d."""
+    return any(g not in free_indices(x) for f in kernel.program_folds for x in _nested_in_loop(f))
+
+
 def held_whole_in_epilogue(kernel, e: str, extent: Callable[[str], int]) -> bool:
     """Whether `kernel` loops over its epilogue index e in one whole tile: tl.dot or a
     rescaled fold's values read it, it fits WHOLE_MAX, and a fold over e in the loop
@@ -316,6 +323,9 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
         if held_whole_in_grid(kernel, g, extent):
             b = max(16, n)
             whole.add(g)
+        elif g in dot and n > WHOLE_MAX and recomputed_per_grid_tile(kernel, g):
+            # too wide to hold whole: the widest tile, the fewest times to recompute
+            b = WHOLE_MAX
         if not b and streamed and contiguous(kernel, g):
             # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
             # column wide would read memory with a stride per element; a tile of
