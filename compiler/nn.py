@@ -16,7 +16,6 @@ unchanged.
 """
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -72,19 +71,42 @@ def _indices(stem: str, count: int) -> list[str]:
     return [f"{stem}{d}" for d in range(count)]
 
 
+# The programs modules run, each text and options compiled once per process and shared
+# by every module that runs it: by key, and the key of each text and options
+_SHARED: dict[str, Program] = {}
+_KEYS: dict[tuple, str] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _shared_key(source: str, backend: str, float32_outputs: tuple[str, ...]) -> str:
+    """The key of the shared program of `source` (compiled on first use).  torch.compile
+    runs this when it traces a module and keeps the key, a string, as a constant:
+    compiling is not traceable (a graph break at a module's first call), and a program
+    per module instance made one recompilation each (past dynamo's limit of 8 in a
+    6-layer GPT's 13 norms); reading a dict by a constant key is traceable."""
+    options = (source, backend, float32_outputs)
+    key = _KEYS.get(options)
+    if key is None:
+        program = compile_program(source, backend=backend, float32_outputs=float32_outputs)
+        key = _KEYS[options] = program._key
+        _SHARED[key] = program
+    return key
+
+
+def shared_program(source: str, backend: str = "auto", float32_outputs: tuple[str, ...] = ()) -> Program:
+    """The program of `source` that every module running it shares (see _shared_key)."""
+    return _SHARED[_shared_key(source, backend, float32_outputs)]
+
+
 class _ByRank(torch.nn.Module):
-    """A module whose program depends on its input's rank (its `source(rank)`):
-    compiled once per rank."""
+    """A module whose program depends on its input's rank (its `source(rank)`)."""
 
     def __init__(self, backend: str) -> None:
         super().__init__()
         self.backend = backend
-        self._programs: dict[int, Program] = {}
 
     def _program(self, rank: int) -> Program:
-        if rank not in self._programs:
-            self._programs[rank] = compile_program(self.source(rank), backend=self.backend)
-        return self._programs[rank]
+        return shared_program(self.source(rank), self.backend)
 
 
 class _Norm(_ByRank):
@@ -198,11 +220,6 @@ class Attention(_ByRank):
         return f"is_causal={self.is_causal}, scale={self.scale}"
 
 
-@functools.cache
-def _compiled(source: str, backend: str, float32_outputs: tuple[str, ...] = ()) -> Program:
-    return compile_program(source, backend=backend, float32_outputs=float32_outputs)
-
-
 class FusedLinearCrossEntropy(torch.nn.Module):
     """Cross-entropy of the logits `hidden @ weight.T + bias` against class labels,
     as `F.cross_entropy`, without the [tokens, vocab] logits in memory: the logsumexp
@@ -284,8 +301,8 @@ class FusedLinearCrossEntropy(torch.nn.Module):
                             f"the target is {target.dtype}")
         # the loss in float32 whatever the logits' dtype, as F.cross_entropy under autocast
         # gives it (a bfloat16 mean of ~10 would be off by up to 0.03)
-        program = _compiled(self.source(hidden.dim(), bias is not None), self.backend,
-                            ("L",) if self.reduction == "none" else ("loss",))
+        program = shared_program(self.source(hidden.dim(), bias is not None), self.backend,
+                                 ("L",) if self.reduction == "none" else ("loss",))
         inputs = {"H": hidden, "W": weight, "Y": target, "B": bias,
                   "softcap": self.softcap, "smoothing": self.label_smoothing, "z_loss": self.z_loss}
         # a variant reads only the inputs of its options

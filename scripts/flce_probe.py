@@ -85,8 +85,8 @@ def main(names: list[str]) -> None:
     print("this tree's kernels of one forward + backward:")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
         print(f"  {e.device_time_total / 3e3:8.3f} ms  x{e.count // 3:<3} {e.key[:90]}")
-    from compiler.nn import _compiled
-    program = _compiled(ours.source(3), "auto", ("loss",))
+    from compiler.nn import shared_program
+    program = shared_program(ours.source(3), "auto", ("loss",))
     inputs = {"H": h.detach(), "W": w.detach(), "Y": y}
     print(program._saving.plan(**inputs))
     gradient = program._gradient(("H", "W"), saved=True)

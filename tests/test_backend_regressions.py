@@ -231,11 +231,13 @@ AUTO_SPLIT = [("decode_head_dim_8", "O[h,i,j] = softmax[m](Q[h,i,k] * K[h,m,k] *
                {"h": 8, "i": 1, "m": 32768, "k": 8, "j": 8}),
               ("decode_head_dim_16", ATTENTION, {"i": 1, "m": 65536, "k": 16, "j": 16}),
               ("long_logsumexp", "L[i] = logsumexp[j](X[i,j])", {"i": 4, "j": 1 << 20}),
-              # a scalar result: its one program splits (a loss over 8k rows of 32k logits; the
-              # same from hidden states, a contraction nested in the logsumexp)
-              ("scalar_loss", "L[] = mean[t](logsumexp[v](Z[t,v]))", {"t": 8192, "v": 32000}),
+              # a scalar result: its one program splits
+              ("scalar_sum", "L[] = sum[t](X[t] * X[t])", {"t": 1 << 22}),
+              # a scalar of a few long rows (a loss over 4 rows of 1M logits; the same from hidden
+              # states, a contraction nested in the logsumexp): the rows' kernel splits each row
+              ("scalar_loss", "L[] = mean[t](logsumexp[v](Z[t,v]))", {"t": 4, "v": 1 << 20}),
               ("scalar_linear_loss", "L[] = mean[t](logsumexp[v](sum[k](H[t,k] * W[v,k])))",
-               {"t": 4096, "v": 32000, "k": 2048})]
+               {"t": 4, "v": 32000, "k": 2048})]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -256,18 +258,16 @@ def test_every_candidate_binds_every_constexpr(name, src, sizes, split, dtype):
         assert "@triton.autotune" not in interpreted and launch_problems(interpreted) == []
 
 
-def test_nested_streamed_folds_share_the_tile_budget():
-    """A fold nested in a streamed one streams its own tiles inside each step, and the
-    enclosing tile makes room for them: a scalar loss over 8k rows of 32k logits was
-    one program holding a [8192, 8192] tile (a BackendError); now each step of t holds
-    one tile of v, and the fold over t splits over many programs."""
+def test_a_scalar_of_rows_that_fold_others_makes_the_rows_in_a_kernel_of_their_own():
+    """A scalar loss over 8k rows of 32k logits was one program holding a [8192, 8192]
+    tile (a BackendError), then one program streaming row tiles, split over the rows:
+    now a kernel whose grid is the rows folds each row's logits, tile by tile of v, and
+    stores the 8k values the scalar then folds."""
     backend, binding = meta_binding("L[] = mean[t](logsumexp[v](Z[t,v]))", {"t": 8192, "v": 32000},
                                     torch.bfloat16)
-    gpu = backend.source_for(binding, sm_count=132)
-    blocks = {name: int(size) for name, size in re.findall(r"(BLOCK_\w+)=(\d+)", gpu)}
-    assert blocks["BLOCK_t"] * blocks["BLOCK_v"] <= 8192
-    assert "for start_v in range(0, n_v, BLOCK_v):" in gpu
-    assert int(re.search(r"n_split = (\d+)", gpu).group(1)) >= 32
+    rows, scalar = backend.specialised_for(binding, sm_count=132).kernels
+    assert [t.index for t in rows.grid] == ["t"] and not scalar.grid
+    assert "for start_v in range(0, n_v, BLOCK_v):" in backend.source_for(binding, sm_count=132)
 
 
 @pytest.mark.parametrize("split", [None, 3])

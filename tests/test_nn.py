@@ -93,11 +93,12 @@ def test_a_strided_view_is_read_in_place_and_each_rank_compiles_once():
     ours = nn.Attention(backend="reference")
     q = randn(2, 5, 3, 4).transpose(1, 2)            # [b, h, i, k] as transformers passes it: a view
     k, v = randn(2, 3, 7, 4, seed=1), randn(2, 3, 7, 4, seed=2)
+    compiled = len(nn._SHARED)
     torch.testing.assert_close(ours(q, k, v), F.scaled_dot_product_attention(q, k, v), **F64)
     ours(q[0], k[0], v[0])
-    assert sorted(ours._programs) == [3, 4]
     ours(q, k, v)
-    assert sorted(ours._programs) == [3, 4]
+    nn.Attention(backend="reference")(q, k, v)
+    assert len(nn._SHARED) - compiled <= 2 and ours._program(4) is ours._program(4)
 
 
 def test_a_module_from_any_program_owns_its_parameters():
@@ -208,7 +209,7 @@ def test_fused_linear_cross_entropy_labels_past_256_are_exact_beside_bfloat16(ba
 
 def test_fused_linear_cross_entropy_keeps_no_logits_in_memory():
     module = nn.FusedLinearCrossEntropy(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
-    schedule = nn._compiled(module.source(2, bias=True), module.backend).schedule
+    schedule = nn.shared_program(module.source(2, bias=True), module.backend).schedule
     # the row losses, one float a row, stored by the kernel whose grid is the rows (a
     # scalar's one program would fold them row after row); no [tokens, vocab] buffer
     assert [schedule.indices_of(b) for b in schedule.buffers] == [("t0",)]
@@ -219,13 +220,13 @@ def test_fused_linear_cross_entropy_compiles_each_variant_once():
     # an ignored label no other test uses: a variant of its own
     a, b = (nn.FusedLinearCrossEntropy(ignore_index=-7, backend="reference") for _ in range(2))
     hidden, weight, y = randn(7, 8), randn(19, 8, seed=1), labels(7, classes=19)
-    compiled = nn._compiled.cache_info().currsize
+    compiled = len(nn._SHARED)
     a(hidden, weight, y)
     b(hidden, weight, y)
     a(hidden[:5], weight, y[:5])
-    assert nn._compiled.cache_info().currsize == compiled + 1
+    assert len(nn._SHARED) == compiled + 1
     a(hidden, weight, y, randn(19, seed=2))
-    assert nn._compiled.cache_info().currsize == compiled + 2
+    assert len(nn._SHARED) == compiled + 2
 
 
 def test_fused_linear_cross_entropy_rejects_bad_inputs_with_einfold_errors():
@@ -255,3 +256,14 @@ def test_fused_linear_cross_entropy_gives_a_float32_loss_beside_bfloat16_logits(
     want = torch_linear_cross_entropy(hidden.double(), weight.double(), y, None, reduction=reduction)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_modules_share_their_programs_and_torch_compile_traces_a_first_call_in_one_graph():
+    # compiling a program is not traceable: torch.compile makes it at trace time and keeps
+    # its key (a module's first call under fullgraph=True would otherwise break the graph),
+    # and two norms share one program (one per module made one recompilation each)
+    first, second = nn.RMSNorm(13), nn.RMSNorm(13)
+    x = randn(2, 3, 13)
+    out = torch.compile(lambda x: second(first(x)), fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(out, torch.nn.RMSNorm(13)(torch.nn.RMSNorm(13)(x)))
+    assert first._program(3) is second._program(3)

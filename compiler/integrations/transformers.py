@@ -13,7 +13,6 @@ Whatever those programs cannot say raises `BindError` naming it.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -22,8 +21,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from ..errors import BindError
+from ..nn import shared_program
 from ..program import Program
-from ..program import compile as compile_program
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,8 @@ def attention_source(windowed: bool, padded: bool) -> str:
             f"Q[b, g, r, i, k] * K[b, g, m, k] * scale, -inf)) * V[b, g, m, j]")
 
 
-@functools.cache
 def _program(windowed: bool, padded: bool) -> Program:
-    return compile_program(attention_source(windowed, padded))
+    return shared_program(attention_source(windowed, padded))
 
 
 def _window(mask_function, config, batch_size: int, q_length: int, kv_length: int, q_offset: int,

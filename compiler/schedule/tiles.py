@@ -70,6 +70,7 @@ LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 # tiles or more (H100, decode H8 L8k, 128 tiles: 8 a split 0.82x cuDNN, 4 a split 0.96x).
 SPLIT_MIN_TILES = 64
 SPLIT_MIN_RUN = 4
+SPLIT_FLOOR = 16        # the smallest tile a split gives a streamed loop without tl.dot (rows of a column sum)
 # A kernel of at most one program for four SMs splits from two runs of SPLIT_MIN_RUN
 # tiles (H200, scripts/split_probe.py, unsplit -> as split now): decode over 8 heads at L
 # 1024, 2048, 3000 (16 to 47 tiles): 39.3 -> 23.6, 72.7 -> 21.4 (8 splits), 105.4 -> 21.6
@@ -377,20 +378,22 @@ def nested_steps(fold, extent: Callable[[str], int], dot, memo: dict | None = No
     return most
 
 
-def auto_split(programs: int, tiles: int, sm_count: int | None, steps: int = 1) -> int:
+def auto_split(programs: int, tiles: int, sm_count: int | None, steps: int = 1, divisions: int | None = None) -> int:
     """The default number of splits (1: none) for a kernel of `programs` programs whose
     longest fold streams `tiles` tiles, each of `steps` steps of the folds nested in it,
     on a GPU with `sm_count` SMs: it splits from SPLIT_MIN_TILES steps, or from
     SPLIT_SHORT_TILES with at most one program for four SMs; every split streams one
-    tile or more and SPLIT_MIN_RUN steps or more, and there are at most SPLIT_MAX
-    splits, or SPLITS_PER_SM programs an SM in all where that is more."""
+    of the loop's `divisions` (default: its tiles; more where its tile may shrink) or
+    more and SPLIT_MIN_RUN steps or more, and there are at most SPLIT_MAX splits, or
+    SPLITS_PER_SM programs an SM in all where that is more."""
     if not sm_count or programs >= 2 * sm_count:
         return 1
     work = tiles * steps
     if work < (SPLIT_SHORT_TILES if 4 * programs <= sm_count else SPLIT_MIN_TILES):
         return 1
     most = max(SPLIT_MAX, SPLITS_PER_SM * sm_count // max(programs, 1))
-    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), tiles, work // SPLIT_MIN_RUN, most)
+    n = min(math.ceil(PROGRAMS_PER_SM * sm_count / max(programs, 1)), divisions or tiles, work // SPLIT_MIN_RUN,
+            most)
     return n if n >= 2 else 1
 
 

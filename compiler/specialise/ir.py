@@ -99,6 +99,9 @@ class FoldLoops:
     # is the same tile (same extent, same size), so the fold reduces over that axis itself
     # (one load of a tensor serves both, read in either layout)
     shared: tuple[tuple[str, str], ...] = ()
+    # the index whose loop a split kernel's programs divide among them, one chunk of its
+    # tiles each (a split program fold's; "" otherwise)
+    chunked: str = ""
 
     def tile(self, index: str) -> Tile:
         return next(t for t in self.tiles if t.index == index)
@@ -113,6 +116,8 @@ class FoldLoops:
         if self.span:
             notes.append(f"live span of {' and '.join(format_expr(c) for c in self.span)} scanned first")
         notes += [f"{index} shares the {where}'s tile" for index, where in self.shared]
+        if self.chunked and self.chunked != self.fold.indices[0]:
+            notes.append(f"the split divides the tiles of {self.chunked}")
         return (f"{where}[{', '.join(self.fold.indices)}] of {fields}: "
                 f"{'; '.join(str(t) for t in self.tiles)}" + "".join(f" [{n}]" for n in notes))
 

@@ -26,9 +26,9 @@ from ..ir import Access, Call, Reduce, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.bounds import index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
-from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, STREAMED, auto_split, fold_caps, free_tile, grid_tiling,
-                              held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2, one_at_a_time,
-                              size_class, split_tile, uniform_work, whole_tile)
+from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, SPLIT_FLOOR, STREAMED, auto_split, fold_caps, free_tile,
+                              grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
+                              one_at_a_time, size_class, split_tile, uniform_work, whole_tile)
 from . import forms
 from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
                  Signature, Tile)
@@ -221,7 +221,9 @@ class _Kernel:
                 why = ("tl.dot" if dot else "streamed") + (f", sized for {split} splits"
                                                           if self.split_here(fold, p, split) else "")
                 tiles.append(Tile(b, TILED, block, tuned=dot and tuned and b in contraction_names(fold), why=why))
-        return self.bands(FoldLoops(fold, nested, tuple(tiles), shared=self.shared(tiles)), tuned, scope)
+        chunked = next((b for p, b in enumerate(fold.indices) if self.split_here(fold, p, split)), "")
+        return self.bands(FoldLoops(fold, nested, tuple(tiles), shared=self.shared(tiles), chunked=chunked),
+                          tuned, scope)
 
     def shared(self, tiles: list[Tile]) -> tuple[tuple[str, str], ...]:
         """The indices a nested fold holds whole in the tile the grid or the epilogue holds
@@ -265,7 +267,18 @@ class _Kernel:
         return fold_caps(fold, self.extent, self.dot, self.loop_cap)
 
     def split_here(self, fold: Reduce, p: int, split: int) -> bool:
-        return split > 1 and p == 0 and fold in self.spec.program_folds
+        return split > 1 and p == self.split_position(fold) and fold in self.spec.program_folds
+
+    def split_position(self, fold: Reduce) -> int:
+        """Which of `fold`'s indices a split divides among its programs: the first, in
+        order; a fold whose order does not matter, its longest (a weight's gradient
+        summed over [b0, b1] rows, 8 x 1024: b1's tiles, where b0's 8 gave 2 splits of
+        12 programs on 132 SMs, 0.5 ms for 50 MB)."""
+        if not fold.summary.commutative:
+            return 0
+        batch = set().union(*(dot_batch_names(a) for a in fold.args))
+        lengths = [0 if b in batch else self.extent(b) for b in fold.indices]
+        return lengths.index(max(lengths))
 
     def loop_block(self, fold: Reduce, p: int, split: int, caps: list[int]) -> int:
         """The loop tile of `fold`'s p-th index: its share of the streamed budget beside
@@ -295,26 +308,36 @@ class _Kernel:
             return 1, "" if self.requested in (None, 1) else "its program folds read each other; not split"
         if self.requested is None:
             # the work counted at each extent's shape class: one split serves the class
-            programs, tiles, steps = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
-            n = auto_split(programs, tiles, self.sig.sm_count, steps)
+            programs, tiles, steps, divisions = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
+            n = auto_split(programs, tiles, self.sig.sm_count, steps, divisions)
             why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
                    + (f" of {steps} nested steps each" if steps > 1 else "")) if n > 1 else ""
             return n, why
-        _, tiles, _ = self.work(blocks, hint, self.extent)
+        _, tiles, _, _ = self.work(blocks, hint, self.extent)
         n = max(1, min(self.requested, tiles))
         return n, f"split={self.requested} requested" + (f" (capped at {tiles} tiles)" if n < self.requested else "")
 
-    def work(self, blocks: dict[str, int], hint: int, extent) -> tuple[int, int, int]:
-        """(programs, tiles of the longest program fold, nested steps a tile) at `extent`."""
+    def work(self, blocks: dict[str, int], hint: int, extent) -> tuple[int, int, int, int]:
+        """(programs, tiles of the longest program fold's divided index, steps a tile of the
+        rest of the fold's and of the folds nested in it, how many chunks that index may
+        take: where a tile without tl.dot may shrink to SPLIT_FLOOR values) at `extent`."""
         spec = self.spec
         programs = math.prod(extent(g) if not blocks.get(g) else math.ceil(extent(g) / blocks[g])
                              for g in spec.grid)
-        tiles, steps = 0, 1
+        tiles, steps, divisions = 0, 1, 0
         for f in spec.program_folds:
-            block = 1 if one_at_a_time(f, self.dot) else self.loop_block(f, 0, hint, self.caps(f))
-            tiles = max(tiles, math.ceil(extent(f.indices[0]) / block))
-            steps = max(steps, nested_steps(f, extent, self.dot))
-        return programs, tiles, steps
+            p = self.split_position(f)
+            divided = f.indices[p]
+            singles, caps = one_at_a_time(f, self.dot), self.caps(f)
+            blocks_of = [1 if b in singles else self.loop_block(f, q, hint, caps) for q, b in enumerate(f.indices)]
+            tiles = max(tiles, math.ceil(extent(divided) / blocks_of[p]))
+            floor = blocks_of[p] if divided in self.dot else min(blocks_of[p], SPLIT_FLOOR)
+            divisions = max(divisions, math.ceil(extent(divided) / floor))
+            # each tile of the divided index comes with every tile of the fold's other indices
+            beside = math.prod(math.ceil(extent(b) / block) for q, (b, block) in enumerate(zip(f.indices, blocks_of))
+                               if q != p)
+            steps = max(steps, beside * nested_steps(f, extent, self.dot))
+        return programs, tiles, steps, divisions
 
     # ------------------------------------------------------------ 5. tuning
     def tuning(self, grid: list[Tile], folds: tuple[FoldLoops, ...]) -> tuple[str, tuple[Candidate, ...]]:

@@ -941,7 +941,7 @@ class KernelEmitter:
             for p, ax in enumerate(loops):
                 n = self.extent_param(ax.name)
                 lo, hi = "0", n
-                if chunk and p == 0:
+                if chunk and ax.name == how.chunked:
                     # flash-decoding: this program folds one contiguous chunk of the tiles
                     T.lines.append(f"chunk_{ax.var} = tl.cdiv(tl.cdiv({n}, {self.step(ax)}), n_split) "
                                    f"* {self.step(ax)}")
