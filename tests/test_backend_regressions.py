@@ -575,3 +575,16 @@ def numpy_seterr_unchanged() -> bool:
     """The silencing is scoped to the launches: numpy's settings are restored."""
     import numpy
     return numpy.geterr()["invalid"] != "ignore"
+
+
+@pytest.mark.parametrize("sizes", [{"b": 2, "n": 37, "k": 5}, {"b": 3, "n": 1, "k": 70}, {"b": 1, "n": 64, "k": 3}])
+def test_a_split_divides_the_longest_index_of_a_fold_whose_order_does_not_matter(sizes):
+    """A weight's gradient summed over two row indices: the split divides the tiles of the
+    longer one (the first's few values gave few splits), each program folding all of the
+    other beside its chunk; against the oracle, ragged chunks included."""
+    src = "dG[k] = sum[b, n](dY[b, n, k] * X[b, n, k])"
+    ref, backend, binding = assert_matches_oracle(src, inputs_for(compiler.compile(src, backend="reference"), sizes),
+                                                  split=3)
+    source = backend.build(backend.signature(binding, backend._extents(binding))).source
+    longest, other = ("n", "b") if sizes["n"] > sizes["b"] else ("b", "n")
+    assert f"lo_{longest} = split_id * chunk_{longest}" in source and f"chunk_{other}" not in source
