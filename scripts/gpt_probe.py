@@ -7,6 +7,8 @@ Each size of bench_gpt.SIZES (PROBE_QUICK=1: QUICK; PROBE_SIZES=d64,...: those),
 eager and under torch.compile: this tree's einfold model, each revision's, and
 torch's (SDPA), each trained from the same weights on the same batches.  A contender
 that takes more than PROBE_LIMIT seconds (default 240) is stopped and reported.
+PROBE_OPAQUE=1 adds this tree with every program's op opaque to torch.compile (the
+custom op of its kernels, as before the ops were triton_ops).
 Writes $OUT/gpt.json (losses included); the last lines are a short table: ms per
 step, peak MiB, the largest step difference of the loss from torch's, and torch's
 time over each contender's (> 1: faster than torch).  PROBE_PROFILE=1 instead prints,
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_revisions import revisions  # noqa: E402
 
 from compiler import bench_gpt  # noqa: E402
+from compiler.backend.triton.backend import TritonBackend  # noqa: E402
 
 
 class _TooLong(Exception):
@@ -65,10 +68,17 @@ def main(names: list[str]) -> None:
     for config in configs:
         for compiled in (False, True):
             kits = {f"einfold {tag}": (lambda p=package: bench_gpt.einfold_kit(p)) for tag, package in packages.items()}
+            if os.environ.get("PROBE_OPAQUE"):
+                kits["einfold opaque"] = lambda: bench_gpt.einfold_kit(packages["new"])
             kits["torch"] = bench_gpt.torch_kit
             results = {}
             for name, kit in kits.items():
                 signal.alarm(limit)
+                # "einfold opaque": this tree with every program's op opaque to torch.compile (the
+                # custom op of its kernels, as before triton_op), by taking away the traced runner
+                traced = TritonBackend.traced_runner
+                if name == "einfold opaque":
+                    TritonBackend.traced_runner = lambda self, binding: None
                 try:
                     results[name] = bench_gpt.train(config, kit(), compiled, steps, warmup)
                 except _TooLong:
@@ -77,6 +87,7 @@ def main(names: list[str]) -> None:
                     results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
                 finally:
                     signal.alarm(0)
+                    TritonBackend.traced_runner = traced
                 torch._dynamo.reset()
                 print(f"  {config.name} {'compiled' if compiled else 'eager'} {name}: "
                       f"{results[name] if isinstance(results[name], str) else results[name][:2]}", flush=True)
