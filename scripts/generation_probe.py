@@ -46,12 +46,14 @@ def generate(implementation: str) -> None:
         ids = torch.randint(0, CONFIG["vocab_size"], (1, prompt), generator=torch.Generator().manual_seed(prompt))
         ids = ids.cuda()
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         with torch.no_grad():
             tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                                     min_new_tokens=32, do_sample=False)
         torch.cuda.synchronize()
         out[f"prompt {prompt} s"] = round(time.perf_counter() - start, 3)
+        out[f"prompt {prompt} peak MiB"] = round(torch.cuda.max_memory_allocated() / 2 ** 20)
         out[f"prompt {prompt} tokens"] = tokens[0, prompt:].tolist()
         out[f"prompt {prompt} modules"] = len([n for n in sys.modules if n.startswith("einfold_")])
     print("RESULT " + json.dumps(out))
@@ -116,16 +118,17 @@ def main(revisions: list[str]) -> None:
         results["decode"] = child(["decode", *revisions], {}, 240)
     (out / "generation.json").write_text(json.dumps(results, indent=1))
     sdpa = results.get("sdpa (cold caches)")
-    print("\n| implementation | 1st generation s | 2nd (new prompt) s | modules | tokens = SDPA's |")
-    print("|---|---:|---:|---:|---|")
+    print("\n| implementation | 1st generation s | 2nd (new prompt) s | peak MiB | modules | tokens = SDPA's |")
+    print("|---|---:|---:|---:|---:|---|")
     for label, r in results.items():
         if label == "decode":
             continue
         if isinstance(r, str):
-            print(f"| {label} | {r} | | | |")
+            print(f"| {label} | {r} | | | | |")
             continue
         same = isinstance(sdpa, dict) and r["prompt 100 tokens"] == sdpa["prompt 100 tokens"]
-        print(f"| {label} | {r['prompt 100 s']} | {r['prompt 77 s']} | {r['prompt 77 modules']} | {same} |")
+        print(f"| {label} | {r['prompt 100 s']} | {r['prompt 77 s']} | {r['prompt 100 peak MiB']} | "
+              f"{r['prompt 77 modules']} | {same} |")
     if isinstance(results.get("decode"), list):
         print("\n| decode length | this tree ms | " + " | ".join(f"{r} / this tree" for r in revisions) + " |")
         for row in results["decode"]:
