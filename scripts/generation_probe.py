@@ -6,7 +6,9 @@ earlier revision.
 
 Generation: each implementation in a fresh process (Python, CUDA, einfold's module
 cache and Triton's cache fresh: a user's very first call), then (this tree's) a second
-process on the same cache folders (a later session), each generating 32 tokens after a prompt of
+process on the same cache folders (a later session), and one with fresh caches loading
+the tuning records the first einfold process saved (EINFOLD_TUNING: a machine of the same
+GPU model with the shipped choices), each generating 32 tokens after a prompt of
 100, then 32 after a prompt of 77 (a new length in a warm process).  Printed: seconds
 of each generation, the einfold modules the process loaded, and whether the tokens
 equal SDPA's.  Decode: `O[b,g,r,i,j]` over cache lengths between powers of two,
@@ -56,6 +58,8 @@ def generate(implementation: str) -> None:
         out[f"prompt {prompt} peak MiB"] = round(torch.cuda.max_memory_allocated() / 2 ** 20)
         out[f"prompt {prompt} tokens"] = tokens[0, prompt:].tolist()
         out[f"prompt {prompt} modules"] = len([n for n in sys.modules if n.startswith("einfold_")])
+    if implementation == "einfold" and os.environ.get("SAVE_TUNING"):
+        importlib.import_module(package).save_tuning(os.environ["SAVE_TUNING"])
     print("RESULT " + json.dumps(out))
 
 
@@ -107,13 +111,22 @@ def main(revisions: list[str]) -> None:
     results: dict = {}
     contenders = [("sdpa", "sdpa", "compiler"), ("einfold", "einfold", "compiler")] + \
         [(f"einfold {r}", "einfold", r) for r in revisions]
+    records = f"{tempfile.mkdtemp(prefix='gen-')}/tuning.json"
     for label, implementation, package in contenders:
         folder = tempfile.mkdtemp(prefix="gen-")
         env = {"PACKAGE": package, "EINFOLD_CACHE_DIR": f"{folder}/einfold", "TRITON_CACHE_DIR": f"{folder}/triton"}
+        if label == "einfold":
+            env["SAVE_TUNING"] = records           # the cold run's choices, for the run below
         for run in ("cold", "warm") if package == "compiler" else ("cold",):
             results[f"{label} ({run} caches)"] = child(["generate", implementation], env, 240)
             print(label, run, results[f"{label} ({run} caches)"] if isinstance(
                 results[f"{label} ({run} caches)"], str) else "", flush=True)
+    if os.path.exists(records):
+        # empty caches, but the tuning records of the cold run (another machine of this GPU model)
+        folder = tempfile.mkdtemp(prefix="gen-")
+        results["einfold (cold caches, tuning records)"] = child(["generate", "einfold"], {
+            "PACKAGE": "compiler", "EINFOLD_CACHE_DIR": f"{folder}/einfold", "TRITON_CACHE_DIR": f"{folder}/triton",
+            "EINFOLD_TUNING": records}, 240)
     if revisions:
         results["decode"] = child(["decode", *revisions], {}, 240)
     (out / "generation.json").write_text(json.dumps(results, indent=1))
