@@ -267,3 +267,20 @@ def test_modules_share_their_programs_and_torch_compile_traces_a_first_call_in_o
     out = torch.compile(lambda x: second(first(x)), fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(out, torch.nn.RMSNorm(13)(torch.nn.RMSNorm(13)(x)))
     assert first._program(3) is second._program(3)
+
+
+@pytest.mark.parametrize("split", [None, 3])
+def test_the_saving_forward_folds_the_logits_once_for_the_loss_and_the_saved_logsumexp(split):
+    # the row losses (elements of the mean) and the saved row logsumexp fold the same logits:
+    # one kernel whose grid is the rows computes both in one loop (it was two kernels, each
+    # streaming the [tokens, vocab] contraction); whole and split over the vocabulary
+    source = nn.FusedLinearCrossEntropy().source(2)
+    saving = compiler.compile(source, split=split)._saving
+    rows = [k for k in saving.schedule.kernels if k.grid]
+    assert len(rows) == 1 and {"lse_lse"} <= {st.name for st in rows[0].statements}
+    hidden, weight, y = randn(7, 5), randn(300, 5, seed=1), labels(7, classes=300, ignored=(2,))
+    inputs = {"H": hidden, "W": weight, "Y": y}
+    got = saving(**inputs)
+    want = compiler.compile(saving.text, outputs=saving.outputs, backend="reference")(**inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-5)
