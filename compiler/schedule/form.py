@@ -423,9 +423,8 @@ class Former:
                            f"(they fold others: in the scalar's one program they would run one after another)")
                     last = self.kernels[-1] if self.kernels else None
                     if last is not None and self._folds_again(last, elements):
-                        self._join(last, elements)
+                        self._join(last, elements)          # one fold, one loop: _join keeps equal folds once
                         last.buffers += (name,)
-                        self._share_restrictions(last)
                         last.why += f"; stores {why}"
                     else:
                         self._add(elements, buffer=True)
@@ -438,35 +437,14 @@ class Former:
 
     @staticmethod
     def _folds_again(k: _Draft, s: Assign) -> bool:
-        """Whether buffer statement `s` has kernel `k`'s grid and every program fold of
-        `k` is one of its own or a restriction of one (a saved row logsumexp beside the
-        row losses that fold the same logits with the label's logit): then `k` computes
-        both from its folds (_share_restrictions), one loop over the logits, not two
-        kernels each folding them."""
+        """Whether buffer statement `s` has kernel `k`'s grid and folds every program fold
+        of `k` (a saved row logsumexp beside the row losses, which fold the same logits
+        and the label's logit in one fold): joined, `k` computes both in one loop over
+        the logits, where two kernels would each fold them."""
         if k.buffers or k.epilogue or not k.program_folds or s.indices != k.grid:
             return False
         grid, folds = _grid_of(s.expr, s.indices)
-        return grid == k.grid and all(any(_restriction_of(small, big, k.grid) for big in folds)
-                                      for small in k.program_folds)
-
-    def _share_restrictions(self, k: _Draft) -> None:
-        """Kernel `k`'s statements with every program fold that is a restriction of
-        another (the same indices and arguments, fewer fields) read from that one: its
-        projections project the larger fold, its finalize is computed from the larger
-        fold's projections.  One loop carries both."""
-        def shared(node: Expr, big: Reduce) -> Expr:
-            if node.result is not None or node.fold.summary.field_names == big.summary.field_names:
-                return replace(big, result=node.result)
-            fields = {f"{name}": replace(big, result=name) for name in node.fold.summary.field_names}
-            return substitute(node.fold.summary.finalize, {Var(name): value for name, value in fields.items()})
-        for small in k.program_folds:
-            big = next((b for b in k.program_folds if b != small and _restriction_of(small, b, k.grid)), None)
-            if big is not None:
-                k.statements = tuple(replace(t, expr=_folds_replaced(t.expr, {small}, lambda n: shared(n, big)))
-                                     for t in k.statements)
-        statements, k.statements = k.statements, ()
-        for t in statements:
-            self._join(k, t)
+        return grid == k.grid and set(k.program_folds) <= set(folds)
 
     def _materialise_operands(self, s: Assign, found: list[_Recomputed]) -> Assign:
         """Each recomputed part (_recomputed) as a buffer over its own indices, the outer
@@ -636,17 +614,6 @@ def _flattened(fold: Reduce) -> Reduce:
             break
         fold = Reduce(fold.summary, fold.indices + nested[0].indices, (product(rest + [nested[0].args[0]], []),))
     return fold
-
-
-def _restriction_of(small: Reduce, big: Reduce, grid: tuple[str, ...]) -> bool:
-    """Whether fold `small` is fold `big`, or `big` folding fewer of its fields
-    (restrict_fields), up to the summary's name and the names of bound indices."""
-    names = small.summary.field_names
-    if small.indices != big.indices or not set(names) <= set(big.summary.field_names):
-        return False
-    narrowed = restrict_fields(big, list(names))
-    narrowed = replace(narrowed, summary=replace(narrowed.summary, name=small.summary.name))
-    return alpha_key(narrowed, grid)[0] == alpha_key(small.fold, grid)[0]
 
 
 def _folds_in(e: Expr) -> bool:
