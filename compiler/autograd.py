@@ -146,8 +146,8 @@ def _content_name(program, kinds: tuple[str, ...]) -> str:
     return f"program_{h.hexdigest()[:20]}"
 
 
-def _traceable_op(qualified: str, run, traced, fake, schema: str):
-    """The op `qualified` (a `torch.library.triton_op`) of `schema`: a call runs
+def _traceable_op(qualified: str, run, traced, fake, signature: inspect.Signature):
+    """The op `qualified` (a `torch.library.triton_op`) of `signature`: a call runs
     `run(*args)`, as a plain call of the program launches its kernels; where torch
     traces it (torch.compile's fake and functional tensors), `traced(*args)` launches
     the same kernels through `torch.library.wrap_triton`, so that the graph holds the
@@ -155,10 +155,8 @@ def _traceable_op(qualified: str, run, traced, fake, schema: str):
     of one opaque op.  Where `traced` gives None (kernels torch cannot trace: the
     interpreter, a Gluon kernel, symbolic sizes, the reference backend) the traced
     op calls an opaque op of its own, `<name>_kernels`, whose shapes `fake` gives."""
+    from torch._library.infer_schema import infer_schema
     from torch._library.triton import is_wrap_triton_enabled
-
-    opaque = torch.library.custom_op(f"{qualified}_kernels", run, mutates_args=(), schema=schema)
-    opaque.register_fake(fake)
 
     def body(*args):
         if not is_wrap_triton_enabled():        # triton_op's own call on real tensors
@@ -166,21 +164,22 @@ def _traceable_op(qualified: str, run, traced, fake, schema: str):
         found = traced(*args)
         return opaque(*args) if found is None else found
 
-    # triton_op takes its schema from the function's signature
-    body.__signature__ = _signature(schema)
+    # both ops take their schema from the signature
+    body.__signature__ = signature
+    opaque = torch.library.custom_op(f"{qualified}_kernels", run, mutates_args=(),
+                                     schema=infer_schema(body, mutates_args=()))
+    opaque.register_fake(fake)
     return torch.library.triton_op(qualified, body, mutates_args=())
 
 
-_ANNOTATIONS = {"Tensor": torch.Tensor, "float": float, "Tensor[]": list[torch.Tensor], "bool[]": list[bool]}
-
-
-def _signature(schema: str) -> inspect.Signature:
-    """The Python signature of an op's `schema` ("(Tensor x0, float x1) -> (Tensor, Tensor)")."""
-    params, _, results = schema.partition(" -> ")
-    parameters = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_ANNOTATIONS[kind])
-                  for kind, name in (p.strip().rsplit(" ", 1) for p in params.strip("()").split(",") if p.strip())]
-    kinds = [r.strip() for r in results.strip("()").split(",")]
-    returns = _ANNOTATIONS[kinds[0]] if len(kinds) == 1 else tuple[tuple(_ANNOTATIONS[k] for k in kinds)]
+def _signature(kinds: tuple[str, ...], returns, *lists: tuple[str, type]) -> inspect.Signature:
+    """The signature of an op of arguments of `kinds` ("Tensor" or "float"), positional
+    `x0, x1, ...` (an input may be called anything, a schema's parameter may not), then
+    the named lists `lists`, returning `returns`."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [inspect.Parameter(f"x{k}", positional, annotation=torch.Tensor if kind == "Tensor" else float)
+                  for k, kind in enumerate(kinds)]
+    parameters += [inspect.Parameter(name, positional, annotation=list[item]) for name, item in lists]
     return inspect.Signature(parameters, return_annotation=returns)
 
 
@@ -197,9 +196,6 @@ def _make_ops(program, kinds: tuple[str, ...]):
     outputs = tuple(statements[o] for o in forward.outputs)
     shown = len(program.outputs)            # outputs[shown:] are the saved statistics
     differentiable = tuple(s for s in outputs[:shown] if s.dtype == FLOAT)
-    # positional parameter names: an input may be called anything, a schema's may not
-    params = ", ".join(f"{kind} x{k}" for k, kind in enumerate(kinds))
-    results = "Tensor" if len(outputs) == 1 else f"({', '.join('Tensor' for _ in outputs)})"
 
     def implementation(*args):
         # no output aliases an input: each backend returns memory of its own (an op must)
@@ -218,7 +214,7 @@ def _make_ops(program, kinds: tuple[str, ...]):
         return shaped[0] if len(shaped) == 1 else shaped
 
     op = _traceable_op(f"{NAMESPACE}::{name}", implementation, traced, shapes,
-                       f"({params}) -> {results}")
+                       _signature(kinds, torch.Tensor if len(outputs) == 1 else tuple[(torch.Tensor,) * len(outputs)]))
 
     def gradient_inputs(gradient, inputs: dict, statistics, produced, upstream) -> dict:
         """The gradient program's inputs: the forward's, the statistics and outputs
@@ -249,7 +245,8 @@ def _make_ops(program, kinds: tuple[str, ...]):
     # the backward of a call that keeps no graph: the gradient program, reading the saved statistics
     backward_op = _traceable_op(
         f"{NAMESPACE}::{name}_backward", gradients, lambda *args: gradients(*args, traced=True), gradient_shapes,
-        f"({params}, Tensor[] statistics, Tensor[] produced, Tensor[] upstream, bool[] needs) -> Tensor[]")
+        _signature(kinds, list[torch.Tensor], ("statistics", torch.Tensor), ("produced", torch.Tensor),
+                   ("upstream", torch.Tensor), ("needs", bool)))
 
     def setup_context(ctx, inputs, output):
         ctx.numbers = {n: v for n, v in zip(names, inputs) if not isinstance(v, torch.Tensor)}

@@ -150,7 +150,10 @@ class CompiledProgram:
             program, binding = self._typed(inputs)
             runner = deep(lambda: program.backend.runner(binding), what="the program", source=self.text)
             self._runners[key] = runner
-        results = runner(inputs)
+        return self._in_order(runner(inputs))
+
+    def _in_order(self, results: dict):
+        """A run's results by name as a call returns them: the output, or a tuple of them."""
         if len(self.outputs) == 1:
             return results[self.outputs[0]]
         return tuple(results[name] for name in self.outputs)
@@ -166,10 +169,7 @@ class CompiledProgram:
         run = traced and deep(lambda: traced(binding), what="the program", source=self.text)
         if run is None:
             return None
-        results = run(binding.values)
-        if len(self.outputs) == 1:
-            return results[self.outputs[0]]
-        return tuple(results[name] for name in self.outputs)
+        return self._in_order(run(binding.values))
 
     def _typed(self, inputs: dict) -> tuple[CompiledProgram, Binding]:
         """(the program that runs `inputs`: this one, or where an integer tensor comes for

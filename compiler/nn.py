@@ -71,10 +71,9 @@ def _indices(stem: str, count: int) -> list[str]:
     return [f"{stem}{d}" for d in range(count)]
 
 
-# The programs modules run, each text and options compiled once per process and shared
-# by every module that runs it: by key, and the key of each text and options
+# The programs modules run, by the text of their source and options: each compiled once
+# per process and shared by every module that runs it
 _SHARED: dict[str, Program] = {}
-_KEYS: dict[tuple, str] = {}
 
 
 @torch._dynamo.assume_constant_result
@@ -84,12 +83,9 @@ def _shared_key(source: str, backend: str, float32_outputs: tuple[str, ...]) -> 
     compiling is not traceable (a graph break at a module's first call), and a program
     per module instance made one recompilation each (past dynamo's limit of 8 in a
     6-layer GPT's 13 norms); reading a dict by a constant key is traceable."""
-    options = (source, backend, float32_outputs)
-    key = _KEYS.get(options)
-    if key is None:
-        program = compile_program(source, backend=backend, float32_outputs=float32_outputs)
-        key = _KEYS[options] = program._key
-        _SHARED[key] = program
+    key = repr((source, backend, float32_outputs))
+    if key not in _SHARED:
+        _SHARED[key] = compile_program(source, backend=backend, float32_outputs=float32_outputs)
     return key
 
 

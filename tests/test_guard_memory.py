@@ -164,6 +164,8 @@ SPLITS = {
     "split logsumexp": ("L[i] = logsumexp[j](X[i,j])", 2, {"i": 3, "j": 67}),
     # a scalar whose split fold streams a nested one over two ragged tiles of 8192 a row
     "split scalar loss": ("L[] = mean[t](logsumexp[v](Z[t,v]))", 3, {"t": 5, "v": 8200}),
+    # a column sum over two row indices: the split divides the longer, the second
+    "split column sum": ("dG[k] = sum[b, n](dY[b, n, k] * X[b, n, k])", 3, {"b": 2, "n": 37, "k": 5}),
 }
 
 

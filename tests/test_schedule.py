@@ -340,3 +340,21 @@ def test_the_attention_backward_asked_in_another_order_matches_torch():
     got = backward(**{n: v.float() for n, v in given.items()}, scale=scale)
     for name, g, w in zip(wrt, got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=2e-4, atol=2e-4, msg=name)
+
+
+@pytest.mark.parametrize("spelling", [
+    "L[] = sum[r](logsumexp[c](sum[e](H[r,e] * W[c,e]))) / len(r)",
+    "Z[t,v] = sum[d](H[t,d] * W[v,d])\nS[t] = logsumexp[v](Z[t,v])\nL[] = mean[t](S[t])",
+])
+def test_a_scalars_fold_of_folded_elements_makes_its_elements_whatever_the_spelling(spelling):
+    # a mean loss over rows, each a logsumexp over a contraction: the rows' kernel stores
+    # them, the scalar's kernel folds the buffer; renamed indices, a mean written as a sum
+    # over len(r) and intermediate statements give the same kernels
+    plain = "L[] = mean[t](logsumexp[v](sum[d](H[t,d] * W[v,d])))"
+
+    def shapes(source):             # grids by their size: the spellings name the rows apart
+        return [(outputs, len(grid), buffers, reads) for outputs, grid, buffers, reads in
+                _kernel_shapes(scheduled(source))]
+    assert shapes(spelling) == shapes(plain)
+    rows, total = scheduled(plain).kernels
+    assert len(rows.grid) == 1 and rows.buffers and not total.grid

@@ -202,7 +202,7 @@ class _Kernel:
     def fold_loops(self, fold: Reduce, nested: bool, split: int, tuned: bool, scope) -> FoldLoops:
         s = fold.summary
         singles = one_at_a_time(fold, self.dot)
-        batch = set().union(*(dot_batch_names(a) for a in fold.args))
+        batch = _batch_indices(fold)
         exact = self.sig.sums_in_order(self.contraction_dtype(fold))
         caps = self.caps(fold)
         tiles = []
@@ -276,7 +276,7 @@ class _Kernel:
         12 programs on 132 SMs, 0.5 ms for 50 MB)."""
         if not fold.summary.commutative:
             return 0
-        batch = set().union(*(dot_batch_names(a) for a in fold.args))
+        batch = _batch_indices(fold)
         lengths = [0 if b in batch else self.extent(b) for b in fold.indices]
         return lengths.index(max(lengths))
 
@@ -365,3 +365,8 @@ class _Kernel:
             out = [Candidate((), warps, stages) for warps, stages in LAUNCH]
             table = "launch configurations, tiles as decided"
         return table, tuple(dict.fromkeys(out))
+
+
+def _batch_indices(fold: Reduce) -> set[str]:
+    """The batch indices of the contractions in `fold`'s arguments."""
+    return set().union(*(dot_batch_names(a) for a in fold.args))
