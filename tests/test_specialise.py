@@ -6,7 +6,8 @@ import torch
 import compiler
 from compiler.backend.triton.module import ModuleBuilder
 from compiler.cli import main
-from compiler.specialise import specialise
+from compiler.ir import Access, nodes
+from compiler.specialise import ConcreteSchedule, specialise
 from compiler.specialise.ir import ONE_AT_A_TIME, RANGED, TILED, WHOLE
 from test_triton_backend import LAYERNORM
 
@@ -247,17 +248,44 @@ def test_cli_prints_the_specialised_schedule(capsys):
     assert "ways: 8 programs for 132 SMs" in out and "fold[m] of r, l, u" in out
 
 
-def test_a_grid_index_whose_tiles_each_recompute_the_nested_folds_takes_the_widest_tile():
-    # a fused linear cross-entropy's dW[v, d] and dH[t0, t1, d] fold the logits
-    # sum[d](H[t0, t1, d] * W[v, d]) afresh for every tile of d: 768 in three tiles of 256
-    # recomputes them 3 times, not 12
+def _linear_cross_entropy_backward(hidden: int) -> ConcreteSchedule:
+    """The concrete schedule of a fused linear cross-entropy's gradient program (H, W) at
+    8 x 1024 tokens, a vocabulary of 32768 and this hidden width, on an H100."""
     from compiler.nn import FusedLinearCrossEntropy
     program = compiler.compile(FusedLinearCrossEntropy().source(3), backend="triton")
     gradient = program._gradient(("H", "W"), saved=True)
-    inputs = {"H": _input((8, 1024, 768), torch.bfloat16), "W": _input((32768, 768), torch.bfloat16),
+    inputs = {"H": _input((8, 1024, hidden), torch.bfloat16), "W": _input((32768, hidden), torch.bfloat16),
               "Y": torch.zeros(8, 1024, dtype=torch.int64), "dloss": torch.ones((), dtype=torch.bfloat16),
               "lse_lse": _input((8, 1024), torch.float32)}
     typed, binding = gradient._typed(inputs)
-    grids = {k.schedule.statements[0].name: {t.index: t.size for t in k.grid}
-             for k in typed.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels}
+    return typed.backend.specialised_for(binding, sm_count=H100_SMS, arch=90)
+
+
+def test_a_grid_index_whose_tiles_each_recompute_the_nested_folds_takes_the_widest_tile():
+    # at d = 512 the fused kernels' dW[v, d] and dH[t0, t1, d] fold the logits
+    # sum[d](H[t0, t1, d] * W[v, d]) afresh for every tile of d (storing them once costs
+    # more): two tiles of 256 recompute them twice, not 8 times
+    concrete = _linear_cross_entropy_backward(512)
+    assert concrete.schedule.chunking is None
+    grids = {k.schedule.statements[0].name: {t.index: t.size for t in k.grid} for k in concrete.kernels}
     assert grids["dW"] == {"v": 64, "d": 256} and grids["dH"] == {"t0": 0, "t1": 64, "d": 256}
+
+
+def test_a_buffer_larger_than_the_inputs_is_made_a_chunk_at_a_time():
+    # at d = 768 recomputing the logits for each tile of d costs more than storing dZ once,
+    # but dZ[t0, t1, v] would be 8192 x 32768: the kernels from the one that stores it to
+    # the last that reads it run over chunks of v, each dZ[t0, t1, chunk] no larger than W
+    # (32768 x 768); dH sums over v, so it adds up the chunks' sums
+    concrete = _linear_cross_entropy_backward(768)
+    run = concrete.schedule.chunking
+    assert (run.index, run.size, run.lengths, run.accumulated) == ("v", 3072, (3072, 2048), ("dH",))
+    assert dict(run.narrowed) == {"W": 0, "dW": 0}
+    kernels = {k.schedule.statements[0].name: k for k in concrete.kernels}
+    stored, = run.buffers
+    assert 8192 * run.size <= 32768 * 768
+    # both products read the one stored dZ, on tensor cores, over every token
+    for name in ("dH", "dW"):
+        assert stored in {n.tensor for n in nodes(kernels[name].schedule.statements[0].expr)
+                          if isinstance(n, Access)}
+        assert all("tl.dot" in t.why for t in kernels[name].grid if t.how != ONE_AT_A_TIME)
+    assert "run in 11 chunks of v, 3072 at a time" in str(concrete)

@@ -1077,3 +1077,19 @@ def test_a_value_divided_by_a_row_statistic_takes_tl_dot_with_the_divisor_beside
                for c in range(3))
     torch.testing.assert_close(ref(**inputs).double(), want)
 
+
+
+@pytest.mark.parametrize("source, shapes", [
+    ("C[i,j] = sum[b,k](A[b,k,i] * B[b,k,j])", {"A": (3, 37, 50), "B": (3, 37, 21)}),
+    ("C[i,j] = sum[b,k](A[b,k,i] * B[j,k,b])", {"A": (2, 70, 33), "B": (19, 70, 2)}),
+    ("C[i,j] = exp(sum[b,k](A[b,k,i] * B[b,k,j]) / 8)", {"A": (1, 16, 16), "B": (1, 16, 17)})])
+def test_a_contraction_over_two_indices_is_a_matrix_product(source, shapes):
+    # a weight gradient summed over batch and rows (dW[v, d] = sum[b, t](dZ[b, t, v] *
+    # H[b, t, d])): one reduced index one value at a time beside a tl.dot over the other
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
+    program = compiler.compile(source, backend="triton")
+    got = program(**inputs)
+    assert "tl.dot(" in program.source
+    want = compiler.compile(source, backend="reference")(**{n: v.double() for n, v in inputs.items()})
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5

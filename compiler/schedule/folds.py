@@ -237,7 +237,9 @@ def summed_factors(e: Expr, reduced: frozenset, beside: tuple[frozenset, ...] = 
 
 @dataclass(frozen=True)
 class Contraction:
-    """A matrix-product-like fold: a sum over one index of a product, or a rescaled
+    """A matrix-product-like fold: a sum of a product (over several indices, all but
+    one taken one value at a time beside a tl.dot over the last: a weight gradient
+    summed over batch and rows), or a rescaled
     summary's weights times values that carry another free index (attention's P V).
     `sides` vary over only some of the factors that read the reduced index (the rows
     and columns of tl.dot); `batch` over all of them: tiling a batch index, or two
@@ -273,7 +275,7 @@ def contractions(e: Expr) -> list[Contraction]:
     def visit(n: Expr, bound: frozenset) -> None:
         for part in fold_parts(n) if isinstance(n, Reduce) else ():
             factors = None
-            if additive(part.summary) and len(part.indices) == 1:
+            if additive(part.summary):
                 factors = summed_factors(part.args[0], frozenset(part.indices))
             elif getattr(part.summary, "rescaled", ()) and value_only_names(part):
                 factors = list(part.args)

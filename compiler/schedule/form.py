@@ -110,6 +110,9 @@ class Former:
         self.buffer_indices: dict[str, tuple[str, ...]] = {}
         self.stored: dict[tuple[str, Reduce], str] = {}     # (kernel, projection it stores) -> buffer
         self.operand_buffers: list[str] = []                  # chained operands stored (Schedule.operand_buffers)
+        # what a buffer holds -> (its name, its indices): a value two statements materialise is
+        # stored once
+        self.held: dict[Expr, tuple[str, tuple[str, ...]]] = {}
 
     def run(self) -> Schedule:
         defs = {s.name: s for s in self.program.statements}
@@ -391,12 +394,29 @@ class Former:
             name = f"einfold_{stem}_{n}"
         return name
 
+    def _stored_before(self, value: Expr) -> tuple[str, tuple[str, ...]] | None:
+        """A buffer an earlier statement stored `value` in (the count of rows not ignored,
+        which a loss's dH and dW both divide by; a backward's dZ[t, v], which dH reads
+        over (t, v) and dW over (v, t)): its name and indices.  Equal values are equal
+        nodes (frozen, hashed by structure), so this costs a lookup; equal up to index
+        names only (alpha_key) would cost a walk of every tree, which on a deep program
+        (sixteen nested softmaxes) is not a walk of its DAG but of its unfolded tree."""
+        return self.held.get(value)
+
+    def _hold(self, name: str, indices: tuple[str, ...], value: Expr) -> None:
+        self.held.setdefault(value, (name, indices))
+
     def _materialise(self, s: Assign, todo: list[Reduce], reason: str) -> Assign:
         table: dict[Reduce, Access] = {}
         for f in todo:                                  # innermost first
             body = replace_folds(f, table)
             indices = tuple(i for i in s.indices if i in free(f))
+            before = self._stored_before(body)
+            if before is not None:
+                table[f] = Access(*before)
+                continue
             name = self._buffer_name()
+            self._hold(name, indices, body)
             self.buffer_indices[name] = indices
             note = f"{f.summary.name}[{', '.join(f.indices)}] over ({', '.join(indices)})"
             self._add(Assign(name, indices, body, "float"), buffer=True)
@@ -457,16 +477,23 @@ class Former:
             if part.fold in regrouped or (not part.factors and part.operand[0] in stored):
                 continue
             operand = product(list(part.operand), [])
-            indices = (tuple(i for i in s.indices if i in free(operand))
-                       + tuple(i for i in part.fold.indices if i in free(operand)))
-            name = self._buffer_name()
-            self.buffer_indices[name] = indices
-            if part.factors:
-                self.operand_buffers.append(name)
-            self._add(Assign(name, indices, operand, "float"), buffer=True)
-            self.kernels[-1].why = (f"materialises {format_expr(operand)} into {name}[{', '.join(indices)}] "
-                                    f"(read by {part.fold.summary.name}[{', '.join(part.fold.indices)}], whose "
-                                    f"tiles of {part.index} would each recompute it)")
+            before = self._stored_before(operand)
+            if before is not None:
+                name, indices = before
+                if part.factors and name not in self.operand_buffers:
+                    self.operand_buffers.append(name)
+            else:
+                indices = (tuple(i for i in s.indices if i in free(operand))
+                           + tuple(i for i in part.fold.indices if i in free(operand)))
+                name = self._buffer_name()
+                self.buffer_indices[name] = indices
+                self._hold(name, indices, operand)
+                if part.factors:
+                    self.operand_buffers.append(name)
+                self._add(Assign(name, indices, operand, "float"), buffer=True)
+                self.kernels[-1].why = (f"materialises {format_expr(operand)} into {name}[{', '.join(indices)}] "
+                                        f"(read by {part.fold.summary.name}[{', '.join(part.fold.indices)}], whose "
+                                        f"tiles of {part.index} would each recompute it)")
             if part.factors:
                 rest = [f for f in summed_factors(part.fold.args[0], frozenset(part.fold.indices))
                         if f not in part.operand]
@@ -537,11 +564,13 @@ def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]
     values the schedule keeps whole) that reads the sum's index, misses g and reads
     past the program's tile (_reads_past_the_tile).  Neither may read a rescaled fold
     (_weighted).  Stored once, a chained contraction
-    is a matrix product's operand read from memory, a nested fold a vector."""
+    is a matrix product's operand read from memory, a nested fold a vector.  A part two
+    statements recompute alike (dH and dW of a loss over the logits) is stored once
+    (Former._stored_before)."""
     found = []
     for fold in dict.fromkeys(folds):
         chained = None
-        if additive(fold.summary) and len(fold.indices) == 1:
+        if additive(fold.summary):
             factors = summed_factors(fold.args[0], frozenset(fold.indices))
             for g in grid:
                 group = tuple(f for f in factors if g not in free(f))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..ir import Access, Assign, Program, Reduce, format_expr, nodes
+from .chunks import Chunking, chunked
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
 from .tiles import CHAIN_BREAK, WHOLE_MAX, describe, recompute_costs
@@ -94,6 +95,9 @@ class Schedule:
     # buffers only a contraction reads, as an operand (a chained contraction stored): a backend
     # may store them in the dtype its matrix product reads
     operand_buffers: tuple[str, ...] = ()
+    # kernels run once per chunk of an index at these extents (for_extents), so that a buffer
+    # holds one chunk: chunks.py
+    chunking: Chunking | None = None
 
     def for_extents(self, extent: Callable[[str], int]) -> Schedule:
         """The schedule to run at these extents: the materialised one where some kernel's
@@ -112,11 +116,12 @@ class Schedule:
         # by what they hold, not their names: the two schedules number their buffers apart (the
         # fused one's buf1 may be a count where the materialised one's is [tokens, vocab] logits)
         ours = set(self.buffer_definitions().values())
-        added = [indices for (name, indices) in self.materialised.buffer_indices
-                 if self.materialised.buffer_definitions()[name] not in ours]
-        if any(math.prod(extent(i) for i in indices) > largest for indices in added):
-            return self
-        return self.materialised
+        added = {name for (name, _) in self.materialised.buffer_indices
+                 if self.materialised.buffer_definitions()[name] not in ours}
+        if all(math.prod(extent(i) for i in self.materialised.indices_of(b)) <= largest for b in added):
+            return self.materialised
+        run = chunked(self.materialised, added, extent, largest)
+        return self if run is None else replace(self.materialised, chunking=run)
 
     def buffer_definitions(self) -> dict[str, Assign]:
         """Each buffer's statement, with the buffer's name left out (what it holds)."""
@@ -140,6 +145,8 @@ class Schedule:
         lines += [str(k) for k in self.kernels]
         buffers = ", ".join(f"{b}[{', '.join(ix)}]" for b, ix in self.buffer_indices)
         lines.append(f"intermediate buffers: {buffers or 'none'}")
+        if self.chunking is not None:
+            lines.append(self.chunking.describe([k.name for k in self.kernels]))
         if self.materialised is not None:
             lines.append("materialised (for the longer extents):")
             lines += ["  " + line for line in str(self.materialised).splitlines()]

@@ -43,6 +43,7 @@ class Plan:
     backend: str
     kernels: tuple[Kernel, ...]
     buffers: tuple[str, ...]    # intermediates stored in global memory
+    chunks: str = ""            # which kernels run once per chunk of an index, and why (schedule/chunks.py)
 
     def __str__(self) -> str:
         lines = [f"backend {self.backend}: {len(self.kernels)} kernel(s)"]
@@ -50,4 +51,6 @@ class Plan:
             lines.append(f"  {k.name}: writes {', '.join(k.writes)}  # {k.why}")
             lines += [f"    {loop}" for loop in k.loops]
         lines.append(f"  intermediate buffers: {', '.join(self.buffers) or 'none'}")
+        if self.chunks:
+            lines.append(f"  {self.chunks}")
         return "\n".join(lines)

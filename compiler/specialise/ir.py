@@ -228,4 +228,6 @@ class ConcreteSchedule:
     def __str__(self) -> str:
         lines = [f"specialised to {self.signature}: {len(self.kernels)} kernel(s)"]
         lines += [str(k) for k in self.kernels]
+        if self.schedule.chunking is not None:
+            lines.append(self.schedule.chunking.describe([k.name for k in self.kernels]))
         return "\n".join(lines)

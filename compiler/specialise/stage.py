@@ -26,7 +26,7 @@ from ..ir import Access, Call, Reduce, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.bounds import index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
-from ..schedule.tiles import (LAUNCH, MATMUL, PAIRED, SPLIT_FLOOR, STREAMED, auto_split, fold_caps, free_tile,
+from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, auto_split, fold_caps, free_tile,
                               grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
                               one_at_a_time, size_class, split_tile, uniform_work, whole_tile)
 from . import forms
@@ -51,10 +51,18 @@ def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
     shared = frozenset(t for t, count in readers.items() if count > 1)
     # the tensors each kernel may read: the inputs, and what it and earlier kernels store
     known = {name for name, *_ in signature.inputs}
+    run = chosen.chunking
+
+    def chunk_extent(name: str) -> int:
+        # the kernels of a chunked run are specialised to a full chunk (the last one is
+        # shorter: whole tiles of the full chunk's sizes mask it)
+        return run.size if name in run.names else extent(name)
     kernels = []
-    for k in chosen.kernels:
+    for position, k in enumerate(chosen.kernels):
         known |= {st.name for st in k.statements}
-        kernels.append(_Kernel(k, chosen.split, signature, extent).specialised(frozenset(known), shared, dtypes))
+        chunked = run is not None and run.first <= position <= run.last
+        kernels.append(_Kernel(k, chosen.split, signature, chunk_extent if chunked else extent, chunked)
+                       .specialised(frozenset(known), shared, dtypes))
     return ConcreteSchedule(chosen, signature, tuple(kernels), tuple(dtypes.items()))
 
 
@@ -72,6 +80,8 @@ def storage(schedule: Schedule, sig: Signature) -> dict[str, torch.dtype]:
         for st in k.statements:
             if st.name in k.buffers:
                 out[st.name] = sig.dtype if low and st.name in schedule.operand_buffers else computed
+            elif schedule.chunking is not None and st.name in schedule.chunking.accumulated:
+                out[st.name] = computed     # the chunks' partial sums, added up before the output is cast
             else:
                 out[st.name] = {"float": sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
     return out
@@ -80,8 +90,9 @@ def storage(schedule: Schedule, sig: Signature) -> dict[str, torch.dtype]:
 class _Kernel:
     """One kernel's decisions, made in the stage's order."""
 
-    def __init__(self, spec: KernelSchedule, requested: int | None, sig: Signature, extent):
+    def __init__(self, spec: KernelSchedule, requested: int | None, sig: Signature, extent, chunked: bool = False):
         self.spec, self.requested, self.sig, self.extent = spec, requested, sig, extent
+        self.chunked = chunked          # run once per chunk of an index (schedule/chunks.py): in tl
         self.dot = set(spec.dot_indices)
         self.inputs = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
 
@@ -107,7 +118,7 @@ class _Kernel:
         tuned_grid = [t for t in grid if t.tuned]
         table, candidates = self.tuning(tuned_grid, folds) if tuned and not self.sig.interpret else ("", ())
         form, form_why = None, ""
-        if tuned:       # a split kernel is its partial and merge functions, in tl
+        if tuned and not self.chunked:      # a split kernel is its partial and merge functions, in tl
             program = next((f for f in folds if spec.program_folds and f.fold == spec.program_folds[0]), None)
             form, form_why = forms.choose(spec, program, self.sig, self.extent, set(known))
             if not any(f.summary.rescaled for f in spec.program_folds):
@@ -309,7 +320,9 @@ class _Kernel:
         if self.requested is None:
             # the work counted at each extent's shape class: one split serves the class
             programs, tiles, steps, divisions = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
-            n = auto_split(programs, tiles, self.sig.sm_count, steps, divisions)
+            matrix = len(spec.grid) == 2 and set(spec.grid) <= self.dot and bool(spec.contractions)
+            n = auto_split(programs, tiles, self.sig.sm_count, steps, divisions,
+                           MATMUL_PROGRAMS_PER_SM if matrix else 2)
             why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"
                    + (f" of {steps} nested steps each" if steps > 1 else "")) if n > 1 else ""
             return n, why

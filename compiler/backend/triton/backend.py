@@ -294,7 +294,7 @@ class TritonBackend:
         from torch.library import wrap_triton
         extents = self._extents(binding)
         built, launch, _ = self._entry(binding, extents)
-        if built.gluon:
+        if built.gluon or built.chunked:
             return None
         # the launcher finds its kernels among its module's globals: a copy of it whose
         # globals hold them wrapped (the module's own are DirectLaunches, shared by calls)

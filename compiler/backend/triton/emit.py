@@ -207,12 +207,14 @@ class Arg:
     (the extent's bit length: tiles.size_class), a tensor, one of its strides, a float
     number (by value, or in memory for a float64 program), or the split count.  Its
     text is the launcher's expression."""
-    kind: str            # "extent", "size_class", "tensor", "stride", "number", "number64" or "split"
+    kind: str            # "extent", "size_class", "tensor", "stride", "number", "number64", "split",
+    #                      or in a chunked run "start" (its chunk's first value) and "whole extent"
     name: str = ""       # the index or tensor it is of
     dim: int = 0         # a stride's dimension
 
     def __str__(self) -> str:
         return {"extent": f'n["{self.name}"]', "size_class": f'n["{self.name}"].bit_length()',
+                "start": "start", "whole extent": f'whole["{self.name}"]',
                 "tensor": f't["{self.name}"]',
                 "stride": f't["{self.name}"].stride({self.dim})', "number": f'float(t["{self.name}"])',
                 "number64": f'torch.full((), float(t["{self.name}"]), dtype=torch.float64, device=device)',
@@ -262,6 +264,8 @@ class ModuleContext:
         self.helpers: set[str] = set()
         self.combines: dict[tuple, tuple[str, str]] = {}      # (summary, fields) -> (name, source)
         self.split_layouts: dict = {}
+        self.chunking = None                     # the schedule's chunked run (schedule/chunks.py), if any
+        self.chunked_kernels: frozenset[str] = frozenset()
         # names of the module's globals (kernels, combine functions, helpers), every kernel-local
         # name given out so far, and the names of the program (tensors, statements, buffers)
         self.module_names: set[str] = ({"launch", "torch", "triton", "tl", "_time_candidate"}
@@ -526,6 +530,21 @@ class KernelEmitter:
         self.params.setdefault(p, Arg("extent", name))
         return p
 
+    def in_chunks(self, index: str) -> bool:
+        """Whether this kernel runs once per chunk of `index` (a view of each tensor)."""
+        run = self.ctx.chunking
+        return run is not None and self.spec.name in self.ctx.chunked_kernels and index in run.names
+
+    def start_param(self) -> str:
+        p = self.local("start", ("start",))
+        self.params.setdefault(p, Arg("start"))
+        return p
+
+    def whole_extent_param(self, name: str) -> str:
+        p = self.local(f"n_{ident(name)}_whole", ("whole extent", name))
+        self.params.setdefault(p, Arg("whole extent", name))
+        return p
+
     def tensor_params(self, name: str, rank: int) -> tuple[str, list[str]]:
         ptr = self.local(f"{ident(name)}_ptr", ("ptr", name))
         self.params.setdefault(ptr, Arg("tensor", name))
@@ -601,6 +620,8 @@ class KernelEmitter:
         if a.kind == "scan":         # its steps start at the loop's start, any tile of it
             return True
         largest = 256 if a.block_name in self.tunable else a.block
+        if self.in_chunks(a.name):
+            return any(n % largest != 0 for n in self.ctx.chunking.lengths)
         n = self.ctx.extent(a.name)
         return n == 0 or n % largest != 0
 
@@ -621,9 +642,15 @@ class KernelEmitter:
             return Value(emission.literal(e.value), (), kind, const=e.value)
         if isinstance(e, Index):
             ax = scope.env[e.name]
-            return Value(ax.offs, (ax,), "int", bounds=(0, max(self.ctx.extent(e.name) + ax.block - 1, 0)))
+            bounds = (0, max(self.ctx.extent(e.name) + ax.block - 1, 0))
+            if self.in_chunks(e.name):
+                # a chunk's view starts at value `start` of the index (schedule/chunks.py)
+                return Value(f"({ax.offs} + {self.start_param()})", (ax,), "int", bounds=bounds)
+            return Value(ax.offs, (ax,), "int", bounds=bounds)
         if isinstance(e, Extent):
             n = self.ctx.extent(e.name)
+            if self.in_chunks(e.name):
+                return Value(self.whole_extent_param(e.name), (), "int", bounds=(n, n))
             return Value(self.extent_param(e.name), (), "int", bounds=(n, n))
         if isinstance(e, Var):
             raise TypeError(f"free summary variable '{e.name}' in a statement")

@@ -31,6 +31,7 @@ class Built:
     plan: Plan
     launched: tuple[str, ...] = ()      # every kernel the launcher may launch (the plan's, and fallbacks)
     gluon: tuple[str, ...] = ()         # those of them in Gluon (the Hopper form), which torch cannot trace
+    chunked: bool = False               # some kernels run per chunk of an index, on views (schedule/chunks.py)
 
 
 def packed_strides(args: list[Arg]) -> list[str]:
@@ -83,6 +84,10 @@ class ModuleBuilder:
         self.ctx.reserved |= set(schedule.buffers)
         self.ctx.module_names |= {spec.name + suffix for spec in schedule.kernels
                                   for suffix in ("", "_partial", "_merge")}
+        self.run = run = schedule.chunking
+        if run is not None:
+            self.ctx.chunking = run
+            self.ctx.chunked_kernels = frozenset(k.name for k in schedule.kernels[run.first:run.last + 1])
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
         self.hopper: dict[str, hopper.HopperCode] = {}       # tl kernel name -> its Hopper form
@@ -134,7 +139,9 @@ class ModuleBuilder:
             buffers += list(spec.buffers)
         launched = tuple(code.name for code, _ in self.kernels) + tuple(form.name for form in self.hopper.values())
         gluon = tuple(form.name for form in self.hopper.values())
-        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers)), launched, gluon)
+        chunks = self.run.describe([k.name for k in plan_kernels]) if self.run is not None else ""
+        return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers), chunks), launched, gluon,
+                     self.run is not None)
 
     def _hopper_form(self, kernel: ConcreteKernel) -> hopper.HopperCode | None:
         """The kernel's Hopper form (hopper.py) where the specialised kernel takes it
@@ -226,19 +233,67 @@ class ModuleBuilder:
         if kept:
             lines.append(f'    if "{kept[0]}" not in t:')
             lines.append("        t.update(scratch(n, device))")
-        for code, n_split in self.kernels:
-            lines.append(f"    # {code.name}: {code.why}")
+        run = self.run
+        for position, (code, n_split) in enumerate(self.kernels):
+            launch = [f"    # {code.name}: {code.why}"]
             if code.name in self.hopper:
-                lines += self.hopper[code.name].launch
-                lines.append("    else:                       # TMA cannot read the operands: the tl kernel")
-                lines += ["    " + line for line in self.launch_lines(code, n_split)]
+                launch += self.hopper[code.name].launch
+                launch.append("    else:                       # TMA cannot read the operands: the tl kernel")
+                launch += ["    " + line for line in self.launch_lines(code, n_split)]
             else:
-                lines += self.launch_lines(code, n_split)
+                launch += self.launch_lines(code, n_split)
+            if run is not None and position == run.first:
+                lines += self.chunks_opened()
+            if run is not None and run.first <= position <= run.last:
+                launch = ["    " + line for line in launch]
+            lines += launch
+            if run is not None and position == run.last:
+                lines += self.chunks_closed()
         for spec in self.schedule.kernels:
             for b in spec.buffers:
-                shape = ", ".join(f'n["{i}"]' for i in self.schedule.indices_of(b))
+                chunked = run is not None and b in run.buffers
+                shape = ", ".join(f'min({run.size}, n["{i}"])' if chunked and i in run.names else f'n["{i}"]'
+                                  for i in self.schedule.indices_of(b))
                 lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), '
                                 f'dtype={self.concrete.dtype(b)}, device=device)')
+        return lines
+
+    def _shape(self, statement: str) -> str:
+        indices = next(st.indices for k in self.schedule.kernels for st in k.statements if st.name == statement)
+        return "(" + "".join(f'n["{i}"], ' for i in indices).rstrip(" ") + ")"
+
+    def chunks_opened(self) -> list[str]:
+        """The launcher's head of a chunked run (schedule/chunks.py): the loop over the
+        chunks, each with the chunk's extents and views of the tensors along the index;
+        an output summed over the index gets float32 partial sums, the first chunk's
+        written where the total is kept."""
+        run = self.run
+        x = run.index
+        first = self.kernels[run.first][0].name
+        last = self.kernels[run.last][0].name
+        lines = [f"    # {first} to {last}: in chunks of {x}, {run.size} at a time ({run.why})",
+                 "    whole, whole_t = n, t"]
+        if run.accumulated:
+            lines.append("    total, part = {}, {}         # the chunks' sums over " + x + ", added up in float32")
+        for name in run.accumulated:
+            lines.append(f'    total["{name}"] = torch.empty({self._shape(name)}, dtype={self.concrete.dtype(name)}, '
+                         f'device=device)')
+            lines.append(f'    part["{name}"] = torch.empty_like(total["{name}"])')
+        lengths = ", ".join(f'"{i}": length' for i in run.names)
+        views = [f'"{tensor}": whole_t["{tensor}"].narrow({dim}, start, length)' for tensor, dim in run.narrowed]
+        views += [f'"{name}": part["{name}"] if start else total["{name}"]' for name in run.accumulated]
+        lines += [f'    for start in range(0, whole["{x}"], {run.size}):',
+                  f'        length = min({run.size}, whole["{x}"] - start)',
+                  f"        n = {{**whole, {lengths}}}",
+                  f"        t = {{**whole_t, {', '.join(views)}}}"]
+        return lines
+
+    def chunks_closed(self) -> list[str]:
+        lines = []
+        for name in self.run.accumulated:
+            lines += ["        if start:", f'            total["{name}"] += part["{name}"]']
+        lines.append("    n, t = whole, whole_t")
+        lines += [f'    t["{name}"].copy_(total["{name}"])' for name in self.run.accumulated]
         return lines
 
     def source(self) -> str:

@@ -1,0 +1,163 @@
+"""Chunked runs: a schedule whose buffers would outgrow the inputs runs part of its
+kernels once per chunk of one index, so that each buffer holds one chunk.
+
+The materialised schedule (Schedule.materialised) stores a value that the fused one
+recomputes for every tile of a grid index: a fused linear cross-entropy's backward
+stores dZ[t, v] once and reads it as the operand of two matrix products (dH = dZ W,
+dW = dZ^T H), where the fused kernels recompute the logits for every tile of the
+hidden dimension.  Stored whole, dZ is [tokens, vocab]: larger than any input.  Run
+over chunks of v, the kernels from the one that stores dZ to the last that reads it
+need dZ[t, one chunk of v] at a time:
+
+- a statement over v (dZ, dW[v, d]) is written one chunk at a time: the launcher
+  hands the kernels views of the chunk (`Tensor.narrow` of every tensor along the
+  dimension v indexes), the chunk's length as v's extent and its first value as
+  `start`, which a kernel adds where it reads v's value (`v == Y[t]`);
+- a statement without v that sums over v (dH[t, d] = sum[v](...)) is each chunk's
+  partial sum, added up in float32 across the chunks (an additive fold's partial
+  sums add);
+- anything else that reads v (a fold over v nested in a value, a loop bound or
+  tile test on v, a tensor read along v at two dimensions, or along v at one
+  access and another index at another) would see one chunk where it needs all:
+  no chunked run over v.
+
+`chunked(schedule, added, extent, budget)` picks the index whose run adds the fewest
+float32 partial sums, and a chunk length (a multiple of CHUNK_ALIGN, chunks of
+near-equal length) such that no added buffer holds more than `budget` elements."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..algebra.properties import additive
+from ..ir import Access, Reduce, nodes
+from .bounds import index_bounds, tile_tests
+from .folds import all_index_names
+
+CHUNK_ALIGN = 256       # a chunk holds whole tiles of every tile size (tiles.py: up to 256)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """Kernels `first`..`last` (positions in the schedule) run once per chunk of `index`."""
+    index: str
+    names: tuple[str, ...]          # `index` and the names inlining gave its bound copies
+    size: int                       # a chunk's length; the last chunk holds the rest
+    extent: int                     # the whole extent of `index`
+    first: int
+    last: int
+    narrowed: tuple[tuple[str, int], ...]   # tensor -> the dimension `index` indexes (a view per chunk)
+    buffers: tuple[str, ...]        # buffers made in the run over `index`: one chunk long
+    accumulated: tuple[str, ...]    # outputs that sum over `index`: chunks' sums added in float32
+    why: str
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The distinct chunk lengths a run launches (the last chunk may be shorter)."""
+        rest = self.extent % self.size
+        return (self.size,) + ((rest,) if rest else ())
+
+    def describe(self, kernels: list[str]) -> str:
+        """One line: which of `kernels` (the schedule's names, in order) run per chunk, and why."""
+        count = -(-self.extent // self.size)
+        line = (f"{kernels[self.first]} to {kernels[self.last]} run in {count} chunks of {self.index}, "
+                f"{self.size} at a time: {self.why}")
+        if self.accumulated:
+            line += f"; {', '.join(self.accumulated)}: the chunks' sums, added in float32"
+        return line
+
+
+def chunked(schedule, added: set[str], extent: Callable[[str], int], budget: int) -> Chunking | None:
+    """A chunked run of `schedule` in which no buffer of `added` holds more than `budget`
+    elements, or None where no index allows one."""
+    kernels = schedule.kernels
+    stores = [{st.name for st in k.statements} for k in kernels]
+    read = [{n.tensor for st in k.statements for n in nodes(st.expr) if isinstance(n, Access)} for k in kernels]
+    first = min(p for p, names in enumerate(stores) if names & added)
+    last = max(p for p in range(len(kernels)) if (read[p] | stores[p]) & added)
+    region = kernels[first:last + 1]
+    fresh = dict(schedule.fresh_names)
+
+    def origin(name: str) -> str:
+        while name in fresh:
+            name = fresh[name]
+        return name
+    candidates = dict.fromkeys(origin(i) for b in added for i in schedule.indices_of(b))
+    found = []
+    for x in candidates:
+        run = _run(schedule, region, first, last, added, x, origin, extent, budget)
+        if run is not None:
+            # each chunk's partial sums are written and added once more: the fewest of those
+            cost = -(-run.extent // run.size) * sum(
+                math.prod(extent(i) for i in _indices(region, a)) for a in run.accumulated)
+            found.append((cost, -run.size, run))
+    return min(found, key=lambda f: f[:2])[2] if found else None
+
+
+def _indices(region, name: str) -> tuple[str, ...]:
+    return next(st.indices for k in region for st in k.statements if st.name == name)
+
+
+def _run(schedule, region, first: int, last: int, added: set[str], x: str, origin, extent,
+         budget: int) -> Chunking | None:
+    statements = [st for k in region for st in k.statements]
+    names = frozenset(i for st in statements for i in all_index_names(st.expr) | set(st.indices) if origin(i) == x)
+    if not all(names & set(schedule.indices_of(b)) for b in added):
+        return None
+    # each added buffer's elements per value of x
+    per_value = {b: math.prod(extent(i) for i in schedule.indices_of(b) if i not in names) for b in added}
+    most = budget // max(max(per_value.values()), 1) // CHUNK_ALIGN * CHUNK_ALIGN
+    whole = extent(x)
+    if most < CHUNK_ALIGN or most >= whole:
+        return None
+    count = -(-whole // most)
+    size = -(-whole // (count * CHUNK_ALIGN)) * CHUNK_ALIGN       # near-equal chunks, aligned
+    read_in_run = {n.tensor for st in statements for n in nodes(st.expr) if isinstance(n, Access)}
+    read_after = {n.tensor for k in schedule.kernels[last + 1:] for st in k.statements for n in nodes(st.expr)
+                  if isinstance(n, Access)}
+    buffers, accumulated = [], []
+    for st in statements:
+        top = st.expr if isinstance(st.expr, Reduce) else None
+        if any(isinstance(n, Reduce) and ((n is not top and names & set(n.indices)) or _bounded_by(n, names))
+               for n in nodes(st.expr)):
+            return None             # a fold over x inside a value, or a loop bounded by x: one chunk is not all
+        if names & set(st.indices):
+            if st.name in schedule.buffers:
+                if st.name in read_after:
+                    return None
+                buffers.append(st.name)
+        elif (top is not None and additive(top.summary) and top.result is None and names & set(top.indices)
+              and st.name in schedule.outputs and st.name not in read_in_run):
+            accumulated.append(st.name)
+        else:
+            return None
+    # every other tensor read or stored in the run indexes x at one dimension in all its
+    # accesses, or nowhere: a chunk's view of it is one narrow
+    at: dict[str, set[tuple[int, ...]]] = {}
+    for st in statements:
+        accesses = [(st.name, st.indices)] + [(n.tensor, n.indices) for n in nodes(st.expr) if isinstance(n, Access)]
+        for tensor, indices in accesses:
+            at.setdefault(tensor, set()).add(tuple(p for p, i in enumerate(indices) if i in names))
+    narrowed = []
+    for tensor, patterns in at.items():
+        if tensor in buffers or patterns == {()}:
+            continue
+        if len(patterns) != 1 or len(next(iter(patterns))) != 1:
+            return None
+        narrowed.append((tensor, next(iter(patterns))[0]))
+    largest = max(per_value, key=per_value.get)
+    why = (f"{largest}[{', '.join(schedule.indices_of(largest))}] would hold {per_value[largest] * whole} "
+           f"elements, more than the largest input ({budget}); {size} values of {x} at a time, "
+           f"{per_value[largest] * size}")
+    return Chunking(x, tuple(sorted(names)), size, whole, first, last, tuple(narrowed), tuple(buffers),
+                    tuple(accumulated), why)
+
+
+def _bounded_by(fold: Reduce, names: frozenset) -> bool:
+    """Whether a loop bound or tile test of `fold` reads x: a chunk's view would shift it."""
+    for index, bounds in index_bounds(fold).items():
+        if index in names or any(b.other in names or names & all_index_names(b.offset) for b in bounds):
+            return True
+    return any(index in names or any(names & all_index_names(c) for c in tests)
+               for index, tests in tile_tests(fold).items())

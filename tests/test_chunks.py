@@ -1,0 +1,88 @@
+"""Chunked runs (compiler/schedule/chunks.py): a materialised buffer that would
+outgrow the inputs is made one chunk of an index at a time, by the kernels from the
+one that stores it to the last that reads it, on views of the tensors; an output
+that sums over the index adds up the chunks' sums.  Checked against the float64
+oracle under the interpreter at sizes where a run has a ragged last chunk."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiler
+from compiler.ir import Access, nodes
+from compiler.nn import FusedLinearCrossEntropy
+from compiler.schedule.chunks import CHUNK_ALIGN, chunked
+
+
+def _backward(rank: int, **options) -> tuple[compiler.Program, compiler.Program]:
+    """The gradient program (dH, dW) of a fused linear cross-entropy's mean loss over
+    hidden states of this rank, reading the saved row logsumexp; and its oracle."""
+    source = FusedLinearCrossEntropy(**options).source(rank)
+    made = [compiler.grad(source, wrt=("H", "W"), outputs=("loss",), saved=True, backend=backend)
+            for backend in ("triton", "reference")]
+    return made[0], made[1]
+
+
+def _inputs(rows: tuple[int, ...], vocab: int, hidden: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    h = 0.1 * torch.randn(*rows, hidden, generator=g)
+    w = 0.1 * torch.randn(vocab, hidden, generator=g)
+    y = torch.randint(0, vocab, rows, generator=g)
+    y.view(-1)[3] = -100                                     # an ignored row
+    logits = torch.einsum("...d,vd->...v", h.double(), w.double())
+    return {"H": h, "W": w, "Y": y, "lse_lse": torch.logsumexp(logits, -1).float(), "dloss": 1.0,
+            "smoothing": 0.1}
+
+
+# 640 hidden: recomputing the logits for each of 3 tiles of the hidden dimension costs
+# more than storing dZ once; with 660+ rows and a vocabulary of 660+, dZ outgrows H and W,
+# so it is made in two chunks (the second ragged) of the index whose chunks' sums are the
+# smaller output to add up: the rows (dW sums over them) where the vocabulary is the
+# smaller extent, else the vocabulary (dH sums over it)
+@pytest.mark.parametrize("rows, vocab, options, index, summed", [
+    ((680,), 660, {}, "t0", "dW"),
+    ((2, 340), 660, {}, "t1", "dW"),
+    ((660,), 680, {"label_smoothing": 0.1}, "v", "dH")], ids=["rows", "batch and rows", "vocabulary"])
+def test_a_chunked_run_matches_the_float64_oracle(rows, vocab, options, index, summed):
+    program, oracle = _backward(len(rows) + 1, **options)
+    inputs = _inputs(rows, vocab, 640)
+    read = {i.name for i in program.checked.inputs}
+    inputs = {k: v for k, v in inputs.items() if k in read}
+    got = program(**inputs)
+    plan = str(program.plan(**inputs))
+    assert f"run in 2 chunks of {index}, " in plan and f"{summed}: the chunks' sums, added in float32" in plan
+    want = oracle(**{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                     for k, v in inputs.items()})
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        assert ((a.double() - b).norm() / b.norm()).item() < 1e-5
+    # label smoothing's smoothing / len(v) reads the whole vocabulary's extent, not a chunk's;
+    # the label's one-hot `v == Y[t0]` reads v's value from the chunk's start
+    if index == "v":
+        assert "n_v_whole" in program.source and "+ start)" in program.source
+
+
+def test_the_materialised_backward_stores_what_two_products_read_once():
+    # dH reads dZ[t0, v] and dW reads it as dZ[v, t0]: one buffer, one kernel making it
+    # (and one count of the rows not ignored, which both divide by)
+    program, _ = _backward(2)
+    materialised = program.schedule.materialised
+    assert [k.name for k in materialised.kernels] == ["einfold_buf0", "einfold_buf1", "einfold_dH", "einfold_dW"]
+    (count, _), (gradient, indices) = materialised.buffer_indices
+    assert indices == ("t0", "v")
+    for k in materialised.kernels[2:]:
+        assert gradient in {n.tensor for n in nodes(k.statements[0].expr) if isinstance(n, Access)}
+
+
+def test_no_chunked_run_where_a_chunk_of_whole_tiles_would_not_fit():
+    # a chunk holds at least CHUNK_ALIGN values of its index (whole tiles of every size);
+    # where even that outgrows the budget, there is no chunked run (the schedule keeps
+    # recomputing), and the budget decides the chunk where one fits
+    program, _ = _backward(2)
+    materialised = program.schedule.materialised
+    extents = {"t0": 8192, "v": 32768, "d": 768}
+    extent = extents.__getitem__
+    added = {"buf1"}
+    assert chunked(materialised, added, extent, budget=8192 * CHUNK_ALIGN - 1) is None
+    run = chunked(materialised, added, extent, budget=8192 * 4 * CHUNK_ALIGN)
+    assert (run.index, run.size, run.accumulated) == ("v", 4 * CHUNK_ALIGN, ("dH",))
