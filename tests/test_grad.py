@@ -565,6 +565,32 @@ def test_cli_grad_errors_exit_2_in_one_line(capsys):
 
 
 # ---------------------------------------------------------------- torch custom ops and torch.compile
+def test_an_eager_call_under_autograd_runs_the_ops_function_without_torchs_dispatch():
+    # the same forward and backward as the op's, called directly (op.eager): equal outputs
+    # and gradients, and a grad_fn of that function; torch.jit.trace still records the op
+    source, _, make, _ = CORPUS["output_and_lse"]
+    program = compiler.compile(source, backend="triton")
+    inputs = {k: (v.requires_grad_() if isinstance(v, torch.Tensor) else v) for k, v in make().items()}
+    out, lse = program(**inputs)
+    assert type(out.grad_fn).__name__.endswith("_eagerBackward")
+    (out.sum() + lse.sum()).backward()
+    eager = {k: v.grad.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    op = program._ops[("Tensor", "Tensor", "float", "Tensor")]
+    args = tuple(inputs[i.name] for i in program.checked.inputs)
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor):
+            v.grad = None
+    through_op = op(*args)
+    assert not type(through_op[0].grad_fn).__name__.endswith("_eagerBackward")
+    torch.testing.assert_close(through_op[0], out)
+    (through_op[0].sum() + through_op[1].sum()).backward()
+    for k, g in eager.items():
+        torch.testing.assert_close(inputs[k].grad, g)
+    traced = torch.jit.trace(lambda *a: program(**dict(zip((i.name for i in program.checked.inputs), a)))[0],
+                             tuple(a.detach() if isinstance(a, torch.Tensor) else torch.tensor(a) for a in args))
+    assert "einfold::" in str(traced.graph)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_program_is_a_custom_op_that_opcheck_accepts(backend):
     source, _, make, _ = CORPUS["output_and_lse"]
