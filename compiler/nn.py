@@ -297,13 +297,26 @@ class FusedLinearCrossEntropy(torch.nn.Module):
                             f"the target is {target.dtype}")
         # the loss in float32 whatever the logits' dtype, as F.cross_entropy under autocast
         # gives it (a bfloat16 mean of ~10 would be off by up to 0.03)
-        program = shared_program(self.source(hidden.dim(), bias is not None), self.backend,
+        if hidden.dim() < 2:
+            raise BindError(f"FusedLinearCrossEntropy takes [..., d] hidden states; got rank {hidden.dim()}")
+        if target.dim() != hidden.dim() - 1:
+            raise BindError(f"FusedLinearCrossEntropy: the labels have {target.dim()} dimensions, the hidden "
+                            f"states {hidden.dim() - 1} leading ones")
+        for k, (n, m) in enumerate(zip(target.shape, hidden.shape)):
+            if n != m:
+                raise BindError(f"FusedLinearCrossEntropy: the labels' extent {n} at dimension {k} is not "
+                                f"the hidden states' {m}")
+        program = shared_program(self.source(2, bias is not None), self.backend,
                                  ("L",) if self.reduction == "none" else ("loss",))
-        inputs = {"H": hidden, "W": weight, "Y": target, "B": bias,
+        # the rows as one index (a view of contiguous states): the weight's gradient is then a
+        # matrix product over one index, where over (batch, sequence) it takes the batch one
+        # value at a time beside the tl.dot
+        inputs = {"H": hidden.reshape(-1, hidden.shape[-1]), "W": weight, "Y": target.reshape(-1), "B": bias,
                   "softcap": self.softcap, "smoothing": self.label_smoothing, "z_loss": self.z_loss}
         # a variant reads only the inputs of its options
         read = {i.name for i in program.checked.inputs}
-        return program(**{name: value for name, value in inputs.items() if name in read})
+        loss = program(**{name: value for name, value in inputs.items() if name in read})
+        return loss.reshape(hidden.shape[:-1]) if self.reduction == "none" else loss
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
