@@ -220,7 +220,10 @@ class FusedLinearCrossEntropy(torch.nn.Module):
     """Cross-entropy of the logits `hidden @ weight.T + bias` against class labels,
     as `F.cross_entropy`, without the [tokens, vocab] logits in memory: the logsumexp
     over the vocabulary streams the contraction (as FlashAttention streams the scores),
-    and the derived backward recomputes them tile by tile.
+    and the derived backward stores the logits' gradient one chunk of the vocabulary (or of
+    the rows) at a time, no larger than the weight, and reads it in two matrix products
+    (compiler/schedule/chunks.py; at a narrow hidden dimension it recomputes the logits tile
+    by tile instead).
 
     Args:
         ignore_index: a label whose rows count for nothing, in the loss and in the
