@@ -90,13 +90,9 @@ def chunked(schedule, added: set[str], extent: Callable[[str], int], budget: int
         if run is not None:
             # each chunk's partial sums are written and added once more: the fewest of those
             cost = -(-run.extent // run.size) * sum(
-                math.prod(extent(i) for i in _indices(region, a)) for a in run.accumulated)
+                math.prod(extent(i) for i in schedule.indices_of(a)) for a in run.accumulated)
             found.append((cost, -run.size, run))
     return min(found, key=lambda f: f[:2])[2] if found else None
-
-
-def _indices(region, name: str) -> tuple[str, ...]:
-    return next(st.indices for k in region for st in k.statements if st.name == name)
 
 
 def _run(schedule, region, first: int, last: int, added: set[str], x: str, origin, extent,

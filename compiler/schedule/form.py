@@ -394,29 +394,30 @@ class Former:
             name = f"einfold_{stem}_{n}"
         return name
 
-    def _stored_before(self, value: Expr) -> tuple[str, tuple[str, ...]] | None:
-        """A buffer an earlier statement stored `value` in (the count of rows not ignored,
-        which a loss's dH and dW both divide by; a backward's dZ[t, v], which dH reads
-        over (t, v) and dW over (v, t)): its name and indices.  Equal values are equal
-        nodes (frozen, hashed by structure), so this costs a lookup; equal up to index
+    def _stored(self, value: Expr, as_operand: bool) -> tuple[str, tuple[str, ...]] | None:
+        """The buffer an earlier statement stored `value` in, its name and indices (the
+        count of rows not ignored, which a loss's dH and dW both divide by; a backward's
+        dZ[t, v], which dH reads over (t, v) and dW over (v, t)), or None.  Equal values are
+        equal nodes (frozen, hashed by structure), so this costs a lookup; equal up to index
         names only (alpha_key) would cost a walk of every tree, which on a deep program
-        (sixteen nested softmaxes) is not a walk of its DAG but of its unfolded tree."""
-        return self.held.get(value)
-
-    def _hold(self, name: str, indices: tuple[str, ...], value: Expr) -> None:
-        self.held.setdefault(value, (name, indices))
+        (sixteen nested softmaxes) is not a walk of its DAG but of its unfolded tree.  A
+        buffer read otherwise than as a matrix product's operand is no operand buffer."""
+        found = self.held.get(value)
+        if found is not None and not as_operand and found[0] in self.operand_buffers:
+            self.operand_buffers.remove(found[0])
+        return found
 
     def _materialise(self, s: Assign, todo: list[Reduce], reason: str) -> Assign:
         table: dict[Reduce, Access] = {}
         for f in todo:                                  # innermost first
             body = replace_folds(f, table)
             indices = tuple(i for i in s.indices if i in free(f))
-            before = self._stored_before(body)
+            before = self._stored(body, as_operand=False)
             if before is not None:
                 table[f] = Access(*before)
                 continue
             name = self._buffer_name()
-            self._hold(name, indices, body)
+            self.held[body] = (name, indices)
             self.buffer_indices[name] = indices
             note = f"{f.summary.name}[{', '.join(f.indices)}] over ({', '.join(indices)})"
             self._add(Assign(name, indices, body, "float"), buffer=True)
@@ -477,17 +478,15 @@ class Former:
             if part.fold in regrouped or (not part.factors and part.operand[0] in stored):
                 continue
             operand = product(list(part.operand), [])
-            before = self._stored_before(operand)
+            before = self._stored(operand, as_operand=part.factors)
             if before is not None:
                 name, indices = before
-                if part.factors and name not in self.operand_buffers:
-                    self.operand_buffers.append(name)
             else:
                 indices = (tuple(i for i in s.indices if i in free(operand))
                            + tuple(i for i in part.fold.indices if i in free(operand)))
                 name = self._buffer_name()
                 self.buffer_indices[name] = indices
-                self._hold(name, indices, operand)
+                self.held[operand] = (name, indices)
                 if part.factors:
                     self.operand_buffers.append(name)
                 self._add(Assign(name, indices, operand, "float"), buffer=True)
@@ -566,7 +565,7 @@ def _recomputed(folds: list[Reduce], grid: tuple[str, ...]) -> list[_Recomputed]
     (_weighted).  Stored once, a chained contraction
     is a matrix product's operand read from memory, a nested fold a vector.  A part two
     statements recompute alike (dH and dW of a loss over the logits) is stored once
-    (Former._stored_before)."""
+    (Former._stored)."""
     found = []
     for fold in dict.fromkeys(folds):
         chained = None

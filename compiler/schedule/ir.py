@@ -127,8 +127,9 @@ class Schedule:
         """Each buffer's statement, with the buffer's name left out (what it holds)."""
         return {st.name: replace(st, name="") for k in self.kernels for st in k.statements if st.name in self.buffers}
 
-    def indices_of(self, buffer: str) -> tuple[str, ...]:
-        return dict(self.buffer_indices)[buffer]
+    def indices_of(self, name: str) -> tuple[str, ...]:
+        """The indices of a buffer or of a statement a kernel stores."""
+        return next(st.indices for k in self.kernels for st in k.statements if st.name == name)
 
     @property
     def buffers(self) -> tuple[str, ...]:

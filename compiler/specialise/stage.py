@@ -320,7 +320,7 @@ class _Kernel:
         if self.requested is None:
             # the work counted at each extent's shape class: one split serves the class
             programs, tiles, steps, divisions = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
-            matrix = len(spec.grid) == 2 and set(spec.grid) <= self.dot and bool(spec.contractions)
+            matrix = len(spec.grid) == 2 and set(spec.grid) <= self.dot
             n = auto_split(programs, tiles, self.sig.sm_count, steps, divisions,
                            MATMUL_PROGRAMS_PER_SM if matrix else 2)
             why = (f"{programs} programs for {self.sig.sm_count} SMs and {tiles} tiles to stream"

@@ -259,8 +259,7 @@ class ModuleBuilder:
         return lines
 
     def _shape(self, statement: str) -> str:
-        indices = next(st.indices for k in self.schedule.kernels for st in k.statements if st.name == statement)
-        return "(" + "".join(f'n["{i}"], ' for i in indices).rstrip(" ") + ")"
+        return "(" + "".join(f'n["{i}"], ' for i in self.schedule.indices_of(statement)).rstrip(" ") + ")"
 
     def chunks_opened(self) -> list[str]:
         """The launcher's head of a chunked run (schedule/chunks.py): the loop over the
