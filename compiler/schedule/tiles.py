@@ -61,6 +61,12 @@ PAIRED_STATE = 96
 # (rows, cols, depth, warps, stages) for two tuned grid tiles x one tuned loop tile (a matrix product)
 MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
           (128, 128, 32, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
+# (rows, keys, depth, warps, stages) for one tuned grid tile x one tuned loop tile whose matrix
+# product streams its depth too (a loop nested in the first): a logsumexp over the vocabulary of
+# sum[d](H[t, d] * W[v, d]) at d = 768, the tiles of a matrix product with a running state beside
+# it.  The last is the tiling such a kernel had before it was tuned (every tile tl.dot's 64).
+STREAMED_DEPTH = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+                  (64, 64, 64, 4, 3)]
 # (warps, stages) when no tile is tuned
 LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 

@@ -164,9 +164,9 @@ class ConcreteKernel:
 
     @property
     def tuned(self) -> bool:
-        """Whether its tiles are autotuned and its programs ordered (a split kernel is
-        neither: the split fixes its tiles)."""
-        return self.split == 1
+        """Whether an autotuner chooses among candidates for it (none under the
+        interpreter; a split kernel only where its table tunes a tile)."""
+        return bool(self.candidates)
 
     def loops_of(self, fold: Reduce, nested: bool) -> FoldLoops:
         for f in self.folds:

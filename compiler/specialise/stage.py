@@ -12,7 +12,8 @@ Per kernel, in this order (each step reads the ones before):
    epilogue's where they hold the index whole in a tile of that size), or one
    value at a time;
 4. the split of its program folds (tiles.auto_split, or the split asked for), and
-   for a split kernel the folds again at the split's tiles, untuned;
+   for a split kernel the folds again at the split's tiles, tuned with the split
+   loop's tile capped at its share;
 5. the autotune table its tuned tiles draw from."""
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from ..ir import Access, Call, Reduce, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.bounds import index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
-from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, auto_split, fold_caps, free_tile,
+from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, STREAMED_DEPTH,
+                              auto_split, fold_caps, free_tile,
                               grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
                               one_at_a_time, size_class, split_tile, uniform_work, whole_tile)
 from . import forms
@@ -108,22 +110,26 @@ class _Kernel:
         # the split is decided on the kernel as it would run whole (at the split asked for, if any)
         hint = self.requested if self.requested and spec.program_folds and not spec.dependent else 1
         split, why = self.split(blocks, hint)
-        tuned = split == 1
+        # a split kernel's tiles are tuned too: its programs find their chunk of the loop from the
+        # tile (chunk_<v> in the kernel), and its loop tile is capped so that every split has one
+        whole = split == 1
+        tuned = True
+        self.split_caps: dict[str, int] = {}
         grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole, tuned) for g in spec.grid)
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
         # the grid's and the epilogue's whole tiles, which a nested fold's whole tile may share
         self.held = {t.index: (where, t) for where, tiles in (("grid", grid), ("epilogue", epilogue))
                      for t in tiles if t.how == WHOLE}
-        folds = self.folds(blocks, split if split > 1 else hint, tuned)
+        folds = self.folds(blocks, split if split > 1 else hint, whole)
         tuned_grid = [t for t in grid if t.tuned]
-        table, candidates = self.tuning(tuned_grid, folds) if tuned and not self.sig.interpret else ("", ())
+        table, candidates = self.tuning(tuned_grid, folds, whole) if not self.sig.interpret else ("", ())
         form, form_why = None, ""
-        if tuned and not self.chunked:      # a split kernel is its partial and merge functions, in tl
+        if whole and not self.chunked:      # a split kernel is its partial and merge functions, in tl
             program = next((f for f in folds if spec.program_folds and f.fold == spec.program_folds[0]), None)
             form, form_why = forms.choose(spec, program, self.sig, self.extent, set(known))
             if not any(f.summary.rescaled for f in spec.program_folds):
                 form_why = ""
-        return ConcreteKernel(spec, grid, self.longest_first(grid) if tuned else None,
+        return ConcreteKernel(spec, grid, self.longest_first(grid) if whole else None,
                               len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
                               why, table, candidates, form, form_why,
                               self.past_cache(grid, shared, dtypes))
@@ -176,7 +182,7 @@ class _Kernel:
         return Tile(e, TILED, block or loop_tile(n, dot, self.loop_cap))
 
     # ------------------------------------------------------------ 3. the folds
-    def folds(self, blocks: dict[str, int], split: int, tuned: bool) -> tuple[FoldLoops, ...]:
+    def folds(self, blocks: dict[str, int], split: int, whole: bool) -> tuple[FoldLoops, ...]:
         """Every fold the kernel evaluates, in the order it meets them: the program
         folds, then each statement's folds (at the grid, or inside the epilogue loop),
         each followed by the folds nested in its arguments."""
@@ -186,12 +192,12 @@ class _Kernel:
         grid = {g: ("grid", not blocks.get(g)) for g in spec.grid}
         epilogue = {**grid, **{e: ("epilogue", False) for e in spec.epilogue}}
         for f in spec.program_folds:
-            self.visit(f, grid, split, tuned, out)
+            self.visit(f, grid, split, whole, out)
         for st in spec.statements:
-            self.visit(st.expr, grid if set(st.indices) <= set(spec.grid) else epilogue, split, tuned, out)
+            self.visit(st.expr, grid if set(st.indices) <= set(spec.grid) else epilogue, split, whole, out)
         return tuple(out.values())
 
-    def visit(self, e, scope: dict[str, tuple[str, bool]], split: int, tuned: bool, out: dict) -> None:
+    def visit(self, e, scope: dict[str, tuple[str, bool]], split: int, whole: bool, out: dict) -> None:
         for R in outer_reductions((e,)):
             fold = R.fold
             if R.result is not None and not free(fold) <= set(scope):
@@ -205,12 +211,14 @@ class _Kernel:
             nested = any(scope[i][0] == "loop" for i in free(fold))
             loops = out.get((fold, nested))
             if loops is None:
-                loops = out[fold, nested] = self.fold_loops(fold, nested, split, tuned, scope)
+                loops = out[fold, nested] = self.fold_loops(fold, nested, split, whole, scope)
             inner = {**scope, **{t.index: ("whole" if t.how == WHOLE else "loop", t.scalar) for t in loops.tiles}}
             for a in fold.args:
-                self.visit(a, inner, split, tuned, out)
+                self.visit(a, inner, split, whole, out)
 
-    def fold_loops(self, fold: Reduce, nested: bool, split: int, tuned: bool, scope) -> FoldLoops:
+    def fold_loops(self, fold: Reduce, nested: bool, split: int, whole: bool, scope) -> FoldLoops:
+        """The loops of `fold`; `whole`: the kernel is not split (a split program's loop
+        runs its chunk of the tiles, with no unmasked interior band)."""
         s = fold.summary
         singles = one_at_a_time(fold, self.dot)
         batch = _batch_indices(fold)
@@ -229,12 +237,14 @@ class _Kernel:
                 tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="beside a tl.dot over the last"))
             else:
                 block = self.loop_block(fold, p, split, caps)
-                why = ("tl.dot" if dot else "streamed") + (f", sized for {split} splits"
-                                                          if self.split_here(fold, p, split) else "")
-                tiles.append(Tile(b, TILED, block, tuned=dot and tuned and b in contraction_names(fold), why=why))
+                divided = self.split_here(fold, p, split)
+                if divided:
+                    self.split_caps[b] = split_tile(n, dot, split, n)
+                why = ("tl.dot" if dot else "streamed") + (f", sized for {split} splits" if divided else "")
+                tiles.append(Tile(b, TILED, block, tuned=dot and b in contraction_names(fold), why=why))
         chunked = next((b for p, b in enumerate(fold.indices) if self.split_here(fold, p, split)), "")
         return self.bands(FoldLoops(fold, nested, tuple(tiles), shared=self.shared(tiles), chunked=chunked),
-                          tuned, scope)
+                          whole, scope)
 
     def shared(self, tiles: list[Tile]) -> tuple[tuple[str, str], ...]:
         """The indices a nested fold holds whole in the tile the grid or the epilogue holds
@@ -248,7 +258,7 @@ class _Kernel:
                 out.append((t.index, where))
         return tuple(out)
 
-    def bands(self, loops: FoldLoops, tuned: bool, scope) -> FoldLoops:
+    def bands(self, loops: FoldLoops, whole: bool, scope) -> FoldLoops:
         """The loops' bounds from index predicates, the tiles a predicate on data skips,
         and, for a single loop, the band of tiles where the bounds hold everywhere (run
         without the mask: `interior`) and the comparisons on data whose live span a
@@ -262,7 +272,7 @@ class _Kernel:
         interior, span = (), ()
         if len(streamed) == 1 and not streamed[0].scalar:
             (t,) = streamed
-            if tuned:
+            if whole:
                 interior = tuple(b for b in relations.get(t.index, ()) if b.other is None or b.other in free(fold))
             one_value = {i for i in free(fold) if scope[i][1]}
 
@@ -353,17 +363,21 @@ class _Kernel:
         return programs, tiles, steps, divisions
 
     # ------------------------------------------------------------ 5. tuning
-    def tuning(self, grid: list[Tile], folds: tuple[FoldLoops, ...]) -> tuple[str, tuple[Candidate, ...]]:
+    def tuning(self, grid: list[Tile], folds: tuple[FoldLoops, ...], whole: bool
+               ) -> tuple[str, tuple[Candidate, ...]]:
         """The autotune table of the kernel's tuned tiles and its candidates, each tile
-        clamped to its index's extent (next power of two, at least 16): one tuned grid
-        tile beside one tuned loop tile (a fold streamed against a matrix product) takes
-        STREAMED, and PAIRED where every program does the same work; two grid tiles and
-        a loop tile (a matrix product) MATMUL; any other kernel keeps its tiles and tries
-        LAUNCH's warps and stages."""
+        clamped to its index's extent (next power of two, at least 16) and a split loop's
+        to its share of the split: one tuned grid tile beside one tuned loop tile (a fold
+        streamed against a matrix product) takes STREAMED, and PAIRED where every program
+        does the same work; beside a loop tile and the loop tile of a contraction nested in
+        it (the matrix product's depth streamed too) STREAMED_DEPTH; two grid tiles and a
+        loop tile (a matrix product) MATMUL; any other kernel keeps its tiles and tries
+        LAUNCH's warps and stages, unless it is split (`whole` false): then it launches
+        as decided."""
         loops = [t for f in folds for t in f.tiles if t.tuned]
 
         def tiles(*sizes: int) -> tuple[tuple[str, int], ...]:
-            return tuple((t.index, min(size, max(16, np2(self.extent(t.index)))))
+            return tuple((t.index, min(size, max(16, np2(self.extent(t.index))), self.split_caps.get(t.index, size)))
                          for t, size in zip(grid + loops, sizes))
         if len(grid) == 1 and len(loops) == 1:
             out = [Candidate(tiles(rows, keys), warps, stages) for rows, keys, warps, stages in STREAMED]
@@ -371,13 +385,27 @@ class _Kernel:
                 rows, keys, warps, stages, registers = PAIRED
                 out.append(Candidate(tiles(rows, keys), warps, stages, registers))
             table = f"streamed tilings of {grid[0].index} x {loops[0].index}"
+        elif len(grid) == 1 and len(loops) == 2 and self.nested_depth(folds, loops):
+            out = [Candidate(tiles(rows, keys, depth), warps, stages)
+                   for rows, keys, depth, warps, stages in STREAMED_DEPTH]
+            table = f"streamed tilings of {grid[0].index} x {loops[0].index} over a depth {loops[1].index}"
         elif len(grid) == 2 and len(loops) == 1:
             out = [Candidate(tiles(rows, cols, depth), warps, stages) for rows, cols, depth, warps, stages in MATMUL]
             table = f"matrix-product tilings of {grid[0].index} x {grid[1].index} x {loops[0].index}"
+        elif not whole:
+            return "", ()
         else:
             out = [Candidate((), warps, stages) for warps, stages in LAUNCH]
             table = "launch configurations, tiles as decided"
         return table, tuple(dict.fromkeys(out))
+
+    @staticmethod
+    def nested_depth(folds: tuple[FoldLoops, ...], loops: list[Tile]) -> bool:
+        """Whether the second tuned loop tile is a fold's nested in the first's fold: the
+        depth of the matrix product whose tiles the outer fold streams."""
+        outer = next(f for f in folds if loops[0] in f.tiles)
+        inner = next(f for f in folds if loops[1] in f.tiles)
+        return inner.nested and any(n == inner.fold for a in outer.fold.args for n in walk(a))
 
 
 def _batch_indices(fold: Reduce) -> set[str]:

@@ -355,12 +355,12 @@ class KernelEmitter:
     MergeEmitter (folds the partial states with the combine and finishes)."""
     suffix = ""
     chunked = False         # each program folds one chunk of its folds' tiles (PartialEmitter)
+    launched = True         # a kernel the launcher launches (not a function another kernel calls)
 
     def __init__(self, ctx: ModuleContext, kernel: ConcreteKernel):
         self.ctx = ctx
         self.kernel = kernel             # every size and tile decision (compiler.specialise)
         self.spec = spec = kernel.schedule
-        self.tuned = kernel.tuned        # autotuned tiles, longest programs first, an unmasked interior
         self.name = spec.name + self.suffix
         self.params: dict[str, Arg] = {}
         self.constexprs: dict[str, int] = {}
@@ -2025,7 +2025,7 @@ class KernelEmitter:
         writes = self.store_results(root)
         functions, zeroed = self.finish(root)
         assert not self.pending, "tiles of addresses made for a loop that was not written"
-        if self.kernel.candidates:
+        if self.kernel.candidates and self.launched:
             # the autotuner's key: each extent's shape class, so that every size of a class
             # shares one tuned choice (the kernel itself reads the extents)
             for p, arg in list(self.params.items()):
@@ -2280,7 +2280,8 @@ class PartialEmitter(KernelEmitter):
                 by_launcher[arg] = self.local(name)
                 self.params[by_launcher[arg]] = arg
             args.append(by_launcher[arg])
-        args += [f"{c}={v}" for c, v in merge.constexprs.items()]
+        # the merge's tiles are the partial's (an autotuned choice binds both)
+        args += [f"{c}={c if c in self.constexprs else v}" for c, v in merge.constexprs.items()]
         arrived = self.local("arrived")
         root.lines += ["# one launch: the last of this tile's n_split programs to store its state merges them all",
                        f"{arrived} = tl.atomic_add({ptr} + tl.program_id(0) * {stride}, 1, sem=\"acq_rel\")",
@@ -2297,6 +2298,7 @@ class MergeEmitter(KernelEmitter):
     in order with the summary's combine, then finishes like the whole kernel; a
     jit function the partial kernel's last program of a tile calls."""
     suffix = "_merge"
+    launched = False
 
     def split_prologue(self, lines: list[str]) -> None:
         self.params.setdefault("n_split", SPLIT)

@@ -90,6 +90,7 @@ class ModuleBuilder:
             self.ctx.chunked_kernels = frozenset(k.name for k in schedule.kernels[run.first:run.last + 1])
         self.kernels: list[tuple[KernelCode, int]] = []     # (kernel, n_split of its group)
         self.tuned: dict[str, str] = {}                      # kernel name -> its @triton.autotune line
+        self.configs: dict[str, list] = {}                   # a tuned split kernel's name -> its candidates
         self.hopper: dict[str, hopper.HopperCode] = {}       # tl kernel name -> its Hopper form
         self.notes: list[str] = []
 
@@ -106,12 +107,14 @@ class ModuleBuilder:
             n_split, why = kernel.split, kernel.split_why
             if n_split > 1:
                 # one launch: the last program of each tile calls the merge (PartialEmitter.finish);
-                # not autotuned: the split fixes its tiles, and the kernel is launch-bound,
-                # where the autotuner's per-call host cost showed (decode at L = 8k: 0.044 ms
-                # -> 0.080 ms, H200)
+                # tuned like any kernel where its table tunes a tile (a direct launch costs a tuned
+                # kernel no more host time than an untuned one: launch.py)
                 partial = PartialEmitter(self.ctx, kernel).build()
                 (merge,) = partial.functions
                 self.kernels.append((partial, n_split))
+                if kernel.candidates:
+                    self.configs[partial.name] = candidates(partial, kernel.candidates)
+                    self.tuned[partial.name] = decorator(partial, self.configs[partial.name])
                 streamed = spec.loops
                 merged = Loop((), tuple(dict.fromkeys(f.summary.name for f in spec.program_folds)))
                 plan_kernels.append(Kernel(partial.name, (*partial.writes, *merge.writes),
@@ -191,9 +194,12 @@ class ModuleBuilder:
                  '    kept by the caller across launches on one stream, or made by launch."""',
                  "    return {"]
         for code, n_split in self.kernels:
+            # one counter per program at the smallest tiles a candidate may take
+            smallest = {b: min([size, *(blocks[b] for blocks, *_ in self.configs.get(code.name, ()))])
+                        for b, size in code.constexprs.items()}
             for name, shape, dtype in code.buffers:
                 allocate = "torch.zeros" if name in code.zeroed else "torch.empty"
-                size = ", ".join(program_count(code, code.constexprs.__getitem__) if s == PROGRAMS
+                size = ", ".join(program_count(code, smallest.__getitem__) if s == PROGRAMS
                                  else str(n_split) if s == "n_split" else s for s in shape)
                 lines.append(f'        "{name}": {allocate}(({size},), dtype={dtype}, device=device),')
         lines.append("    }")

@@ -138,7 +138,7 @@ def einfold_O_partial(n_split, n_j, n_i, n_h, n_b, n_m, scale_val, n_k, K_ptr, K
     # one launch: the last of this tile's n_split programs to store its state merges them all
     arrived = tl.atomic_add(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 1, sem="acq_rel")
     if arrived == n_split - 1:
-        einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j=128)
+        einfold_O_merge(n_split, n_j, n_i, n_h, n_b, einfold_O_state0_r_ptr, einfold_O_state0_r_s0, einfold_O_state0_r_s1, einfold_O_state0_r_s2, einfold_O_state0_r_s3, einfold_O_state0_l_ptr, einfold_O_state0_l_s0, einfold_O_state0_l_s1, einfold_O_state0_l_s2, einfold_O_state0_l_s3, einfold_O_state0_u_ptr, einfold_O_state0_u_s0, einfold_O_state0_u_s1, einfold_O_state0_u_s2, einfold_O_state0_u_s3, einfold_O_state0_u_s4, O_ptr, O_s0, O_s1, O_s2, O_s3, BLOCK_j=BLOCK_j)
         # every program of the tile has counted itself in: back to 0 for the next launch (the launcher keeps the counters)
         tl.store(einfold_O_arrivals_ptr + tl.program_id(0) * einfold_O_arrivals_s0, 0)
 
