@@ -278,7 +278,11 @@ def test_a_buffer_larger_than_the_inputs_is_made_a_chunk_at_a_time():
     # (32768 x 768); dH sums over v, so it adds up the chunks' sums
     concrete = _linear_cross_entropy_backward(768)
     run = concrete.schedule.chunking
-    assert (run.index, run.size, run.lengths, run.accumulated) == ("v", 3072, (3072, 2048), ("dH",))
+    # the budget allows 3072 values of v; 2816 makes dW[v, d] 22 x 6 tiles of 128, one wave
+    # of 132 programs where 3072 made 144 (two waves, the second of 12)
+    assert (run.index, run.longest, run.size, run.lengths, run.accumulated) == \
+        ("v", 3072, 2816, (2816, 1792), ("dH",))
+    assert "2816 fills 132 SMs best (4608 waves of tile steps against 5760 at 3072)" in str(concrete)
     assert dict(run.narrowed) == {"W": 0, "dW": 0}
     kernels = {k.schedule.statements[0].name: k for k in concrete.kernels}
     stored, = run.buffers
@@ -288,7 +292,7 @@ def test_a_buffer_larger_than_the_inputs_is_made_a_chunk_at_a_time():
         assert stored in {n.tensor for n in nodes(kernels[name].schedule.statements[0].expr)
                           if isinstance(n, Access)}
         assert all("tl.dot" in t.why for t in kernels[name].grid if t.how != ONE_AT_A_TIME)
-    assert "run in 11 chunks of v, 3072 at a time" in str(concrete)
+    assert "run in 12 chunks of v, 2816 at a time" in str(concrete)
 
 
 LOGSUMEXP_OF_LOGITS = "lse[t] = logsumexp[v](sum[d](H[t, d] * W[v, d]))"
@@ -339,3 +343,17 @@ def test_a_tuned_split_kernel_passes_its_tiles_to_the_merge_and_counts_the_most_
     assert "BLOCK_t=BLOCK_t)" in code.source
     # 64-row tiles are the smallest candidate's: one counter per 64 rows
     assert '"einfold_lse_arrivals": torch.zeros((((n["t"] + 63) // 64),)' in built.source
+
+
+def test_without_an_sm_count_a_chunk_is_the_longest_of_near_equal_chunks():
+    from compiler.nn import FusedLinearCrossEntropy
+    program = compiler.compile(FusedLinearCrossEntropy().source(2), backend="triton")
+    gradient = program._gradient(("H", "W"), saved=True)
+    inputs = {"H": _input((8192, 768), torch.bfloat16), "W": _input((32768, 768), torch.bfloat16),
+              "Y": torch.zeros(8192, dtype=torch.int64), "dloss": torch.ones((), dtype=torch.bfloat16),
+              "lse_lse": _input((8192,), torch.float32)}
+    typed, binding = gradient._typed(inputs)
+    run = typed.backend.specialised_for(binding, sm_count=None, arch=90).schedule.chunking
+    assert (run.size, run.lengths, run.sized) == (3072, (3072, 2048), "")
+    on_h100 = typed.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).schedule.chunking
+    assert on_h100.size == 2816 and on_h100.sized

@@ -23,7 +23,9 @@ need dZ[t, one chunk of v] at a time:
 
 `chunked(schedule, added, extent, budget)` picks the index whose run adds the fewest
 float32 partial sums, and a chunk length (a multiple of CHUNK_ALIGN, chunks of
-near-equal length) such that no added buffer holds more than `budget` elements."""
+near-equal length) such that no added buffer holds more than `budget` elements; the
+specialisation stage may take a shorter one that fills a GPU's SMs better
+(specialise.stage.chunk_length)."""
 from __future__ import annotations
 
 import math
@@ -51,6 +53,8 @@ class Chunking:
     buffers: tuple[str, ...]        # buffers made in the run over `index`: one chunk long
     accumulated: tuple[str, ...]    # outputs that sum over `index`: chunks' sums added in float32
     why: str
+    longest: int = 0                # the longest chunk the budget allows (a multiple of CHUNK_ALIGN)
+    sized: str = ""                 # why `size`, where a GPU's SMs chose it (specialise)
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -62,7 +66,7 @@ class Chunking:
         """One line: which of `kernels` (the schedule's names, in order) run per chunk, and why."""
         count = -(-self.extent // self.size)
         line = (f"{kernels[self.first]} to {kernels[self.last]} run in {count} chunks of {self.index}, "
-                f"{self.size} at a time: {self.why}")
+                f"{self.size} at a time: {self.why}" + (f"; {self.sized}" if self.sized else ""))
         if self.accumulated:
             line += f"; {', '.join(self.accumulated)}: the chunks' sums, added in float32"
         return line
@@ -144,10 +148,10 @@ def _run(schedule, region, first: int, last: int, added: set[str], x: str, origi
         narrowed.append((tensor, next(iter(patterns))[0]))
     largest = max(per_value, key=per_value.get)
     why = (f"{largest}[{', '.join(schedule.indices_of(largest))}] would hold {per_value[largest] * whole} "
-           f"elements, more than the largest input ({budget}); {size} values of {x} at a time, "
-           f"{per_value[largest] * size}")
+           f"elements, more than the largest input ({budget}); at most {most} values of {x} at a time, "
+           f"{per_value[largest] * most}")
     return Chunking(x, tuple(sorted(names)), size, whole, first, last, tuple(narrowed), tuple(buffers),
-                    tuple(accumulated), why)
+                    tuple(accumulated), why, most)
 
 
 def _bounded_by(fold: Reduce, names: frozenset) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from ..ir import Access, Call, Reduce, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
+from ..schedule.chunks import CHUNK_ALIGN, Chunking
 from ..schedule.bounds import index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, STREAMED_DEPTH,
@@ -51,21 +52,67 @@ def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
     readers = Counter(t for k in chosen.kernels for t in {n.tensor for st in k.statements for n in walk(st.expr)
                                                           if isinstance(n, Access)})
     shared = frozenset(t for t, count in readers.items() if count > 1)
-    # the tensors each kernel may read: the inputs, and what it and earlier kernels store
-    known = {name for name, *_ in signature.inputs}
     run = chosen.chunking
 
-    def chunk_extent(name: str) -> int:
-        # the kernels of a chunked run are specialised to a full chunk (the last one is
-        # shorter: whole tiles of the full chunk's sizes mask it)
-        return run.size if name in run.names else extent(name)
-    kernels = []
-    for position, k in enumerate(chosen.kernels):
-        known |= {st.name for st in k.statements}
-        chunked = run is not None and run.first <= position <= run.last
-        kernels.append(_Kernel(k, chosen.split, signature, chunk_extent if chunked else extent, chunked)
-                       .specialised(frozenset(known), shared, dtypes))
+    def specialised(run) -> list[ConcreteKernel]:
+        def chunk_extent(name: str) -> int:
+            # the kernels of a chunked run are specialised to a full chunk (the last one is
+            # shorter: whole tiles of the full chunk's sizes mask it)
+            return run.size if name in run.names else extent(name)
+        # the tensors each kernel may read: the inputs, and what it and earlier kernels store
+        kernels, known = [], {name for name, *_ in signature.inputs}
+        for position, k in enumerate(chosen.kernels):
+            known |= {st.name for st in k.statements}
+            chunked = run is not None and run.first <= position <= run.last
+            kernels.append(_Kernel(k, chosen.split, signature, chunk_extent if chunked else extent, chunked)
+                           .specialised(frozenset(known), shared, dtypes))
+        return kernels
+    kernels = specialised(run)
+    if run is not None and signature.sm_count:
+        size, why = chunk_length(run, kernels[run.first:run.last + 1], extent, signature.sm_count)
+        if size != run.size:
+            run = replace(run, size=size, sized=why)
+            chosen = replace(chosen, chunking=run)
+            kernels = specialised(run)
     return ConcreteSchedule(chosen, signature, tuple(kernels), tuple(dtypes.items()))
+
+
+def chunk_length(run: Chunking, kernels: list[ConcreteKernel], extent, sm_count: int) -> tuple[int, str]:
+    """The chunk length (a multiple of CHUNK_ALIGN up to the budget's longest) whose run
+    takes the fewest waves of tile steps on `sm_count` SMs, the longest of those (fewest
+    chunks' sums to add), and why.  Each kernel of the run (`kernels`, specialised to the
+    schedule's chunk) costs, per chunk, its waves of programs (ceil(programs / SMs)) times
+    the steps each program takes, at the tiles its first candidate takes: a weight
+    gradient dW[v, d] = sum[t](dZ[t, v] * H[t, d]) over chunks of 3072 of v is 144
+    programs of 128 x 128, two waves of which the second has 12, where 2816 is one wave
+    (H200: 0.103 against 0.055 ms a chunk; the chunks' sum of dH and the logits' gradient
+    take as long per value of v at either length)."""
+    def cost(size: int) -> int:
+        full, rest = divmod(run.extent, size)
+        return sum(count * sum(math.ceil(programs / sm_count) * steps for programs, steps in
+                               (_work(k, length if length else size, run, extent) for k in kernels))
+                   for count, length in ((full, size), (1 if rest else 0, rest)))
+    sizes = range(CHUNK_ALIGN, run.longest + 1, CHUNK_ALIGN)
+    best = min(sizes, key=lambda size: (cost(size), -size))
+    return best, (f"{best} fills {sm_count} SMs best ({cost(best)} waves of tile steps against "
+                  f"{cost(run.size)} at {run.size})" if best != run.size else "")
+
+
+def _work(kernel: ConcreteKernel, length: int, run: Chunking, extent) -> tuple[int, int]:
+    """(programs, tile steps each) of a chunked run's kernel over a chunk of `length`,
+    at its first candidate's tiles (its own where it has none)."""
+    nominal = dict(kernel.candidates[0].tiles) if kernel.candidates else {}
+
+    def count(t: Tile) -> int:
+        n = length if t.index in run.names else extent(t.index)
+        if t.how == WHOLE:
+            return 1
+        if t.how == ONE_AT_A_TIME:
+            return n
+        return math.ceil(n / nominal.get(t.index, t.size))
+    programs = math.prod(count(t) for t in kernel.grid) * kernel.split
+    steps = math.prod(count(t) for f in kernel.folds for t in f.tiles)
+    return programs, max(1, steps // kernel.split)
 
 
 def storage(schedule: Schedule, sig: Signature) -> dict[str, torch.dtype]:
