@@ -751,6 +751,33 @@ def test_gpu_decode_uses_the_automatic_split():
 
 
 @gpu
+def test_gpu_every_candidate_of_a_tuned_split_kernel_matches_float64():
+    """A logsumexp over a vocabulary of logits (256 rows: 4 programs, so the fold splits
+    over v) is autotuned over rows x vocabulary x depth tiles: every candidate, at a ragged
+    vocabulary and large logits, is as accurate as torch in bfloat16 against float64."""
+    from compiler.backend.triton.launch import DirectLaunch
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    h = torch.randn(256, 768, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    w = (0.5 * torch.randn(5003, 768, device=DEVICE, dtype=torch.bfloat16, generator=g))
+    program = compiler.compile("lse[t] = logsumexp[v](sum[d](H[t, d] * W[v, d]))", backend="triton")
+    want = torch.logsumexp(h.double() @ w.double().T, 1)
+    bar = 2 * relative_error(torch.logsumexp((h @ w.T).float(), 1), want) + 2 * torch.finfo(torch.bfloat16).eps
+    program(H=h, W=w)
+    assert kernel_names(program.plan(H=h, W=w)) == ["einfold_lse_partial"]
+    (entry,) = program.backend._built.values()
+    (kernel,) = [k for k in entry[1].__globals__.values() if isinstance(k, DirectLaunch) and k.tuned]
+    candidates = list(kernel.kernel.configs)
+    assert len(candidates) > 1 and {c.kwargs["BLOCK_v"] for c in candidates} == {64, 128}
+    try:
+        for config in candidates:
+            kernel.kernel.configs, kernel.kernel.cache, kernel.bound = [config], {}, {}
+            ours = relative_error(program(H=h, W=w), want)
+            assert ours <= bar, (str(config), ours, bar)
+    finally:
+        kernel.kernel.configs, kernel.kernel.cache, kernel.bound = candidates, {}, {}
+
+
+@gpu
 def test_gpu_layernorm_4096():
     (x,) = bench_inputs((4096, 4096), dtype=torch.float32)
     out = compiler.compile(LAYERNORM, backend="triton")(X=x)
