@@ -287,6 +287,9 @@ def test_a_buffer_larger_than_the_inputs_is_made_a_chunk_at_a_time():
     kernels = {k.schedule.statements[0].name: k for k in concrete.kernels}
     stored, = run.buffers
     assert 8192 * run.size <= 32768 * 768
+    # both products read dZ as a bfloat16 operand (H and W are bfloat16), so it is stored in
+    # bfloat16, though the program also reads the float32 row statistics and upstream gradient
+    assert concrete.dtype(stored) == torch.bfloat16 and concrete.dtype("lse_lse") == torch.float32
     # both products read the one stored dZ, on tensor cores, over every token
     for name in ("dH", "dW"):
         assert stored in {n.tensor for n in nodes(kernels[name].schedule.statements[0].expr)

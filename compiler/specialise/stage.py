@@ -115,20 +115,44 @@ def _work(kernel: ConcreteKernel, length: int, run: Chunking, extent) -> tuple[i
     return programs, max(1, steps // kernel.split)
 
 
+def dot_dtype(fold: Reduce, inputs: dict[str, torch.dtype], sig: Signature):
+    """The operand dtype of a contraction `fold`'s tl.dot: the promoted dtype of the
+    program inputs it reads (a bfloat16 Q K^T stays bfloat16 beside a float32 slope
+    outside it), else the results' (none in float64)."""
+    stored = [inputs[n.tensor] for a in fold.args for n in walk(a)
+              if isinstance(n, Access) and inputs.get(n.tensor) is not None]
+    dtype = stored[0] if stored else (None if sig.dtype == torch.float64 else sig.dtype)
+    for other in stored[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
 def storage(schedule: Schedule, sig: Signature) -> dict[str, torch.dtype]:
     """Every tensor's dtype in memory: an input's own; a statement's by its type (float
     results in the signature's dtype); an intermediate buffer in the float type kernels
-    compute in, except that a buffer only a contraction reads (Schedule.operand_buffers)
-    is stored as tl.dot will read it, in the inputs' dtype where all of them are float16
-    or bfloat16 (the same products, half the bytes)."""
+    compute in, except that a buffer only contractions read (Schedule.operand_buffers)
+    is stored as their tl.dot reads it, where all of them read float16 or bfloat16 (the
+    same products, half the bytes: the logits' gradient of a linear cross-entropy,
+    beside its float32 row statistics)."""
     out = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
-    low = sig.dtype in (torch.float16, torch.bfloat16) and all(
-        dtype == sig.dtype for dtype in out.values() if dtype.is_floating_point)
+    inputs = dict(out)
     computed = torch.float64 if sig.dtype == torch.float64 else torch.float32
+    read_by: dict[str, set] = {}
+    for k in schedule.kernels:
+        for st in k.statements:
+            for n in walk(st.expr):
+                if isinstance(n, Reduce):
+                    for b in {a.tensor for arg in n.args for a in walk(arg) if isinstance(a, Access)}:
+                        read_by.setdefault(b, set()).add(dot_dtype(n, inputs, sig))
+
+    def operand_dtype(name: str):
+        dtypes = read_by.get(name, set())
+        low = len(dtypes) == 1 and next(iter(dtypes)) in (torch.float16, torch.bfloat16)
+        return next(iter(dtypes)) if low and name in schedule.operand_buffers else computed
     for k in schedule.kernels:
         for st in k.statements:
             if st.name in k.buffers:
-                out[st.name] = sig.dtype if low and st.name in schedule.operand_buffers else computed
+                out[st.name] = operand_dtype(st.name)
             elif schedule.chunking is not None and st.name in schedule.chunking.accumulated:
                 out[st.name] = computed     # the chunks' partial sums, added up before the output is cast
             else:
@@ -357,15 +381,7 @@ class _Kernel:
         return split_tile(self.extent(b), b in self.dot, split, block) if self.split_here(fold, p, split) else block
 
     def contraction_dtype(self, fold: Reduce):
-        """The operand dtype of a contraction `fold`'s tl.dot: the promoted dtype of the
-        program inputs it reads (a bfloat16 Q K^T stays bfloat16 beside a float32 slope
-        outside it), else the results' (none in float64)."""
-        stored = [self.inputs[n.tensor] for a in fold.args for n in walk(a)
-                  if isinstance(n, Access) and self.inputs.get(n.tensor) is not None]
-        dtype = stored[0] if stored else (None if self.sig.dtype == torch.float64 else self.sig.dtype)
-        for other in stored[1:]:
-            dtype = torch.promote_types(dtype, other)
-        return dtype
+        return dot_dtype(fold, self.inputs, self.sig)
 
     # ------------------------------------------------------------ 4. the split
     def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:
