@@ -154,7 +154,7 @@ def storage(schedule: Schedule, sig: Signature) -> dict[str, torch.dtype]:
             if st.name in k.buffers:
                 out[st.name] = operand_dtype(st.name)
             elif schedule.chunking is not None and st.name in schedule.chunking.accumulated:
-                out[st.name] = computed     # the chunks' partial sums, added up before the output is cast
+                out[st.name] = computed     # the chunks add their sums to it, in float32
             else:
                 out[st.name] = {"float": sig.dtype, "int": torch.int64, "bool": torch.bool}[st.dtype]
     return out

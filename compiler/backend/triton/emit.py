@@ -866,9 +866,15 @@ class KernelEmitter:
         else:
             value = v.code
         mask = self.mask_code(target, target)
+        run = self.ctx.chunking
+        summed = run is not None and self.spec.name in self.ctx.chunked_kernels and name in run.accumulated
+        if summed:
+            # a sum over the chunked index: each chunk adds its sum to what the chunks before it
+            # stored (zeros before the first; the chunks run one after another), in float32
+            value = f"{value} + tl.load({address}" + (f", mask={mask}, other=0.0)" if mask else ")")
         # tl.cast, not .to(): a scalar input stored as is may be a plain Python number
         line = f"tl.store({address}, tl.cast({value}, {ptr}.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
-        scope.lines.append(f"# {name}[{', '.join(indices)}]")
+        scope.lines.append(f"# {name}[{', '.join(indices)}]" + (": the chunks' sum so far" if summed else ""))
         # a statement over fewer indices than the grid (a row statistic beside a row
         # tile's output) is stored once: by the programs of the first tile of the others
         # (an index held whole has one)

@@ -264,29 +264,21 @@ class ModuleBuilder:
                                 f'dtype={self.concrete.dtype(b)}, device=device)')
         return lines
 
-    def _shape(self, statement: str) -> str:
-        return "(" + "".join(f'n["{i}"], ' for i in self.schedule.indices_of(statement)).rstrip(" ") + ")"
-
     def chunks_opened(self) -> list[str]:
         """The launcher's head of a chunked run (schedule/chunks.py): the loop over the
-        chunks, each with the chunk's extents and views of the tensors along the index;
-        an output summed over the index gets float32 partial sums, the first chunk's
-        written where the total is kept."""
+        chunks, each with the chunk's extents and views of the tensors along the index.
+        An output summed over the index (float32) starts at zero and each chunk's kernel
+        adds its sum to it (KernelEmitter.store)."""
         run = self.run
         x = run.index
         first = self.kernels[run.first][0].name
         last = self.kernels[run.last][0].name
         lines = [f"    # {first} to {last}: in chunks of {x}, {run.size} at a time ({run.why})",
                  "    whole, whole_t = n, t"]
-        if run.accumulated:
-            lines.append("    total, part = {}, {}         # the chunks' sums over " + x + ", added up in float32")
-        for name in run.accumulated:
-            lines.append(f'    total["{name}"] = torch.empty({self._shape(name)}, dtype={self.concrete.dtype(name)}, '
-                         f'device=device)')
-            lines.append(f'    part["{name}"] = torch.empty_like(total["{name}"])')
+        lines += [f'    t["{name}"].zero_()              # the chunks add their sums over {x} to it'
+                  for name in run.accumulated]
         lengths = ", ".join(f'"{i}": length' for i in run.names)
         views = [f'"{tensor}": whole_t["{tensor}"].narrow({dim}, start, length)' for tensor, dim in run.narrowed]
-        views += [f'"{name}": part["{name}"] if start else total["{name}"]' for name in run.accumulated]
         lines += [f'    for start in range(0, whole["{x}"], {run.size}):',
                   f'        length = min({run.size}, whole["{x}"] - start)',
                   f"        n = {{**whole, {lengths}}}",
@@ -294,12 +286,7 @@ class ModuleBuilder:
         return lines
 
     def chunks_closed(self) -> list[str]:
-        lines = []
-        for name in self.run.accumulated:
-            lines += ["        if start:", f'            total["{name}"] += part["{name}"]']
-        lines.append("    n, t = whole, whole_t")
-        lines += [f'    t["{name}"].copy_(total["{name}"])' for name in self.run.accumulated]
-        return lines
+        return ["    n, t = whole, whole_t"]
 
     def source(self) -> str:
         parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
