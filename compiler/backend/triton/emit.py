@@ -245,6 +245,9 @@ class KernelCode:
     optional: frozenset[str] = frozenset()
     functions: tuple = ()        # the jit functions it calls (a one-launch split's merge), defined before it
     zeroed: frozenset[str] = frozenset()      # buffers the launcher fills with zeros (arrival counters)
+    # pointer parameters whose tensors its stores add to (a chunked run's sums): not idempotent,
+    # so the autotuner restores them after timing each candidate
+    accumulates: tuple[str, ...] = ()
 
 
 class ModuleContext:
@@ -363,6 +366,7 @@ class KernelEmitter:
         self.spec = spec = kernel.schedule
         self.name = spec.name + self.suffix
         self.params: dict[str, Arg] = {}
+        self.accumulates: list[str] = []
         self.constexprs: dict[str, int] = {}
         self.tunable: dict[str, tuple[str, str]] = {}
         self.grid_blocks: list[tuple[str, str | None]] = []
@@ -872,6 +876,7 @@ class KernelEmitter:
             # a sum over the chunked index: each chunk adds its sum to what the chunks before it
             # stored (zeros before the first; the chunks run one after another), in float32
             value = f"{value} + tl.load({address}" + (f", mask={mask}, other=0.0)" if mask else ")")
+            self.accumulates.append(ptr)
         # tl.cast, not .to(): a scalar input stored as is may be a plain Python number
         line = f"tl.store({address}, tl.cast({value}, {ptr}.dtype.element_ty)" + (f", mask={mask})" if mask else ")")
         scope.lines.append(f"# {name}[{', '.join(indices)}]" + (": the chunks' sum so far" if summed else ""))
@@ -2045,7 +2050,7 @@ class KernelEmitter:
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs),
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
-                          functions, zeroed)
+                          functions, zeroed, tuple(dict.fromkeys(self.accumulates)))
 
     def finish(self, root: Scope) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit

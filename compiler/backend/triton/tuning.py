@@ -105,6 +105,9 @@ def decorator(code: KernelCode, configs) -> str:
     items = ", ".join(f"triton.Config({blocks!r}, num_warps={w}, num_stages={st}"
                       + (f", maxnreg={registers})" if registers else ")") for blocks, w, st, registers in configs)
     keys = [p for p, arg in code.params if arg.kind == "size_class"]
+    restored = (f", restore_value={list(code.accumulates)!r}" if code.accumulates else "")
     return ("# tuned once per shape class: class_<x> is n_<x>'s bit length, so the sizes of one power of two\n"
-            "# share a choice (kept in Triton's cache, for other processes too)\n"
-            f"@triton.autotune(configs=[{items}], key={keys!r}, cache_results=True, do_bench=_time_candidate)")
+            "# share a choice (kept in Triton's cache, for other processes too)"
+            + ("; the sums its stores add to are restored after each timing" if code.accumulates else "") + "\n"
+            f"@triton.autotune(configs=[{items}], key={keys!r}{restored}, cache_results=True, "
+            "do_bench=_time_candidate)")
