@@ -267,18 +267,25 @@ class ModuleBuilder:
     def chunks_opened(self) -> list[str]:
         """The launcher's head of a chunked run (schedule/chunks.py): the loop over the
         chunks, each with the chunk's extents and views of the tensors along the index.
-        An output summed over the index (float32) starts at zero and each chunk's kernel
-        adds its sum to it (KernelEmitter.store)."""
+        An output summed over the index is a float32 sum that starts at zero, to which each
+        chunk's kernel adds its sum (KernelEmitter.store), copied to the output after the
+        last chunk."""
         run = self.run
         x = run.index
         first = self.kernels[run.first][0].name
         last = self.kernels[run.last][0].name
-        lines = [f"    # {first} to {last}: in chunks of {x}, {run.size} at a time ({run.why})",
+        sized = f"; {run.sized}" if run.sized else ""
+        lines = [f"    # {first} to {last}: in chunks of {x}, {run.size} at a time ({run.why}{sized})",
                  "    whole, whole_t = n, t"]
-        lines += [f'    t["{name}"].zero_()              # the chunks add their sums over {x} to it'
-                  for name in run.accumulated]
+        if run.accumulated:
+            lines.append(f"    sums = {{}}          # the chunks add their sums over {x} to these, in float32")
+        for name in run.accumulated:
+            shape = "".join(f'n["{i}"], ' for i in self.schedule.indices_of(name)).rstrip(" ")
+            lines.append(f'    sums["{name}"] = torch.zeros(({shape}), dtype={self.concrete.dtype(name)}, '
+                         f'device=device)')
         lengths = ", ".join(f'"{i}": length' for i in run.names)
         views = [f'"{tensor}": whole_t["{tensor}"].narrow({dim}, start, length)' for tensor, dim in run.narrowed]
+        views += [f'"{name}": sums["{name}"]' for name in run.accumulated]
         lines += [f'    for start in range(0, whole["{x}"], {run.size}):',
                   f'        length = min({run.size}, whole["{x}"] - start)',
                   f"        n = {{**whole, {lengths}}}",
@@ -286,7 +293,8 @@ class ModuleBuilder:
         return lines
 
     def chunks_closed(self) -> list[str]:
-        return ["    n, t = whole, whole_t"]
+        # the output takes the sum in its own dtype (a bfloat16 gradient: rounded once)
+        return ["    n, t = whole, whole_t"] + [f'    t["{name}"].copy_(sums["{name}"])' for name in self.run.accumulated]
 
     def source(self) -> str:
         parts = ["\n".join(self.header()), "import torch\nimport triton\nimport triton.language as tl"]
