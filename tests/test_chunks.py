@@ -11,7 +11,7 @@ import torch
 import compiler
 from compiler.ir import Access, nodes
 from compiler.nn import FusedLinearCrossEntropy
-from compiler.schedule.chunks import CHUNK_ALIGN, chunked
+from compiler.schedule.chunks import CHUNK_ALIGN, chunk_candidates, chunked
 
 
 def _backward(rank: int, **options) -> tuple[compiler.Program, compiler.Program]:
@@ -142,3 +142,57 @@ def test_a_chunks_sum_accumulates_in_its_kernel_and_is_restored_after_each_timin
     dw = source[source.index("def einfold_dW("):]
     assert "restore_value" not in source[:source.index("def einfold_dW(")].rsplit("@triton.autotune", 1)[1] \
         and "+ tl.load(dW_ptr" not in dw
+
+
+GATED = "silu(sum[d](X[i, d] * W1[f, d]))"
+BLOCK_EXTENTS = {"i": 16384, "d": 1024, "f": 4096, "j": 1024}
+
+
+def _candidates(source: str, **extents) -> dict:
+    """Each index of a SwiGLU-like block's stored buffer buf0[i, f] -> its chunked run or
+    why it allows none, within W1's 4M elements."""
+    materialised = compiler.compile(source, backend="triton").schedule.materialised
+    sizes = {**BLOCK_EXTENTS, **extents}
+    return chunk_candidates(materialised, {"buf0"}, sizes.__getitem__, 4096 * 1024)
+
+
+def test_a_block_runs_in_chunks_of_its_rows_or_of_its_hidden_index():
+    # Y[i, j] sums over f: over chunks of f it adds the chunks' sums; over chunks of i it
+    # adds nothing, so that is the run taken
+    runs = _candidates(f"Y[i, j] = sum[f]({GATED} * W2[j, f])")
+    assert (runs["i"].size, runs["i"].accumulated, dict(runs["i"].narrowed)) == (1024, (), {"X": 0, "Y": 0})
+    assert runs["f"].accumulated == ("Y",) and dict(runs["f"].narrowed) == {"W1": 0, "W2": 1}
+    materialised = compiler.compile(f"Y[i, j] = sum[f]({GATED} * W2[j, f])", backend="triton").schedule.materialised
+    assert chunked(materialised, {"buf0"}, BLOCK_EXTENTS.__getitem__, 4096 * 1024).index == "i"
+
+
+def test_an_index_a_loop_bound_reads_is_not_chunked():
+    # Y's fold over f stops at j (f <= j): over a chunk of f the bound would be shifted
+    runs = _candidates(f"Y[i, j] = sum[f]({GATED} * where(f <= j, W2[j, f], 0))")
+    assert runs["f"] == "a loop bound or tile test of Y's fold reads f: a chunk's view would shift it"
+    assert runs["i"].index == "i"
+
+
+def test_a_fold_inside_a_value_or_a_tensor_read_two_ways_rules_an_index_out():
+    # Y adds a fold over f to a fold over d: a chunk of f is not all of f; and X is read
+    # along i (X[i, d]) and along j (X[j, d]), so a chunk's view of X along i would also
+    # cut the rows Y reads as j
+    runs = _candidates(f"Y[i, j] = sum[f]({GATED} * W2[j, f]) + sum[d](X[i, d] * X[j, d])", j=16384)
+    assert runs["f"] == "Y folds over f inside a value: one chunk is not all of f"
+    assert runs["i"] == "X is read along i at other dimensions, or beside reads that do not vary over it"
+    materialised = compiler.compile(f"Y[i, j] = sum[f]({GATED} * W2[j, f]) + sum[d](X[i, d] * X[j, d])",
+                                    backend="triton").schedule.materialised
+    assert chunked(materialised, {"buf0"}, {**BLOCK_EXTENTS, "j": 16384}.__getitem__, 4096 * 1024) is None
+
+
+def test_where_no_index_allows_chunks_the_schedule_says_why_it_recomputes():
+    # Y's fold over f stops at i (f <= i): chunks of i or of f would shift that bound, so the
+    # block keeps recomputing buf0 in Y's kernel, and the specialised schedule says why
+    program = compiler.compile(f"Y[i, j] = sum[f]({GATED} * where(f <= i, W2[j, f], 0))", backend="triton")
+    chosen = program.schedule.for_extents(BLOCK_EXTENTS.__getitem__)
+    assert chosen.chunking is None and [k.name for k in chosen.kernels] == ["einfold_Y"]
+    assert chosen.recomputes == (
+        "stores no buffer larger than the largest input (16777216), and no index allows chunks of one "
+        "(i: a loop bound or tile test of Y's fold reads i: a chunk's view would shift it; "
+        "f: a loop bound or tile test of Y's fold reads f: a chunk's view would shift it)")
+    assert f"recomputes the nested folds: it {chosen.recomputes}" in str(chosen)

@@ -74,7 +74,20 @@ class Chunking:
 
 def chunked(schedule, added: set[str], extent: Callable[[str], int], budget: int) -> Chunking | None:
     """A chunked run of `schedule` in which no buffer of `added` holds more than `budget`
-    elements, or None where no index allows one."""
+    elements, or None where no index allows one: of the indices that allow one, the one
+    whose chunks add the fewest float32 partial sums (each chunk's are written and added
+    once more), then the longest chunk."""
+    found = [run for run in chunk_candidates(schedule, added, extent, budget).values() if isinstance(run, Chunking)]
+
+    def cost(run: Chunking) -> tuple[int, int]:
+        sums = sum(math.prod(extent(i) for i in schedule.indices_of(a)) for a in run.accumulated)
+        return -(-run.extent // run.size) * sums, -run.size
+    return min(found, key=cost) if found else None
+
+
+def chunk_candidates(schedule, added: set[str], extent: Callable[[str], int], budget: int
+                     ) -> dict[str, Chunking | str]:
+    """Each index of the buffers `added` -> its chunked run, or why it allows none."""
     kernels = schedule.kernels
     stores = [{st.name for st in k.statements} for k in kernels]
     read = [{n.tensor for st in k.statements for n in nodes(st.expr) if isinstance(n, Access)} for k in kernels]
@@ -88,29 +101,24 @@ def chunked(schedule, added: set[str], extent: Callable[[str], int], budget: int
             name = fresh[name]
         return name
     candidates = dict.fromkeys(origin(i) for b in added for i in schedule.indices_of(b))
-    found = []
-    for x in candidates:
-        run = _run(schedule, region, first, last, added, x, origin, extent, budget)
-        if run is not None:
-            # each chunk's partial sums are written and added once more: the fewest of those
-            cost = -(-run.extent // run.size) * sum(
-                math.prod(extent(i) for i in schedule.indices_of(a)) for a in run.accumulated)
-            found.append((cost, -run.size, run))
-    return min(found, key=lambda f: f[:2])[2] if found else None
+    return {x: _run(schedule, region, first, last, added, x, origin, extent, budget) for x in candidates}
 
 
 def _run(schedule, region, first: int, last: int, added: set[str], x: str, origin, extent,
-         budget: int) -> Chunking | None:
+         budget: int) -> Chunking | str:
     statements = [st for k in region for st in k.statements]
     names = frozenset(i for st in statements for i in all_index_names(st.expr) | set(st.indices) if origin(i) == x)
-    if not all(names & set(schedule.indices_of(b)) for b in added):
-        return None
+    missing = [b for b in added if not names & set(schedule.indices_of(b))]
+    if missing:
+        return f"{missing[0]} does not vary over {x}"
     # each added buffer's elements per value of x
     per_value = {b: math.prod(extent(i) for i in schedule.indices_of(b) if i not in names) for b in added}
     most = budget // max(max(per_value.values()), 1) // CHUNK_ALIGN * CHUNK_ALIGN
     whole = extent(x)
-    if most < CHUNK_ALIGN or most >= whole:
-        return None
+    if most < CHUNK_ALIGN:
+        return f"a chunk of {CHUNK_ALIGN} values of {x} would hold more than {budget} elements"
+    if most >= whole:
+        return f"{x} is no longer than a chunk"
     count = -(-whole // most)
     size = -(-whole // (count * CHUNK_ALIGN)) * CHUNK_ALIGN       # near-equal chunks, aligned
     read_in_run = {n.tensor for st in statements for n in nodes(st.expr) if isinstance(n, Access)}
@@ -119,19 +127,21 @@ def _run(schedule, region, first: int, last: int, added: set[str], x: str, origi
     buffers, accumulated = [], []
     for st in statements:
         top = st.expr if isinstance(st.expr, Reduce) else None
-        if any(isinstance(n, Reduce) and ((n is not top and names & set(n.indices)) or _bounded_by(n, names))
-               for n in nodes(st.expr)):
-            return None             # a fold over x inside a value, or a loop bounded by x: one chunk is not all
+        for n in nodes(st.expr):
+            if isinstance(n, Reduce) and n is not top and names & set(n.indices):
+                return f"{st.name} folds over {x} inside a value: one chunk is not all of {x}"
+            if isinstance(n, Reduce) and _bounded_by(n, names):
+                return f"a loop bound or tile test of {st.name}'s fold reads {x}: a chunk's view would shift it"
         if names & set(st.indices):
             if st.name in schedule.buffers:
                 if st.name in read_after:
-                    return None
+                    return f"{st.name} is read after the run, which keeps one chunk of it"
                 buffers.append(st.name)
         elif (top is not None and additive(top.summary) and top.result is None and names & set(top.indices)
               and st.name in schedule.outputs and st.name not in read_in_run):
             accumulated.append(st.name)
         else:
-            return None
+            return f"{st.name} reads {x} but neither varies over it nor is an output that sums over it"
     # every other tensor read or stored in the run indexes x at one dimension in all its
     # accesses, or nowhere: a chunk's view of it is one narrow
     at: dict[str, set[tuple[int, ...]]] = {}
@@ -144,7 +154,7 @@ def _run(schedule, region, first: int, last: int, added: set[str], x: str, origi
         if tensor in buffers or patterns == {()}:
             continue
         if len(patterns) != 1 or len(next(iter(patterns))) != 1:
-            return None
+            return f"{tensor} is read along {x} at other dimensions, or beside reads that do not vary over it"
         narrowed.append((tensor, next(iter(patterns))[0]))
     largest = max(per_value, key=per_value.get)
     why = (f"{largest}[{', '.join(schedule.indices_of(largest))}] would hold {per_value[largest] * whole} "

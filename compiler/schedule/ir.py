@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..ir import Access, Assign, Program, Reduce, format_expr, nodes
-from .chunks import Chunking, chunked
+from .chunks import Chunking, chunk_candidates, chunked
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
 from .tiles import CHAIN_BREAK, WHOLE_MAX, describe, recompute_costs
@@ -98,6 +98,9 @@ class Schedule:
     # kernels run once per chunk of an index at these extents (for_extents), so that a buffer
     # holds one chunk: chunks.py
     chunking: Chunking | None = None
+    # why the materialised schedule was not taken at these extents although recomputing costs
+    # more (for_extents): a buffer outgrows the inputs and no index allows a chunked run
+    recomputes: str = ""
 
     def for_extents(self, extent: Callable[[str], int]) -> Schedule:
         """The schedule to run at these extents: the materialised one where some kernel's
@@ -120,8 +123,13 @@ class Schedule:
                  if self.materialised.buffer_definitions()[name] not in ours}
         if all(math.prod(extent(i) for i in self.materialised.indices_of(b)) <= largest for b in added):
             return self.materialised
+        runs = chunk_candidates(self.materialised, added, extent, largest)
         run = chunked(self.materialised, added, extent, largest)
-        return self if run is None else replace(self.materialised, chunking=run)
+        if run is None:
+            why = "; ".join(f"{x}: {reason}" for x, reason in runs.items())
+            return replace(self, recomputes=f"stores no buffer larger than the largest input ({largest}), and "
+                                            f"no index allows chunks of one ({why})")
+        return replace(self.materialised, chunking=run)
 
     def buffer_definitions(self) -> dict[str, Assign]:
         """Each buffer's statement, with the buffer's name left out (what it holds)."""
@@ -148,6 +156,8 @@ class Schedule:
         lines.append(f"intermediate buffers: {buffers or 'none'}")
         if self.chunking is not None:
             lines.append(self.chunking.describe([k.name for k in self.kernels]))
+        if self.recomputes:
+            lines.append(f"recomputes the nested folds: it {self.recomputes}")
         if self.materialised is not None:
             lines.append("materialised (for the longer extents):")
             lines += ["  " + line for line in str(self.materialised).splitlines()]

@@ -230,4 +230,6 @@ class ConcreteSchedule:
         lines += [str(k) for k in self.kernels]
         if self.schedule.chunking is not None:
             lines.append(self.schedule.chunking.describe([k.name for k in self.kernels]))
+        if self.schedule.recomputes:
+            lines.append(f"recomputes the nested folds: it {self.schedule.recomputes}")
         return "\n".join(lines)
