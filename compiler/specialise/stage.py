@@ -184,9 +184,8 @@ class _Kernel:
         # a split kernel's tiles are tuned too: its programs find their chunk of the loop from the
         # tile (chunk_<v> in the kernel), and its loop tile is capped so that every split has one
         whole = split == 1
-        tuned = True
         self.split_caps: dict[str, int] = {}
-        grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole, tuned) for g in spec.grid)
+        grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole) for g in spec.grid)
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
         # the grid's and the epilogue's whole tiles, which a nested fold's whole tile may share
         self.held = {t.index: (where, t) for where, tiles in (("grid", grid), ("epilogue", epilogue))
@@ -201,7 +200,7 @@ class _Kernel:
             if not any(f.summary.rescaled for f in spec.program_folds):
                 form_why = ""
         return ConcreteKernel(spec, grid, self.longest_first(grid) if whole else None,
-                              len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
+                              whole and len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
                               why, table, candidates, form, form_why,
                               self.past_cache(grid, shared, dtypes))
 
@@ -224,12 +223,12 @@ class _Kernel:
         return tuple((t, ix, big) for (t, ix), big in out.items())
 
     # ------------------------------------------------------------ 1. the grid
-    def grid_tile(self, g: str, block: int, whole: bool, tuned: bool) -> Tile:
+    def grid_tile(self, g: str, block: int, whole: bool) -> Tile:
         if not block:
             return Tile(g, ONE_AT_A_TIME, 0)
         if whole:
             return Tile(g, WHOLE, block, why="a field does not vary over it")
-        return Tile(g, TILED, block, tuned=tuned and g in self.dot,
+        return Tile(g, TILED, block, tuned=g in self.dot,
                     why="tl.dot" if g in self.dot else "values" if g in self.spec.value_only else "elementwise")
 
     def longest_first(self, grid: tuple[Tile, ...]) -> str | None:
