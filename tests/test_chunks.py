@@ -196,3 +196,22 @@ def test_where_no_index_allows_chunks_the_schedule_says_why_it_recomputes():
         "(i: a loop bound or tile test of Y's fold reads i: a chunk's view would shift it; "
         "f: a loop bound or tile test of Y's fold reads f: a chunk's view would shift it)")
     assert f"recomputes the nested folds: it {chosen.recomputes}" in str(chosen)
+
+
+def test_token_counts_whose_chunks_differ_in_length_share_one_module():
+    # the chunk's length depends on the exact token count (the budget over the rows); the
+    # launcher reads it from the call's extents, so every count of one shape class with a
+    # ragged last tile runs one module (one compile, one tuning), whatever its chunk length
+    program, _ = _backward(2)
+    sources, lengths = set(), set()
+    for tokens in (4100, 5000, 7000, 8191):
+        inputs = {"H": torch.zeros(1, 1, dtype=torch.bfloat16).expand(tokens, 768),
+                  "W": torch.zeros(1, 1, dtype=torch.bfloat16).expand(32768, 768),
+                  "Y": torch.zeros(tokens, dtype=torch.int64), "dloss": torch.ones(()),
+                  "lse_lse": torch.zeros(1).expand(tokens)}
+        typed, binding = program._typed(inputs)
+        built = typed.backend.build(typed.backend.gpu_signature(binding, sm_count=132, arch=90))
+        sources.add(built.source)
+        lengths.add(built.chunk_length)
+    assert len(sources) == 1 and lengths == {5632, 2816}
+    assert 'for start in range(0, whole["v"], whole["chunk length"]):' in sources.pop()

@@ -23,7 +23,7 @@ from ...schedule import Plan, Schedule
 from .cache import load, module_digest
 from ...specialise import POSITIVE, ConcreteSchedule, Signature, specialise
 from .launch import DirectLaunch, bind_directly, direct_launch_supported, output_maker
-from .module import Built, ModuleBuilder
+from .module import CHUNK_LENGTH, Built, ModuleBuilder
 
 _warned_interpreter = False
 
@@ -252,7 +252,9 @@ class TritonBackend:
             raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
                                f"not on {binding.device.type}")
         extents = self._extents(binding)
-        _, launch, scratch = self._entry(binding, extents)
+        built, launch, scratch = self._entry(binding, extents)
+        if built.chunked:
+            extents[CHUNK_LENGTH] = built.chunk_length
         device = binding.device
         outputs = self._output_specs(binding)
         # a split kernel's partial states and arrival counters, made once per stream (launches
@@ -329,7 +331,9 @@ class TritonBackend:
         from ...bind import bind
         binding = bind(self.program, inputs)
         extents = self._extents(binding)
-        _, launch, _ = self._entry(binding, extents)
+        built, launch, _ = self._entry(binding, extents)
+        if built.chunked:
+            extents[CHUNK_LENGTH] = built.chunk_length
         t = dict(binding.values)
         for name, shape, dtype in self._output_specs(binding):
             t[name] = torch.empty(shape, dtype=dtype, device=binding.device)

@@ -31,7 +31,17 @@ class Built:
     plan: Plan
     launched: tuple[str, ...] = ()      # every kernel the launcher may launch (the plan's, and fallbacks)
     gluon: tuple[str, ...] = ()         # those of them in Gluon (the Hopper form), which torch cannot trace
-    chunked: bool = False               # some kernels run per chunk of an index, on views (schedule/chunks.py)
+    # some kernels run per chunk of an index, on views (schedule/chunks.py): the chunk's length, which
+    # the launcher reads from its extents as CHUNK_LENGTH (0: none), so that the sizes whose chunks
+    # differ in length alone share a module
+    chunk_length: int = 0
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_length > 0
+
+
+CHUNK_LENGTH = "chunk length"       # the launcher's extents hold a chunked run's length under this key
 
 
 def packed_strides(args: list[Arg]) -> list[str]:
@@ -144,7 +154,7 @@ class ModuleBuilder:
         gluon = tuple(form.name for form in self.hopper.values())
         chunks = self.run.describe([k.name for k in plan_kernels]) if self.run is not None else ""
         return Built(self.source(), Plan("triton", tuple(plan_kernels), tuple(buffers), chunks), launched, gluon,
-                     self.run is not None)
+                     self.run.size if self.run is not None else 0)
 
     def _hopper_form(self, kernel: ConcreteKernel) -> hopper.HopperCode | None:
         """The kernel's Hopper form (hopper.py) where the specialised kernel takes it
@@ -258,8 +268,8 @@ class ModuleBuilder:
         for spec in self.schedule.kernels:
             for b in spec.buffers:
                 chunked = run is not None and b in run.buffers
-                shape = ", ".join(f'min({run.size}, n["{i}"])' if chunked and i in run.names else f'n["{i}"]'
-                                  for i in self.schedule.indices_of(b))
+                shape = ", ".join(f'min(n["{CHUNK_LENGTH}"], n["{i}"])' if chunked and i in run.names
+                                  else f'n["{i}"]' for i in self.schedule.indices_of(b))
                 lines.insert(3, f'    t["{b}"] = torch.empty(({shape}{"," if shape else ""}), '
                                 f'dtype={self.concrete.dtype(b)}, device=device)')
         return lines
@@ -274,8 +284,9 @@ class ModuleBuilder:
         x = run.index
         first = self.kernels[run.first][0].name
         last = self.kernels[run.last][0].name
-        sized = f"; {run.sized}" if run.sized else ""
-        lines = [f"    # {first} to {last}: in chunks of {x}, {run.size} at a time ({run.why}{sized})",
+        # the length and why are the call's (the plan prints them): the sizes whose chunks differ in
+        # length alone share this module
+        lines = [f"    # {first} to {last}: in chunks of {x}, each buffer within the largest input",
                  "    whole, whole_t = n, t"]
         if run.accumulated:
             lines.append(f"    sums = {{}}          # the chunks add their sums over {x} to these, in float32")
@@ -286,8 +297,8 @@ class ModuleBuilder:
         lengths = ", ".join(f'"{i}": length' for i in run.names)
         views = [f'"{tensor}": whole_t["{tensor}"].narrow({dim}, start, length)' for tensor, dim in run.narrowed]
         views += [f'"{name}": sums["{name}"]' for name in run.accumulated]
-        lines += [f'    for start in range(0, whole["{x}"], {run.size}):',
-                  f'        length = min({run.size}, whole["{x}"] - start)',
+        lines += [f'    for start in range(0, whole["{x}"], whole["{CHUNK_LENGTH}"]):',
+                  f'        length = min(whole["{CHUNK_LENGTH}"], whole["{x}"] - start)',
                   f"        n = {{**whole, {lengths}}}",
                   f"        t = {{**whole_t, {', '.join(views)}}}"]
         return lines
