@@ -325,9 +325,12 @@ def test_a_split_fold_over_a_streamed_matrix_product_is_tuned():
     assert {"t": 64, "v": 64, "d": 64} in [dict(k.tiles) for k in kernel.candidates]
 
 
-def test_a_split_loop_tile_is_capped_at_its_share_of_the_split():
+def test_a_split_loop_tile_is_capped_at_its_share_of_the_split(monkeypatch):
     """No candidate's tile of the split index leaves a split without a tile: at 128 rows
-    (one program) the vocabulary of 2048 splits into chunks of at most 64."""
+    (one program) the vocabulary of 2048 splits into chunks of at most 64 (tuned here
+    whatever its work, to see the cap)."""
+    import compiler.specialise.stage as stage
+    monkeypatch.setattr(stage, "TUNE_SPLIT_WORK", 0)
     c = _logsumexp_of_logits(128, 2048)
     (kernel,) = c.kernels
     assert kernel.split > 1 and kernel.tuned
@@ -360,3 +363,18 @@ def test_without_an_sm_count_a_chunk_is_the_longest_of_near_equal_chunks():
     assert (run.size, run.lengths, run.sized) == (3072, (3072, 2048), "")
     on_h100 = typed.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).schedule.chunking
     assert on_h100.size == 2816 and on_h100.sized
+
+
+def test_a_split_kernel_of_little_work_launches_at_the_splits_tiles():
+    """Decode over grouped queries (4 query heads a key head, one row each) splits 16 ways:
+    its work (4 programs x 64 tiles) is far below TUNE_SPLIT_WORK, so a first call of each
+    length class compiles one kernel, not six, and times none."""
+    program = compiler.compile("O[b,g,r,i,j] = softmax[m](Q[b,g,r,i,k] * K[b,g,m,k] * scale) * V[b,g,m,j]",
+                               backend="triton")
+    binding = program.binder({"Q": _input((1, 4, 4, 1, 128), torch.bfloat16),
+                              "K": _input((1, 4, 4096, 128), torch.bfloat16),
+                              "V": _input((1, 4, 4096, 128), torch.bfloat16), "scale": 0.088})
+    (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    assert kernel.split > 1 and not kernel.tuned and kernel.tuning == ""
+    (heavy,) = _logsumexp_of_logits(8192, 32768).kernels
+    assert heavy.split > 1 and heavy.tuned

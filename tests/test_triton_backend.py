@@ -752,13 +752,15 @@ def test_gpu_decode_uses_the_automatic_split():
 
 @gpu
 def test_gpu_every_candidate_of_a_tuned_split_kernel_matches_float64():
-    """A logsumexp over a vocabulary of logits (256 rows: 4 programs, so the fold splits
-    over v) is autotuned over rows x vocabulary x depth tiles: every candidate, at a ragged
-    vocabulary and large logits, is as accurate as torch in bfloat16 against float64."""
+    """A logsumexp over a vocabulary of logits (2048 rows: 32 programs, so the fold splits
+    over v, with work enough to be tuned: tiles.TUNE_SPLIT_WORK) is autotuned over rows x
+    vocabulary x depth tiles: every candidate, at a ragged vocabulary (the last split left
+    without a tile at 128) and large logits, is as accurate as torch in bfloat16 against
+    float64."""
     from compiler.backend.triton.launch import DirectLaunch
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    h = torch.randn(256, 768, device=DEVICE, dtype=torch.bfloat16, generator=g)
-    w = (0.5 * torch.randn(5003, 768, device=DEVICE, dtype=torch.bfloat16, generator=g))
+    h = torch.randn(2048, 768, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    w = (0.5 * torch.randn(20011, 768, device=DEVICE, dtype=torch.bfloat16, generator=g))
     program = compiler.compile("lse[t] = logsumexp[v](sum[d](H[t, d] * W[v, d]))", backend="triton")
     want = torch.logsumexp(h.double() @ w.double().T, 1)
     bar = 2 * relative_error(torch.logsumexp((h @ w.T).float(), 1), want) + 2 * torch.finfo(torch.bfloat16).eps

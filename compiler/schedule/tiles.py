@@ -67,6 +67,13 @@ MATMUL = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128
 # it.  The last is the tiling such a kernel had before it was tuned (every tile tl.dot's 64).
 STREAMED_DEPTH = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
                   (64, 64, 64, 4, 3)]
+# A split kernel is tuned from this much work (programs x tiles of the split loop x nested steps
+# each, at the shape classes): below it, a kernel split because it has few programs is a decode
+# or a short prefill of some tens of microseconds, where a first call of each length class would
+# compile and time every candidate (the first generation of a model's tokens) to gain
+# microseconds; it launches at the split's tiles, as measured against cuDNN (tiles.py's splits).
+# The linear cross-entropy's logsumexp over 32768 of the vocabulary at 8192 rows is 524288.
+TUNE_SPLIT_WORK = 1 << 16
 # (warps, stages) when no tile is tuned
 LAUNCH = [(4, 2), (8, 2), (16, 2), (8, 3)]
 

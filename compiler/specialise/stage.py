@@ -29,6 +29,7 @@ from ..schedule.chunks import CHUNK_ALIGN, Chunking
 from ..schedule.bounds import index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, STREAMED_DEPTH,
+                              TUNE_SPLIT_WORK,
                               auto_split, fold_caps, free_tile,
                               grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
                               one_at_a_time, size_class, split_tile, uniform_work, whole_tile)
@@ -166,6 +167,7 @@ class _Kernel:
     def __init__(self, spec: KernelSchedule, requested: int | None, sig: Signature, extent, chunked: bool = False):
         self.spec, self.requested, self.sig, self.extent = spec, requested, sig, extent
         self.chunked = chunked          # run once per chunk of an index (schedule/chunks.py): in tl
+        self.split_work = 0             # the program folds' work at the shape classes (split)
         self.dot = set(spec.dot_indices)
         self.inputs = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
 
@@ -389,9 +391,10 @@ class _Kernel:
             return 1, "" if self.requested in (None, 1) else "no fold streams per program; nothing to split"
         if spec.dependent:
             return 1, "" if self.requested in (None, 1) else "its program folds read each other; not split"
+        # the work counted at each extent's shape class: one split serves the class
+        programs, tiles, steps, divisions = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
+        self.split_work = programs * tiles * steps
         if self.requested is None:
-            # the work counted at each extent's shape class: one split serves the class
-            programs, tiles, steps, divisions = self.work(blocks, hint, lambda index: size_class(self.extent(index)))
             matrix = len(spec.grid) == 2 and set(spec.grid) <= self.dot
             n = auto_split(programs, tiles, self.sig.sm_count, steps, divisions,
                            MATMUL_PROGRAMS_PER_SM if matrix else 2)
@@ -434,9 +437,11 @@ class _Kernel:
         does the same work; beside a loop tile and the loop tile of a contraction nested in
         it (the matrix product's depth streamed too) STREAMED_DEPTH; two grid tiles and a
         loop tile (a matrix product) MATMUL; any other kernel keeps its tiles and tries
-        LAUNCH's warps and stages, unless it is split (`whole` false): then it launches
-        as decided."""
+        LAUNCH's warps and stages.  A split kernel (`whole` false) of less work than
+        TUNE_SPLIT_WORK, or with no tile to tune, launches as decided."""
         loops = [t for f in folds for t in f.tiles if t.tuned]
+        if not whole and self.split_work < TUNE_SPLIT_WORK:
+            return "", ()
 
         def tiles(*sizes: int) -> tuple[tuple[str, int], ...]:
             return tuple((t.index, min(size, max(16, np2(self.extent(t.index))), self.split_caps.get(t.index, size)))
