@@ -6,7 +6,8 @@ training GPT's 8192,768,32768; bf16).
 
     python3 scripts/flce_probe.py [REVISION ...]
 
-Prints ms (median of do_bench) and peak MiB of each, then for this tree the kernels
+Prints ms (median of do_bench), peak MiB and the errors of the loss (absolute) and of
+dH and dW (relative, in norm) against float64 of each, then for this tree the kernels
 of one forward + backward by CUDA time and the concrete plans of the forward and
 its gradient program.  Writes $OUT/flce.json."""
 from __future__ import annotations
@@ -50,13 +51,20 @@ def main(names: list[str]) -> None:
         contenders["cut cross-entropy"] = lambda h, w, y: linear_cross_entropy(h, w, y)
     except Exception as e:
         print("cut cross-entropy unavailable:", e)
-    want = torch_loss(h.double(), w.double(), y)
+    # the float64 oracle of the loss and of both gradients (the bfloat16 inputs, widened)
+    h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
+    want = F.cross_entropy(F.linear(h64, w64).flatten(0, 1), y.flatten())      # in float64 throughout
+    want.backward()
     rows = []
     for name, fn in contenders.items():
         row = {"contender": name}
         try:
             loss = fn(h, w, y)
             row["error"] = abs(float(loss) - float(want))
+            loss.backward()
+            for grad, oracle, label in ((h.grad, h64.grad, "dH error"), (w.grad, w64.grad, "dW error")):
+                row[label] = float((grad.double() - oracle).norm() / oracle.norm())
+            h.grad = w.grad = None
 
             def step(fn=fn):
                 fn(h, w, y).backward()
@@ -95,13 +103,14 @@ def main(names: list[str]) -> None:
     (out / "flce.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": [tokens, hidden, vocab],
                                                "rows": rows}, indent=1))
     print(f"{torch.cuda.get_device_name()}: tokens {tokens}, hidden {hidden}, vocab {vocab}, bf16")
-    print(f"{'contender':20} {'fwd ms':>8} {'fwd MiB':>8} {'f+b ms':>8} {'f+b MiB':>8} {'|err|':>8}")
+    print(f"{'contender':20} {'fwd ms':>8} {'fwd MiB':>8} {'f+b ms':>8} {'f+b MiB':>8} {'|err|':>8} "
+          f"{'dH err':>8} {'dW err':>8}")
     for r in rows:
         if "failed" in r:
             print(f"{r['contender']:20} FAILED {r['failed']}")
         else:
             print(f"{r['contender']:20} {r['forward ms']:8.3f} {r['forward MiB']:8.0f} {r['forward+backward ms']:8.3f} "
-                  f"{r['forward+backward MiB']:8.0f} {r['error']:8.1e}")
+                  f"{r['forward+backward MiB']:8.0f} {r['error']:8.1e} {r['dH error']:8.1e} {r['dW error']:8.1e}")
 
 
 if __name__ == "__main__":
