@@ -88,11 +88,17 @@ def explain(program) -> str:
         for st in program.factorised.statements:
             out.append(f"  {st.name}[{', '.join(st.indices)}] = {format_expr(_with_field_names(st.expr))}")
         out.append("")
-    from .backend import outline_of
+    from .backend import check_name, outline_of
     plan = outline_of(program)
     out.append(f"outputs: {', '.join(program.outputs)}")
     out.append("plan (for any sizes; the sizes of a call choose tiles and splits: Program.plan(**inputs)):")
     out += _indent(str(plan))
+    # the triton backend's second schedule, which a call's sizes may take (Schedule.for_extents)
+    materialised = program.schedule.materialised if check_name(program.backend_name) == "triton" else None
+    if materialised is not None:
+        out.append("plan where recomputing the nested folds costs more than storing them (sizes decide; a buffer "
+                   "that would outgrow the largest input is made a chunk at a time):")
+        out += _indent(str(materialised.outline("triton")))
     out += _backward(program.checked)
     return "\n".join(out) + "\n"
 

@@ -215,3 +215,14 @@ def test_token_counts_whose_chunks_differ_in_length_share_one_module():
         lengths.add(built.chunk_length)
     assert len(sources) == 1 and lengths == {5632, 2816}
     assert 'for start in range(0, whole["v"], whole["chunk length"]):' in sources.pop()
+
+
+def test_explain_shows_the_plan_that_stores_the_nested_folds():
+    # a block whose sizes decide between recomputing silu(X W1) in Y's kernel and storing it
+    # (in chunks where it would outgrow the inputs): explain prints both plans
+    text = compiler.compile(f"Y[i, j] = sum[f]({GATED} * W2[j, f])").explain()
+    fused, stored = text.split("plan where recomputing the nested folds costs more than storing them")
+    assert "einfold_buf0" not in fused.split("plan (for any sizes")[1]
+    assert "einfold_buf0: writes buf0" in stored and "einfold_Y: writes Y" in stored
+    assert "plan where" not in compiler.compile(f"Y[i, j] = sum[f]({GATED} * W2[j, f])",
+                                                backend="reference").explain()
