@@ -53,7 +53,7 @@ class Chunking:
     buffers: tuple[str, ...]        # buffers made in the run over `index`: one chunk long
     accumulated: tuple[str, ...]    # outputs that sum over `index`: chunks' sums added in float32
     why: str
-    longest: int = 0                # the longest chunk the budget allows (a multiple of CHUNK_ALIGN)
+    longest: int                    # the longest chunk the budget allows (a multiple of CHUNK_ALIGN)
     sized: str = ""                 # why `size`, where a GPU's SMs chose it (specialise)
 
     @property
