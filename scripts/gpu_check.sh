@@ -25,9 +25,13 @@ case "$what" in
         # GPU is idle most of the time), each with its own kernel cache and log.
         shards=${SHARDS:-1}
         work=$(mktemp -d)
-        # IDS (optional): a file of node ids, one per line, to run instead of every GPU test
+        # IDS (optional): a file of node ids, one per line, to run instead of every GPU test;
+        # EXCLUDE (optional): an extended regular expression of node ids to leave out, e.g.
+        # 'differential|distributed|test_the_hopper_form' (the corpus and two-GPU tests take calls of their own)
         if [ -n "${IDS:-}" ]; then cp "$IDS" "$work/ids"; else
             python3 -m pytest -p no:cacheprovider -m gpu -q --collect-only tests 2>/dev/null | grep '::' > "$work/ids"; fi
+        if [ -n "${EXCLUDE:-}" ]; then grep -Ev "$EXCLUDE" "$work/ids" > "$work/ids.kept"; mv "$work/ids.kept" "$work/ids"; fi
+        echo "$(wc -l < "$work/ids") GPU tests in $shards shard(s)"
         for ((s = 0; s < shards; s++)); do
             awk -v n="$shards" -v s="$s" '(NR - 1) % n == s' "$work/ids" > "$work/ids.$s"
             # node ids hold spaces: one per line, passed whole
