@@ -338,17 +338,20 @@ def test_a_split_loop_tile_is_capped_at_its_share_of_the_split(monkeypatch):
     assert all(dict(k.tiles)["v"] <= max(16, 1 << (share - 1).bit_length()) for k in kernel.candidates)
 
 
-def test_a_tuned_split_kernel_passes_its_tiles_to_the_merge_and_counts_the_most_programs():
+def test_a_tuned_split_kernel_passes_its_tiles_to_the_merge_and_counts_the_most_programs(monkeypatch):
     """The autotuner binds the partial kernel's tiles; the merge it calls takes them by
-    name, and the arrival counters are sized for the candidate of the most programs."""
+    name, and the arrival counters are sized for the candidate of the most programs: with
+    a candidate of 32-row tiles beside the table's (the split decided at 64), one counter
+    per 32 rows."""
+    import compiler.specialise.stage as stage
+    monkeypatch.setattr(stage, "STREAMED_DEPTH", [*stage.STREAMED_DEPTH, (32, 64, 64, 4, 3)])
     c = _logsumexp_of_logits(8192, 32768)
     builder = ModuleBuilder(c, ())
     built = builder.build()
     (code, _), = builder.kernels
     assert code.name in builder.tuned and "@triton.autotune(" in built.source
     assert "BLOCK_t=BLOCK_t)" in code.source
-    # 64-row tiles are the smallest candidate's: one counter per 64 rows
-    assert '"einfold_lse_arrivals": torch.zeros((((n["t"] + 63) // 64),)' in built.source
+    assert '"einfold_lse_arrivals": torch.zeros((((n["t"] + 31) // 32),)' in built.source
 
 
 def test_without_an_sm_count_a_chunk_is_the_longest_of_near_equal_chunks():

@@ -77,7 +77,12 @@ def chunked(schedule, added: set[str], extent: Callable[[str], int], budget: int
     elements, or None where no index allows one: of the indices that allow one, the one
     whose chunks add the fewest float32 partial sums (each chunk's are written and added
     once more), then the longest chunk."""
-    found = [run for run in chunk_candidates(schedule, added, extent, budget).values() if isinstance(run, Chunking)]
+    return cheapest(schedule, chunk_candidates(schedule, added, extent, budget), extent)
+
+
+def cheapest(schedule, runs: dict[str, Chunking | str], extent: Callable[[str], int]) -> Chunking | None:
+    """Of `runs` (chunk_candidates), the run `chunked` takes, or None where none is one."""
+    found = [run for run in runs.values() if isinstance(run, Chunking)]
 
     def cost(run: Chunking) -> tuple[int, int]:
         sums = sum(math.prod(extent(i) for i in schedule.indices_of(a)) for a in run.accumulated)

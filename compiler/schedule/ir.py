@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..ir import Access, Assign, Program, Reduce, format_expr, nodes
-from .chunks import Chunking, chunk_candidates, chunked
+from .chunks import Chunking, cheapest, chunk_candidates
 from .folds import Contraction
 from .plan import Kernel, Loop, Plan
 from .tiles import CHAIN_BREAK, WHOLE_MAX, describe, recompute_costs
@@ -124,7 +124,7 @@ class Schedule:
         if all(math.prod(extent(i) for i in self.materialised.indices_of(b)) <= largest for b in added):
             return self.materialised
         runs = chunk_candidates(self.materialised, added, extent, largest)
-        run = chunked(self.materialised, added, extent, largest)
+        run = cheapest(self.materialised, runs, extent)
         if run is None:
             why = "; ".join(f"{x}: {reason}" for x, reason in runs.items())
             return replace(self, recomputes=f"stores no buffer larger than the largest input ({largest}), and "

@@ -294,7 +294,7 @@ class _Kernel:
         s = fold.summary
         singles = one_at_a_time(fold, self.dot)
         batch = _batch_indices(fold)
-        exact = self.sig.sums_in_order(self.contraction_dtype(fold))
+        exact = self.sig.sums_in_order(dot_dtype(fold, self.inputs, self.sig))
         caps = self.caps(fold)
         tiles = []
         for p, b in enumerate(fold.indices):
@@ -380,9 +380,6 @@ class _Kernel:
         b = fold.indices[p]
         block = loop_tile(self.extent(b), b in self.dot, caps[p])
         return split_tile(self.extent(b), b in self.dot, split, block) if self.split_here(fold, p, split) else block
-
-    def contraction_dtype(self, fold: Reduce):
-        return dot_dtype(fold, self.inputs, self.sig)
 
     # ------------------------------------------------------------ 4. the split
     def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:

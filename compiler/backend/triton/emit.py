@@ -534,10 +534,14 @@ class KernelEmitter:
         self.params.setdefault(p, Arg("extent", name))
         return p
 
+    def chunk_run(self):
+        """The chunked run this kernel is launched in (schedule/chunks.py), or None."""
+        return self.ctx.chunking if self.spec.name in self.ctx.chunked_kernels else None
+
     def in_chunks(self, index: str) -> bool:
         """Whether this kernel runs once per chunk of `index` (a view of each tensor)."""
-        run = self.ctx.chunking
-        return run is not None and self.spec.name in self.ctx.chunked_kernels and index in run.names
+        run = self.chunk_run()
+        return run is not None and index in run.names
 
     def start_param(self) -> str:
         p = self.local("start", ("start",))
@@ -870,8 +874,8 @@ class KernelEmitter:
         else:
             value = v.code
         mask = self.mask_code(target, target)
-        run = self.ctx.chunking
-        summed = run is not None and self.spec.name in self.ctx.chunked_kernels and name in run.accumulated
+        run = self.chunk_run()
+        summed = run is not None and name in run.accumulated
         if summed:
             # a sum over the chunked index: each chunk adds its sum to what the chunks before it
             # stored (zeros before the first; the chunks run one after another), in float32
