@@ -43,7 +43,10 @@ pass through the op with no tangent: it is refused with a TransformError.
 A plain call (no grad needed, not compiling, no transform) does not go through the op,
 and an eager call under autograd runs the op's implementation and backward through an
 autograd.Function of their own (`op.eager`), without torch's op dispatch: the op is
-what torch.compile and torch.jit.trace record.
+what torch.compile and torch.jit.trace record.  Such a call takes the `EagerCall` of
+its inputs' runner key, which holds what the call would otherwise find again each
+time: the op, the argument order, the forward's runner and, per set of inputs that
+need a gradient, the gradient program's runner.
 """
 from __future__ import annotations
 
@@ -69,20 +72,34 @@ NAMESPACE = "einfold"
 _DTYPES = {INT: torch.int64, BOOL: torch.bool}
 
 
-def call_op(program, inputs: dict):
+def call_op(program, inputs: dict, key: tuple | None = None):
     """Run `program` on `inputs` through its custom op: outputs carry a grad_fn
-    where an input requires grad, and torch.compile traces the call as one op."""
-    names = tuple(i.name for i in program.checked.inputs)
-    if inputs.keys() != set(names) or not all(_fits(v) for v in inputs.values()):
-        program.binder(inputs)           # names what is wrong (a BindError)
-    args = tuple(v if isinstance(v, torch.Tensor) else number_input(program.checked, n, v)
-                 for n, v in ((n, inputs[n]) for n in names))
-    _refuse_forward_mode(names, args)
-    results, saved = _apply(program, args)
+    where an input requires grad, and torch.compile traces the call as one op.
+    `key`: the inputs' runner key (CompiledProgram._key_of), where the call is an
+    eager one (not traced); such a call takes its key's EagerCall where no
+    transform sees it."""
+    if key is not None and not _under_transform():
+        call = program._eager.get(key)
+        if call is None:
+            call = program._eager[key] = EagerCall(program, _arguments(program, inputs))
+        return call(inputs)
+    args = _arguments(program, inputs)
+    _refuse_forward_mode(args[0], args[1])
+    results, saved = _apply(program, args[1])
     if not saved:
         return results
     shown = results[:-saved]                                         # the saved statistics stay inside
     return shown[0] if len(shown) == 1 else shown
+
+
+def _arguments(program, inputs: dict) -> tuple[tuple[str, ...], tuple]:
+    """(the program's input names in order, the op's arguments: `inputs` in that order,
+    numbers as the float64 scalars they run as); a BindError names what is wrong."""
+    names = tuple(i.name for i in program.checked.inputs)
+    if inputs.keys() != set(names) or not all(_fits(v) for v in inputs.values()):
+        program.binder(inputs)           # names what is wrong (a BindError)
+    return names, tuple(v if isinstance(v, torch.Tensor) else number_input(program.checked, n, v)
+                        for n, v in ((n, inputs[n]) for n in names))
 
 
 def _apply(program, args: tuple) -> tuple[object, int]:
@@ -96,9 +113,50 @@ def _apply(program, args: tuple) -> tuple[object, int]:
         return _MADE[qualified].transformable.apply(*args), saved
     if not torch.compiler.is_compiling() and not torch.jit.is_tracing():
         # eager autograd: what torch.compile and torch.jit.trace record is the op
-        return _MADE[qualified].eager.apply(*args), saved
+        call = EagerCall(program, (tuple(i.name for i in program.checked.inputs), args))
+        return call.function.apply(call, *args), saved
     namespace, _, name = qualified.partition("::")
     return getattr(getattr(torch.ops, namespace), name)(*args), saved   # a tensor, or a tuple for several
+
+
+def _under_transform() -> bool:
+    """Whether functorch (vmap, func.grad), forward-mode AD or torch.jit.trace sees
+    this call (they go through the op or its transformable Function)."""
+    from torch.autograd import forward_ad
+    return (torch._C._functorch.maybe_current_level() is not None or torch._C._is_tracing()
+            or forward_ad._current_level >= 0)
+
+
+class EagerCall:
+    """A program's eager calls under autograd whose inputs have one runner key
+    (shapes, dtypes, devices, number kinds): what every such call would work out
+    again is found once here.  That is the op (`op.eager`, an autograd.Function)
+    and the order of its arguments, and the saving forward's runner.  Per set of
+    inputs that need a gradient, `gradients` keeps the gradient program's runner,
+    and where each of its inputs comes from (`gradient_plan`).  A call is then the
+    arguments in order, one apply, one runner each way: about a third of an eager
+    RMSNorm's forward + backward host time on the CPU went to finding these again."""
+
+    def __init__(self, program, arguments: tuple[tuple[str, ...], tuple]) -> None:
+        self.names, args = arguments
+        kinds = tuple("Tensor" if isinstance(a, torch.Tensor) else "float" for a in args)
+        qualified, self.saved = _op_name(program._key, kinds)
+        self.function = _MADE[qualified].eager
+        self.forward = program._saving
+        self.run = self.forward._runner(dict(zip(self.names, args)))
+        # the needs_input_grad of a backward -> (the gradient program, its runner, its inputs' plan)
+        self.gradients: dict[tuple[bool, ...], tuple] = {}
+
+    def __call__(self, inputs: dict):
+        results = self.function.apply(self, *(inputs[n] for n in self.names))
+        if not self.saved:
+            return results
+        shown = results[:-self.saved]
+        return shown[0] if len(shown) == 1 else shown
+
+    def outputs(self, args: tuple):
+        """The saving forward's outputs for the op's arguments `args`."""
+        return self.forward._in_order(self.run(dict(zip(self.names, args))))
 
 
 def _refuse_forward_mode(names: tuple[str, ...], args: tuple) -> None:
@@ -242,6 +300,28 @@ def _make_ops(program, kinds: tuple[str, ...]):
         results = results if isinstance(results, tuple) else (results,)
         return [r.to(values[names.index(n)].dtype) for n, r in zip(wrt, results)]
 
+    def eager_gradients(call: EagerCall, values: tuple, statistics: list, produced: list, upstream: list,
+                        needs: tuple[bool, ...]) -> list:
+        """`gradients` of an eager call: the gradient program's runner and the places of
+        its inputs found at the call's first backward with these `needs`, then kept."""
+        found = call.gradients.get(needs)
+        if found is None:
+            wrt = tuple(n for n, needed in zip(names, needs) if needed)
+            gradient = program._gradient(wrt, saved=bool(statistics))
+            # where each input of the gradient program comes from: gradient_inputs of the
+            # places (which list, which item) instead of the values
+            plan = gradient_inputs(gradient, {n: (0, k) for k, n in enumerate(names)},
+                                   [(1, k) for k in range(len(statistics))], [(2, k) for k in range(len(produced))],
+                                   [(3, k) for k in range(len(upstream))])
+            inputs = {name: (values, statistics, produced, upstream)[place][k] for name, (place, k) in plan.items()}
+            dtypes = tuple(v.dtype for v, needed in zip(values, needs) if needed)
+            found = call.gradients[needs] = (gradient, gradient._runner(inputs), tuple(plan.items()), dtypes)
+        gradient, run, plan, dtypes = found
+        sources = (values, statistics, produced, upstream)
+        results = gradient._in_order(run({name: sources[place][k] for name, (place, k) in plan}))
+        results = results if isinstance(results, tuple) else (results,)
+        return [r if r.dtype == dtype else r.to(dtype) for r, dtype in zip(results, dtypes)]
+
     def gradient_shapes(*args):
         # as `gradients` makes them: the gradient program's outputs, contiguous whatever
         # the inputs' strides (a transposed view's gradient is not a transposed view)
@@ -263,7 +343,7 @@ def _make_ops(program, kinds: tuple[str, ...]):
         ctx.save_for_backward(*tensors, *output[shown:], *output[:shown])
         ctx.outputs = tuple((o.shape, o.dtype, o.device) for o in output[:shown])
 
-    def backward(ctx, *upstream, eager: bool = False):
+    def backward(ctx, *upstream, call: EagerCall | None = None):
         saved = iter(ctx.saved_tensors)
         values = tuple(ctx.numbers[n] if n in ctx.numbers else next(saved) for n in names)
         statistics = [next(saved) for _ in forward.outputs[shown:]]
@@ -271,11 +351,13 @@ def _make_ops(program, kinds: tuple[str, ...]):
         # an output backward() did not reach has no upstream gradient: zeros
         upstream = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
                     for s, g, (shape, dtype, device) in zip(outputs, upstream, ctx.outputs) if s.dtype == FLOAT]
-        needs = list(ctx.needs_input_grad)
+        # an eager call's Function takes its EagerCall first
+        needs = ctx.needs_input_grad[1:] if call is not None else ctx.needs_input_grad
         if not any(needs):
             return (None,) * len(names)
         if not torch.is_grad_enabled():
-            results = (gradients if eager else backward_op)(*values, statistics, produced, upstream, needs)
+            results = (eager_gradients(call, values, statistics, produced, upstream, needs) if call is not None
+                       else backward_op(*values, statistics, produced, upstream, list(needs)))
         else:
             # a backward that builds a graph (create_graph=True) recomputes the
             # statistics, through the gradient program's own op: the second
@@ -309,17 +391,19 @@ def _make_ops(program, kinds: tuple[str, ...]):
     # an eager call's: the same forward and backward, called directly rather than through
     # torch's op dispatch, which cost 0.12-0.25 ms of host time a forward + backward (H200,
     # interleaved in one process: a 64 x 768 RMSNorm 0.946 -> 0.828 ms, causal attention at
-    # B8 H12 S1024 d64 1.101 -> 0.852)
+    # B8 H12 S1024 d64 1.101 -> 0.852).  Its first argument is the call's EagerCall (the
+    # runners of its runner key).
     # forward takes the context itself: an autograd.Function with a setup_context of its own
     # binds its arguments to forward's signature (inspect.signature) on every apply, about
     # 35 us a call of host time (H100 host, cProfile of the GPT's eager steps)
-    def eager_forward(ctx, *args):
-        output = implementation(*args)
+    def eager_forward(ctx, call: EagerCall, *args):
+        output = call.outputs(args)
         setup_context(ctx, args, output)
+        ctx.call = call
         return output
     op.eager = type(f"{name}_eager", (torch.autograd.Function,), {
         "forward": staticmethod(eager_forward),
-        "backward": staticmethod(lambda ctx, *upstream: backward(ctx, *upstream, eager=True))})
+        "backward": staticmethod(lambda ctx, *upstream: (None, *backward(ctx, *upstream, call=ctx.call)))})
     _MADE[op._qualname] = op
     return op
 

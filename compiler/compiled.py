@@ -46,7 +46,7 @@ class CompiledProgram:
     # What a process makes for itself, never pickled: runners (loaded kernels), compiled
     # gradient programs, custom ops, the key torch.compile names the program by, and what
     # the cached properties made on first use; an unpickled program makes them again.
-    _PER_PROCESS = frozenset(("_runners", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
+    _PER_PROCESS = frozenset(("_runners", "_eager", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
                               "_saving", "_variants", "_last_typed", "_sizes"))
 
     def __getstate__(self) -> dict:
@@ -64,6 +64,7 @@ class CompiledProgram:
         self._gradients: dict[tuple[tuple[str, ...], bool], CompiledProgram] = {}
         self._batches: dict[tuple[str, ...], tuple[CompiledProgram, str]] = {}     # see Program._batched()
         self._ops: dict[tuple[str, ...], object] = {}            # argument kinds -> torch custom op
+        self._eager: dict[tuple, object] = {}       # runner key -> its eager call under autograd (autograd.EagerCall)
         self._variants: dict[tuple[tuple[str, str], ...], CompiledProgram] = {}     # see _specialised()
         self._last_typed = self         # the program that the last call ran (_typed): its source is shown
         # size inputs (an index only on the left takes its extent from the call): their value keys a runner
@@ -141,8 +142,13 @@ class CompiledProgram:
 
     def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The outputs for `inputs` (whose runner key is `key` when known), outside autograd."""
-        # Inputs of the shapes, dtypes and devices seen before bind the same way:
-        # reuse that call's runner (no re-checking, no re-specialising).
+        return self._in_order(self._runner(inputs, key)(inputs))
+
+    def _runner(self, inputs: dict, key: tuple | None = None):
+        """The runner of `inputs` (whose runner key is `key` when known): a function of
+        such inputs to the outputs by name.  Inputs of the shapes, dtypes and devices
+        seen before bind the same way: that call's runner is reused (no re-checking,
+        no re-specialising)."""
         if key is None:
             key, _ = self._key_of(inputs)
         runner = self._runners.get(key)
@@ -150,7 +156,7 @@ class CompiledProgram:
             program, binding = self._typed(inputs)
             runner = deep(lambda: program.backend.runner(binding), what="the program", source=self.text)
             self._runners[key] = runner
-        return self._in_order(runner(inputs))
+        return runner
 
     def _in_order(self, results: dict):
         """A run's results by name as a call returns them: the output, or a tuple of them."""

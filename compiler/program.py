@@ -124,7 +124,7 @@ class Program(CompiledProgram):
         key, requires_grad = self._key_of(inputs)
         if requires_grad and torch.is_grad_enabled() or _transformed(torch):
             from .autograd import call_op
-            return call_op(self, inputs)
+            return call_op(self, inputs, key)
         return self._run(inputs, key)
 
     def _gradient(self, wrt: tuple[str, ...], saved: bool = False) -> GradientProgram:

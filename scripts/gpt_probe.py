@@ -4,7 +4,7 @@ on the GPU, in one process:
     python3 scripts/gpt_probe.py [REVISION ...]     (REVISION: a package in .before/)
 
 Each size of bench_gpt.SIZES (PROBE_QUICK=1: QUICK; PROBE_SIZES=d64,...: those),
-eager and under torch.compile: this tree's einfold model, each revision's, and
+eager and under torch.compile (PROBE_MODES=eager or compiled: that one): this tree's einfold model, each revision's, and
 torch's (SDPA), each trained from the same weights on the same batches.  A contender
 that takes more than PROBE_LIMIT seconds (default 240) is stopped and reported.
 PROBE_OPAQUE=1 adds this tree with every program's op opaque to torch.compile (the
@@ -64,9 +64,10 @@ def main(names: list[str]) -> None:
     steps, warmup = (40, 15) if quick else (200, 30)
     limit = int(os.environ.get("PROBE_LIMIT", "240"))
     signal.signal(signal.SIGALRM, _stop)
+    modes = os.environ.get("PROBE_MODES", "eager,compiled").split(",")
     rows = []
     for config in configs:
-        for compiled in (False, True):
+        for compiled in [m == "compiled" for m in ("eager", "compiled") if m in modes]:
             kits = {f"einfold {tag}": (lambda p=package: bench_gpt.einfold_kit(p)) for tag, package in packages.items()}
             if os.environ.get("PROBE_OPAQUE"):
                 kits["einfold opaque"] = lambda: bench_gpt.einfold_kit(packages["new"])

@@ -591,6 +591,46 @@ def test_an_eager_call_under_autograd_runs_the_ops_function_without_torchs_dispa
     assert "einfold::" in str(traced.graph)
 
 
+def test_eager_calls_of_one_runner_key_share_their_runners_and_keep_a_gradient_runner_per_needs():
+    # what an eager call under autograd would find again every call (the op, the argument
+    # order, the saving forward's runner, the gradient program's runner and its inputs'
+    # places) is found once per runner key, and once per needs_input_grad
+    program = compiler.compile("Y[i,j] = X[i,j] * rsqrt(mean[n](X[i,n] ** 2) + eps) * G[j]", backend="triton")
+
+    def run(x, g, eps):
+        x, g = x.detach().clone().requires_grad_(x.requires_grad), g.detach().clone().requires_grad_(g.requires_grad)
+        y = program(X=x, G=g, eps=eps)
+        (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+        return y, x.grad, g.grad
+
+    def oracle(x, g, eps):
+        x, g = x.detach().double().requires_grad_(x.requires_grad), g.detach().double().requires_grad_(g.requires_grad)
+        y = x * torch.rsqrt((x ** 2).mean(1, keepdim=True) + eps) * g
+        (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+        return y, x.grad, g.grad
+
+    torch.manual_seed(0)
+    cases = [(torch.randn(5, 7, requires_grad=True), torch.randn(7, requires_grad=True), 1e-5),
+             (torch.randn(5, 7, requires_grad=True), torch.randn(7, requires_grad=True), 1e-3),   # other values
+             (torch.randn(5, 7, requires_grad=True), torch.randn(7), 1e-5),                       # X only
+             (torch.randn(5, 7), torch.randn(7, requires_grad=True), 1e-5),                       # G only
+             (torch.randn(3, 7, requires_grad=True), torch.randn(7, requires_grad=True), 1e-5)]   # another shape
+    for x, g, eps in cases:
+        for got, want in zip(run(x, g, eps), oracle(x, g, eps)):
+            assert (got is None) == (want is None)
+            if got is not None:
+                torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    calls = list(program._eager.values())
+    assert len(calls) == 2            # one per runner key: the shapes 5 x 7 and 3 x 7
+    five, three = calls
+    needs = {name: k for k, name in enumerate(five.names)}           # X, G and eps, in the program's order
+    assert set(five.gradients) == {tuple(n in wrt for n in sorted(needs, key=needs.get))
+                                   for wrt in ({"X", "G"}, {"X"}, {"G"})}
+    assert len(three.gradients) == 1
+    assert type(run(*cases[0])[0].grad_fn).__name__.endswith("_eagerBackward")
+    assert list(program._eager.values()) == calls and len(five.gradients) == 3
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_program_is_a_custom_op_that_opcheck_accepts(backend):
     source, _, make, _ = CORPUS["output_and_lse"]
