@@ -56,9 +56,9 @@ def calibrate_sleep() -> None:
     global SLEEP_CYCLES
     torch.cuda.synchronize()
     start = time.perf_counter()
-    torch.cuda._sleep(10 ** 7)
+    torch.cuda._sleep(10 ** 8)
     torch.cuda.synchronize()
-    SLEEP_CYCLES = int(10 ** 7 * SLEEP_MS / ((time.perf_counter() - start) * 1e3))
+    SLEEP_CYCLES = int(10 ** 8 * SLEEP_MS / ((time.perf_counter() - start) * 1e3))
 
 
 SLEEP_MS, SLEEP_CYCLES = 100.0, 0

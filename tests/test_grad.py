@@ -363,6 +363,18 @@ def _ties():
     return x
 
 
+def _points():
+    x, y = randn(5, 3), randn(4, 3, seed=1)
+    y[3] = y[1]                                   # a duplicated point: its distances tie
+    x[0] = y[1] + 0.01                            # nearest to both copies
+    return {"X": x, "Y": y}
+
+
+def _at_first_min(d):
+    """d's row minimum, with the gradient at its first minimum (as torch.min(dim))."""
+    return d.gather(1, d.argmin(1, keepdim=True))[:, 0]
+
+
 def _zeros():
     x = randn(4, 5) + 0.1
     x[1, 2] = 0.0                                 # one zero: only it gets a gradient
@@ -373,6 +385,13 @@ def _zeros():
 REDUCTION_CASES = {
     "max_min_ties": ("Y[i] = max[k](X[i,k]) + 2 * min[k](X[i,k])",
                      lambda X: X.amax(-1) + 2 * X.amin(-1), lambda: {"X": _ties()}, ("X",)),
+    # the minimum of a value that folds (a distance) gives its gradient to the first
+    # minimum: the comparison of a recomputed fold with the forward's minimum is not exact
+    # on the GPU (test_gpu_a_minimum_of_distances_has_its_gradient_in_every_row)
+    "min_of_a_fold": ("C[i] = min[m](sum[k]((X[i,k] - Y[m,k]) ** 2))",
+                      lambda X, Y: _at_first_min(((X[:, None] - Y[None]) ** 2).sum(-1)), _points, ("X", "Y")),
+    "max_of_a_product": ("C[i] = max[m](sum[k](X[i,k] * Y[m,k]))",
+                         lambda X, Y: -_at_first_min(-(X @ Y.T)), _points, ("X", "Y")),
     "prod_zeros": ("Y[i] = prod[k](X[i,k])", lambda X: X.prod(-1), lambda: {"X": _zeros()}, ("X",)),
     "sum_broadcast": ("Y[i] = sum[k](X[i,k]) * s + mean[k](X[i,k])",
                       lambda X, s: X.sum(-1) * s + X.mean(-1), lambda: {"X": randn(3, 5), "s": 1.5}, ("X",)),
@@ -709,6 +728,26 @@ def test_torch_compile_traces_a_program_in_one_graph(backend):
     (reference(*theirs, inputs["scale"]) ** 2).sum().backward()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad.double().cpu(), b.grad, **TOL[backend])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, dtype", [(64, torch.float32), (3, torch.float32), (64, torch.bfloat16)])
+def test_gpu_a_minimum_of_distances_has_its_gradient_in_every_row(k, dtype):
+    # the forward's kernel and the gradient's tile the distance differently: a gradient
+    # that compared its recomputed distances with the forward's minimum matched none in
+    # most rows (zero gradients) and NaN where its count and its comparison disagreed
+    program = compiler.compile("C[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 300, k, device="cuda", generator=g).to(dtype).requires_grad_()
+    y = torch.randn(2, 500, k, device="cuda", generator=g).to(dtype).requires_grad_()
+    upstream = torch.randn(2, 300, device="cuda", generator=g).to(dtype)
+    program(X=x, Y=y).backward(upstream)
+    x64, y64 = (t.detach().double().requires_grad_() for t in (x, y))
+    ((x64[:, :, None] - y64[:, None]) ** 2).sum(-1).amin(-1).backward(upstream.double())
+    assert bool((x.grad.abs().sum(-1) > 0).all())
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for ours, want in ((x.grad, x64.grad), (y.grad, y64.grad)):
+        assert float((ours.double() - want).norm() / want.norm()) < tolerance
 
 
 @pytest.mark.gpu

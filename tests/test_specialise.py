@@ -8,6 +8,7 @@ from compiler.backend.triton.module import ModuleBuilder
 from compiler.cli import main
 from compiler.ir import Access, nodes
 from compiler.specialise import ConcreteSchedule, specialise
+from compiler.schedule.tiles import STREAM_BLOCK
 from compiler.specialise.ir import ONE_AT_A_TIME, RANGED, TILED, WHOLE
 from test_triton_backend import LAYERNORM
 
@@ -381,3 +382,19 @@ def test_a_split_kernel_of_little_work_launches_at_the_splits_tiles():
     assert kernel.split > 1 and not kernel.tuned and kernel.tuning == ""
     (heavy,) = _logsumexp_of_logits(8192, 32768).kernels
     assert heavy.split > 1 and heavy.tuned
+
+
+def test_a_fold_inside_the_epilogue_loop_shares_the_streamed_budget_with_the_epilogues_tile():
+    # the Chamfer distance's gradient: dX[b,i,k] sums over m a body that spans the epilogue's
+    # k tile; its m tile counts k's, as a nested fold's whole tile counts (m/4096 beside k/128
+    # was a tile of 512k elements)
+    source = ("C_1[b,i,m,k] = where(m == argmin[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2), m), dC[b,i], 0.0) "
+              "* 2 * (X[b,i,k] - Y[b,m,k])\ndX[b,i,k] = sum[m](C_1[b,i,m,k])")
+    program = compiler.compile(source, backend="triton", outputs=("dX",))
+    shapes = {"X": (1, 4096, 128), "Y": (1, 4096, 128), "dC": (1, 4096)}
+    binding = program.binder({k: _input(v, torch.float32) for k, v in shapes.items()})
+    (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    (epilogue,) = kernel.epilogue
+    assert (epilogue.index, epilogue.size) == ("k", 128)
+    tiles = [t.size for f in kernel.folds if not f.nested for t in f.tiles if t.index == "m"]
+    assert tiles and all(size * 128 <= STREAM_BLOCK for size in tiles), str(kernel)

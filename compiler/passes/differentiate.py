@@ -98,11 +98,33 @@ def _sum_adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
 
 def _extremum_adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
     # Ties share the gradient equally (as torch.amax / amin): each element equal
-    # to the extreme gets g / (how many are equal to it).
+    # to the extreme gets g / (how many are equal to it).  That compares each
+    # element, recomputed, with the extreme the forward found, so it needs the
+    # element to round as it did there: true of a value read or computed
+    # elementwise, not of one that folds (a distance sum[k]((x - y) ** 2)), whose
+    # rounding follows the tiles and the reduction tree of the kernel that
+    # computes it.  On the GPU the forward's minimum matched no recomputed
+    # distance in most rows of a Chamfer distance: zero gradients, and NaN where
+    # the count and the comparison disagreed.  Such a value's gradient goes to
+    # the first extreme element, found by one fold of the gradient program
+    # (argmin / argmax of the position), as torch.min(dim) gives it.
     x, = node.args
+    if any(isinstance(n, Reduce | Composite) for n in walk(x)):
+        return (Call("where", (_at_first_extreme(x, node.indices, node.summary.name), g, Const(0.0))),)
     hit = Call("eq", (x, out))
     count = Reduce(SUM, node.indices, (Call("where", (hit, Const(1.0), Const(0.0))),))
     return (Call("where", (hit, Call("div", (g, count)), Const(0.0))),)
+
+
+def _at_first_extreme(x: Expr, indices: tuple[str, ...], extreme: str) -> Expr:
+    """Whether this element of `indices` is the first (row-major) at which `x` takes its
+    `extreme` ("max" or "min") over them: its position compared with the position the
+    arg-fold keeps, which compares each x once (no recomputed value is compared with
+    another evaluation of it)."""
+    position: Expr = Index(indices[0])
+    for i in indices[1:]:
+        position = Call("add", (Call("mul", (position, Extent(i))), Index(i)))
+    return Call("eq", (position, Reduce(BUILTINS[f"arg{extreme}"], indices, (x, position))))
 
 
 def _prod_adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
@@ -122,14 +144,7 @@ def _arg_adjoint(extreme: str) -> Callable[[Expr, Expr, Reduce], tuple[Expr | No
     value carries none (the result is piecewise constant in it)."""
     def adjoint(g: Expr, out: Expr, node: Reduce) -> tuple[Expr | None, ...]:
         x, _ = node.args
-        position: Expr = Index(node.indices[0])
-        size: Expr = Extent(node.indices[0])
-        for i in node.indices[1:]:
-            position = Call("add", (Call("mul", (position, Extent(i))), Index(i)))
-            size = Call("mul", (size, Extent(i)))
-        best = Call("eq", (x, Reduce(BUILTINS[extreme], node.indices, (x,))))
-        first = Reduce(BUILTINS["min"], node.indices, (Call("where", (best, position, size)),))
-        return None, Call("where", (Call("eq", (position, first)), g, Const(0.0)))
+        return None, Call("where", (_at_first_extreme(x, node.indices, extreme), g, Const(0.0)))
     return adjoint
 
 

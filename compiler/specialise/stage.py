@@ -189,6 +189,7 @@ class _Kernel:
         self.split_caps: dict[str, int] = {}
         grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole) for g in spec.grid)
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
+        self.epilogue_sizes = {t.index: t.size for t in epilogue}
         # the grid's and the epilogue's whole tiles, which a nested fold's whole tile may share
         self.held = {t.index: (where, t) for where, tiles in (("grid", grid), ("epilogue", epilogue))
                      for t in tiles if t.how == WHOLE}
@@ -295,7 +296,7 @@ class _Kernel:
         singles = one_at_a_time(fold, self.dot)
         batch = _batch_indices(fold)
         exact = self.sig.sums_in_order(dot_dtype(fold, self.inputs, self.sig))
-        caps = self.caps(fold)
+        caps = self.caps(fold, scope)
         tiles = []
         for p, b in enumerate(fold.indices):
             n, dot = self.extent(b), b in self.dot
@@ -356,8 +357,14 @@ class _Kernel:
                          and all(map(scannable, c.args)))
         return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
 
-    def caps(self, fold: Reduce) -> list[int]:
-        return fold_caps(fold, self.extent, self.dot, self.loop_cap)
+    def caps(self, fold: Reduce, scope: dict | None = None) -> list[int]:
+        """The caps of `fold`'s streamed tiles; inside the epilogue loop (`scope`), within
+        the streamed budget shared with the epilogue's tiles its body spans: a column sum
+        over m in a loop over k tiles [m, k] (a gradient's sum[m](where(m == A[i], g, 0)
+        * (X[i,k] - Y[m,k])) took m/4096 beside k/128, a tile of 512k elements)."""
+        width = math.prod(self.epilogue_sizes[i] for i in free(fold)
+                          if scope is not None and scope.get(i, ("",))[0] == "epilogue")
+        return fold_caps(fold, self.extent, self.dot, max(1, self.loop_cap // width))
 
     def split_here(self, fold: Reduce, p: int, split: int) -> bool:
         return split > 1 and p == self.split_position(fold) and fold in self.spec.program_folds
