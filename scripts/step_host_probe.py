@@ -1,7 +1,7 @@
 """Probe (issue 40): where the host time of an eager training step goes, on the GPU.
 
-The eager GPT step (bench_gpt, size d64) is host-bound: the GPU is busy for a
-third of it.  For each einfold module of that model and torch's op beside it, at
+The eager GPT step (bench_gpt, size d64) is host-bound: a step takes as long as
+the host takes to issue it (docs/performance.md, thirty-third session).  For each einfold module of that model and torch's op beside it, at
 the step's shapes, this times how long the host takes to issue a call (forward
 with grad, and forward + backward) with nothing synchronised (the launches
 queue), and the call's time to completion; then it profiles eager steps with
@@ -30,38 +30,22 @@ OUT = Path(os.environ.get("OUT", "."))
 
 
 def timed(fn, calls: int = 40, rounds: int = 5) -> tuple[float, float]:
-    """(us of host time to issue one call, us of GPU time a call), medians of rounds.
-    Each round first holds the GPU for SLEEP_MS (torch.cuda._sleep), so that the
-    host's issue time is its own: a call that synchronises waits out the sleep and
-    shows an issue time of at least SLEEP_MS / calls."""
+    """(us of host time to issue one call, us until it completes), medians of rounds.
+    Where the two are close the call is host-bound (its GPU work takes less than its
+    host time); where the second is larger the GPU is behind (the launches queue)."""
     fn()
     torch.cuda.synchronize()
-    issue, gpu = [], []
+    issue, total = [], []
     for _ in range(rounds):
         start = time.perf_counter()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        slept = time.perf_counter()
         for _ in range(calls):
             fn()
         issued = time.perf_counter()
         torch.cuda.synchronize()
         done = time.perf_counter()
-        issue.append((issued - slept) / calls * 1e6)
-        gpu.append(((done - start) * 1e3 - SLEEP_MS) / calls * 1e3)
-    return statistics.median(issue), statistics.median(gpu)
-
-
-def calibrate_sleep() -> None:
-    """SLEEP_CYCLES: about SLEEP_MS of this GPU's time."""
-    global SLEEP_CYCLES
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    torch.cuda._sleep(10 ** 8)
-    torch.cuda.synchronize()
-    SLEEP_CYCLES = int(10 ** 8 * SLEEP_MS / ((time.perf_counter() - start) * 1e3))
-
-
-SLEEP_MS, SLEEP_CYCLES = 100.0, 0
+        issue.append((issued - start) / calls * 1e6)
+        total.append((done - start) / calls * 1e6)
+    return statistics.median(issue), statistics.median(total)
 
 
 def profiled(name: str, fn, calls: int = 200) -> None:
@@ -127,13 +111,12 @@ def profile_steps(config: bench_gpt.GPTConfig) -> None:
 def main() -> None:
     config = bench_gpt.SIZES[0]
     bench_gpt.train(config, bench_gpt.einfold_kit(compiler), False, 3, 1)       # builds and tunes every module
-    calibrate_sleep()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         rows = module_rows(config)
     profile_steps(config)
-    print(f"{'call at the GPT d64 step shapes':28s} {'host us':>9s} {'GPU us':>9s}")
-    for name, (issue, gpu) in rows.items():
-        print(f"{name:28s} {issue:9.1f} {gpu:9.1f}" + ("  (synchronises)" if issue > SLEEP_MS * 1e3 / 40 else ""))
+    print(f"{'call at the GPT d64 step shapes':28s} {'host us':>9s} {'done us':>9s}")
+    for name, (issue, total) in rows.items():
+        print(f"{name:28s} {issue:9.1f} {total:9.1f}")
 
 
 if __name__ == "__main__":
