@@ -10,8 +10,9 @@ that takes more than PROBE_LIMIT seconds (default 240) is stopped and reported.
 PROBE_OPAQUE=1 adds this tree with every program's op opaque to torch.compile (the
 custom op of its kernels, as before the ops were triton_ops).
 Writes $OUT/gpt.json (losses included); the last lines are a short table: ms per
-step, peak MiB, the largest step difference of the loss from torch's, and torch's
-time over each contender's (> 1: faster than torch).  PROBE_PROFILE=1 instead prints,
+step (the median, and the 10th and 90th percentiles of the timed steps), peak MiB,
+the largest step difference of the loss from torch's, and torch's time over each
+contender's (> 1: faster than torch).  PROBE_PROFILE=1 instead prints,
 for each size, the CUDA time of each kernel over three eager steps of each model
 (torch.profiler), the largest first."""
 from __future__ import annotations
@@ -90,30 +91,32 @@ def main(names: list[str]) -> None:
                     signal.alarm(0)
                     TritonBackend.traced_runner = traced
                 torch._dynamo.reset()
+                run = results[name]
                 print(f"  {config.name} {'compiled' if compiled else 'eager'} {name}: "
-                      f"{results[name] if isinstance(results[name], str) else results[name][:2]}", flush=True)
-            torch_ms, _, torch_losses = results["torch"] if not isinstance(results["torch"], str) else (None, 0, None)
+                      f"{run if isinstance(run, str) else (run.ms, run.peak_mib)}", flush=True)
+            torch_run = results["torch"] if not isinstance(results["torch"], str) else None
             for name, result in results.items():
                 row = {"size": config.name, "mode": "torch.compile" if compiled else "eager", "contender": name}
                 if isinstance(result, str):
                     row["failed"] = result
                 else:
-                    ms, mib, losses = result
-                    row.update(ms=ms, peak_mib=mib, losses=losses, first=losses[0], last=losses[-1])
-                    if torch_losses:
-                        row["apart"] = max(abs(a - b) for a, b in zip(losses, torch_losses))
-                        row["torch_over_this"] = torch_ms / ms
+                    row.update(ms=result.ms, p10=result.p10, p90=result.p90, peak_mib=result.peak_mib,
+                               losses=result.losses, first=result.losses[0], last=result.losses[-1])
+                    if torch_run:
+                        row["apart"] = max(abs(a - b) for a, b in zip(result.losses, torch_run.losses))
+                        row["torch_over_this"] = torch_run.ms / result.ms
                 rows.append(row)
     out = Path(os.environ.get("OUT", "."))
     (out / "gpt.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'size':10} {'mode':14} {'contender':22} {'ms/step':>8} {'peak MiB':>9} {'loss first->last':>17} "
-          f"{'apart':>6} {'torch/this':>10}")
+    print(f"{'size':10} {'mode':14} {'contender':22} {'ms/step':>8} {'p10-p90':>13} {'peak MiB':>9} "
+          f"{'loss first->last':>17} {'apart':>6} {'torch/this':>10}")
     for r in rows:
         if "failed" in r:
             print(f"{r['size']:10} {r['mode']:14} {r['contender']:22} FAILED {r['failed']}")
             continue
-        print(f"{r['size']:10} {r['mode']:14} {r['contender']:22} {r['ms']:8.2f} {r['peak_mib']:9.0f} "
+        print(f"{r['size']:10} {r['mode']:14} {r['contender']:22} {r['ms']:8.2f} {r['p10']:6.2f}-{r['p90']:6.2f} "
+              f"{r['peak_mib']:9.0f} "
               f"{r['first']:8.3f}->{r['last']:7.3f} {r.get('apart', float('nan')):6.3f} "
               f"{r.get('torch_over_this', float('nan')):9.2f}x")
 

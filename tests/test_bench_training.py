@@ -116,3 +116,12 @@ def test_the_training_gpt_with_einfolds_modules_gives_torchs_loss_and_gradients(
     for name, grad in our_grads.items():
         torch.testing.assert_close(grad, their_grads[name], rtol=1e-8, atol=1e-10, msg=name)
 
+
+
+def test_a_training_run_reports_its_steps_median_and_spread():
+    # an eager step moves with the host: the rows give the 10th and 90th percentiles beside the median
+    steps = [20.0, 13.0, 14.0, *[15.0] * 16, 25.0]          # 20 steps, shuffled extremes
+    run = bench_gpt.trained(steps, 3000.0, [10.5, 0.03])
+    assert (run.p10, run.ms, run.p90) == (14.0, 15.0, 15.0)
+    assert bench_gpt.trained([7.0], 1.0, [1.0]) == bench_gpt.Trained(7.0, 7.0, 7.0, 1.0, [1.0])
+    assert "steps p10-p90 14.00-15.00 ms" in bench_gpt._steps(run)
