@@ -76,9 +76,9 @@ def call_op(program, inputs: dict, key: tuple | None = None):
     """Run `program` on `inputs` through its custom op: outputs carry a grad_fn
     where an input requires grad, and torch.compile traces the call as one op.
     `key`: the inputs' runner key (CompiledProgram._key_of), where the call is an
-    eager one (not traced); such a call takes its key's EagerCall where no
-    transform sees it."""
-    if key is not None and not _under_transform():
+    eager one that no transform or tracer sees (Program.__call__ knows): it takes
+    its key's EagerCall."""
+    if key is not None:
         call = program._eager.get(key)
         if call is None:
             call = program._eager[key] = EagerCall(program, _arguments(program, inputs))
@@ -119,21 +119,13 @@ def _apply(program, args: tuple) -> tuple[object, int]:
     return getattr(getattr(torch.ops, namespace), name)(*args), saved   # a tensor, or a tuple for several
 
 
-def _under_transform() -> bool:
-    """Whether functorch (vmap, func.grad), forward-mode AD or torch.jit.trace sees
-    this call (they go through the op or its transformable Function)."""
-    from torch.autograd import forward_ad
-    return (torch._C._functorch.maybe_current_level() is not None or torch._C._is_tracing()
-            or forward_ad._current_level >= 0)
-
-
 class EagerCall:
     """A program's eager calls under autograd whose inputs have one runner key
     (shapes, dtypes, devices, number kinds): what every such call would work out
     again is found once here.  That is the op (`op.eager`, an autograd.Function)
     and the order of its arguments, and the saving forward's runner.  Per set of
-    inputs that need a gradient, `gradients` keeps the gradient program's runner,
-    and where each of its inputs comes from (`gradient_plan`).  A call is then the
+    inputs that need a gradient, `gradients` keeps the gradient program, its runner
+    and where each of its inputs comes from (filled by the op's `eager_gradients`).  A call is then the
     arguments in order, one apply, one runner each way: about a third of an eager
     RMSNorm's forward + backward host time on the CPU went to finding these again."""
 

@@ -122,9 +122,10 @@ class Program(CompiledProgram):
             from .autograd import call_op
             return call_op(self, inputs)
         key, requires_grad = self._key_of(inputs)
-        if requires_grad and torch.is_grad_enabled() or _transformed(torch):
+        transformed = _transformed(torch)
+        if transformed or requires_grad and torch.is_grad_enabled():
             from .autograd import call_op
-            return call_op(self, inputs, key)
+            return call_op(self, inputs, None if transformed else key)     # an eager call: by its key
         return self._run(inputs, key)
 
     def _gradient(self, wrt: tuple[str, ...], saved: bool = False) -> GradientProgram:
