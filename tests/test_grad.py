@@ -23,7 +23,7 @@ from compiler.algebra import BUILTINS
 from compiler.check import check
 from compiler.cli import main
 from compiler.errors import CheckError
-from compiler.ir import Access, Call, Composite, Reduce, format_expr, format_program, walk
+from compiler.ir import Access, Call, Composite, Const, Reduce, format_expr, format_program, walk
 from compiler.ops import BOOL, OPS
 from compiler.parse import parse
 from compiler.passes import run_pipeline
@@ -431,6 +431,34 @@ REDUCTION_CASES = {
 def test_reductions_and_reads(case, backend):
     source, reference, make, wrt = REDUCTION_CASES[case]
     check_gradients(source, reference, make(), wrt, backend)
+
+
+def _rounds(e) -> bool:
+    """Whether `e` holds a fold that rounds (a sum, a mean, a composite): a max, min or
+    arg-fold of exact values picks one of them."""
+    return any(isinstance(n, Composite) or isinstance(n, Reduce) and n.summary.name not in EXACT_FOLDS
+               for n in walk(e))
+
+
+EXACT_FOLDS = ("max", "min", "argmax", "argmin")
+
+
+@pytest.mark.parametrize("case", sorted({**CORPUS, **REDUCTION_CASES}))
+def test_no_derived_gradient_tests_a_recomputed_fold_for_equality_with_another_value(case):
+    # a fold recomputed by the gradient program rounds as that kernel's tiles and reduction
+    # tree make it, not as the forward's did: an equality between it and another computed
+    # value (the forward's output, another evaluation) holds on the interpreter and fails on
+    # the GPU (a Chamfer distance's minimum matched none of its recomputed distances).  An
+    # arg-fold's position is an exact integer; a comparison with a constant is left to the
+    # rule that makes it (prod's zeros)
+    source, _, _, wrt = {**CORPUS, **REDUCTION_CASES}[case]
+    derived = differentiate(check(parse(source)), wrt)
+    for statement in derived.statements:
+        for n in walk(statement.expr):
+            if isinstance(n, Call) and n.op == "eq" and not any(isinstance(a, Const) for a in n.args):
+                positions = [isinstance(a, Reduce) and a.summary.name.startswith("arg") for a in n.args]
+                assert not any(_rounds(a) and not exact for a, exact in zip(n.args, positions)), \
+                    f"{case}: {format_expr(n)}"
 
 
 def test_intermediate_outputs_take_both_gradients():
