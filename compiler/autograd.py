@@ -124,10 +124,11 @@ class EagerCall:
     (shapes, dtypes, devices, number kinds): what every such call would work out
     again is found once here.  That is the op (`op.eager`, an autograd.Function)
     and the order of its arguments, and the saving forward's runner.  Per set of
-    inputs that need a gradient, `gradients` keeps the gradient program, its runner
-    and where each of its inputs comes from (filled by the op's `eager_gradients`).  A call is then the
-    arguments in order, one apply, one runner each way: about a third of an eager
-    RMSNorm's forward + backward host time on the CPU went to finding these again."""
+    inputs that need a gradient, `gradients` keeps the gradient program, its
+    runner and where each of its inputs comes from (filled by the op's
+    `eager_gradients`).  A call is then the arguments in order, one apply, one
+    runner each way: about a third of an eager RMSNorm's forward + backward host
+    time on the CPU went to finding these again."""
 
     def __init__(self, program, arguments: tuple[tuple[str, ...], tuple]) -> None:
         self.names, args = arguments

@@ -46,8 +46,8 @@ class CompiledProgram:
     # What a process makes for itself, never pickled: runners (loaded kernels), compiled
     # gradient programs, custom ops, the key torch.compile names the program by, and what
     # the cached properties made on first use; an unpickled program makes them again.
-    _PER_PROCESS = frozenset(("_runners", "_eager", "_gradients", "_batches", "_ops", "_key", "schedule", "backend", "binder",
-                              "_saving", "_variants", "_last_typed", "_sizes"))
+    _PER_PROCESS = frozenset(("_runners", "_eager", "_gradients", "_batches", "_ops", "_key", "schedule", "backend",
+                              "binder", "_saving", "_variants", "_last_typed", "_sizes"))
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}

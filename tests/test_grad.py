@@ -461,6 +461,49 @@ def test_no_derived_gradient_tests_a_recomputed_fold_for_equality_with_another_v
                     f"{case}: {format_expr(n)}"
 
 
+@pytest.mark.parametrize("case", ["min_of_a_fold", "max_of_a_product"])
+def test_spellings_of_an_extremum_over_a_fold_derive_gradients_that_schedule_alike(case):
+    # renamed bound indices, swapped operands and re-associated products of the programs
+    # whose gradient rule changed give one gradient program and one schedule
+    import random
+
+    from compiler.schedule import schedule
+    from test_discovery import _commute, _rename_bound
+    source, _, _, wrt = REDUCTION_CASES[case]
+    checked = check(parse(source))
+    derived = differentiate(checked, wrt)
+    a = run_pipeline(derived)
+    assert "argm" in format_program(a)
+    for seed in range(5):
+        rng = random.Random(seed)
+        # a gradient is indexed as its input was written: dX takes the names of X's subscript,
+        # which renaming the forward's bound indices renames; named back, statement by statement
+        b = run_pipeline(_indexed_as(differentiate(_commute(_rename_bound(checked, rng), rng), wrt), derived))
+        assert format_program(a) == format_program(b), seed
+        assert str(schedule(a, a.outputs)) == str(schedule(b, b.outputs)), seed
+
+
+def _indexed_as(program, like):
+    """`program` with each statement's own indices renamed to those of `like`'s statement of
+    that name (an alpha-renaming: the same statements)."""
+    from compiler.passes.fuse import rename_indices
+    extents = dict(program.extents)
+    names = iter(f"renamed{k}" for k in range(1000))
+
+    def fresh(name: str) -> str:
+        new = next(names)
+        extents[new] = extents[name]
+        return new
+    theirs = {st.name: st for st in like.statements}
+    statements = []
+    for st in program.statements:
+        target = theirs[st.name].indices
+        mapping = {mine: name for mine, name in zip(st.indices, target) if mine != name}
+        extents.update({name: extents[mine] for mine, name in mapping.items()})
+        statements.append(replace(st, indices=target, expr=rename_indices(st.expr, mapping, fresh)))
+    return replace(program, statements=tuple(statements), extents=tuple(sorted(extents.items())))
+
+
 def test_intermediate_outputs_take_both_gradients():
     source = "P[i,m] = softmax[m](X[i,m])\nO[i,j] = P[i,m] * V[m,j]"
     reference = lambda X, V: (torch.softmax(X, -1), torch.softmax(X, -1) @ V)

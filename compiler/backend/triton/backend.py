@@ -225,6 +225,15 @@ class TritonBackend:
         launch = _interpreted(module.launch) if sig.interpret else module.launch
         return built, launch, getattr(module, "scratch", None)
 
+    def _launching(self, binding: Binding):
+        """(the built module, its launcher, its split scratch maker, the extents the launcher
+        reads: every index's, and a chunked run's length under CHUNK_LENGTH)."""
+        extents = self._extents(binding)
+        built, launch, scratch = self._entry(binding, extents)
+        if built.chunked:
+            extents[CHUNK_LENGTH] = built.chunk_length
+        return built, launch, scratch, extents
+
     def _extents(self, binding: Binding) -> dict[str, int]:
         """Every index name's extent: the passes and the schedule introduce names
         (renamed bound indices) that share an extent symbol with a bound one."""
@@ -251,10 +260,7 @@ class TritonBackend:
         if binding.device.type not in ("cuda", "cpu"):
             raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
                                f"not on {binding.device.type}")
-        extents = self._extents(binding)
-        built, launch, scratch = self._entry(binding, extents)
-        if built.chunked:
-            extents[CHUNK_LENGTH] = built.chunk_length
+        _, launch, scratch, extents = self._launching(binding)
         device = binding.device
         outputs = self._output_specs(binding)
         # a split kernel's partial states and arrival counters, made once per stream (launches
@@ -330,10 +336,7 @@ class TritonBackend:
 
         from ...bind import bind
         binding = bind(self.program, inputs)
-        extents = self._extents(binding)
-        built, launch, _ = self._entry(binding, extents)
-        if built.chunked:
-            extents[CHUNK_LENGTH] = built.chunk_length
+        _, launch, _, extents = self._launching(binding)
         t = dict(binding.values)
         for name, shape, dtype in self._output_specs(binding):
             t[name] = torch.empty(shape, dtype=dtype, device=binding.device)
