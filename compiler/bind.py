@@ -85,11 +85,15 @@ class Binder:
         self.statistics = statistics
         self.declared = {i.name: i for i in program.inputs}
         symbols = dict(program.extents)
-        # (tensor, dimension, extent symbol, index name, access) for every input access
-        self.checks = [(node.tensor, d, symbols[ix], ix, node)
+        dimensions = dict(program.dimensions)
+        # (tensor, dimension, extent symbol, index name or affine subscript, access) for every
+        # dimension of an input access
+        self.checks = [(node.tensor, d, symbols[ix] if ix is not None else dimensions[f"{node.tensor}#{d}"],
+                        ix or node.subscripts()[d], node)
                        for st in program.statements for node in walk(st.expr)
                        if isinstance(node, Access) and node.tensor in self.declared
-                       for d, ix in enumerate(node.indices)]
+                       for d, ix in ((d, node.dimension_index(d)) for d in range(node.rank))]
+        self.derived = program.derived
         # every index of `extents_of` (a later stage's program, whose passes may add
         # fresh indices sharing an extent symbol) -> the symbol that sizes it
         self.target = extents_of if extents_of is not None else program
@@ -154,10 +158,13 @@ class Binder:
             elif first[0] != size:
                 first_size, first_ix, first_node, first_dim = first
                 which = (f"index '{ix}' has" if first_ix == ix
-                         else f"indices '{first_ix}' and '{ix}' (they index one dimension, so share "
-                              f"one extent) have")
+                         else f"{'indices' if f'{first_ix}{ix}'.isidentifier() else 'subscripts'} "
+                              f"'{first_ix}' and '{ix}' (they index one dimension, so share one extent) have")
                 raise BindError(f"{which} extent {first_size} in {first_node.tensor} (dimension "
                                 f"{first_dim}) but {size} in {tensor} (dimension {d})", src, node.span)
+        for rule in self.derived:       # indices that only affine subscripts read, where no dimension measures them
+            if rule.symbol not in seen and all(n in seen for read in rule.reads for n in rule.symbols(read)):
+                seen[rule.symbol] = (rule.value(lambda symbol: seen[symbol][0]), None, None, None)
         extents = {ix: seen[symbol][0] for ix, symbol in self.sized}
         # Float results take the promoted dtype of the tensor inputs (float32 if none).
         dtype = tensor_dtypes[0] if tensor_dtypes else torch.float32

@@ -20,8 +20,8 @@ from .algebra import BUILTINS, COMPOSITES, Summary
 from . import config
 from .config import deep
 from .errors import CheckError, ImplicitSumWarning, LimitError, Span
-from .ir import (Access, Assign, Call, Composite, Const, Expr, Extent, Index, Input, Program, Reduce,
-                 bound_indices, children, free_indices, postorder, walk, with_children)
+from .ir import (Access, Assign, Call, Composite, Const, DerivedExtent, Expr, Extent, Index, Input, Program,
+                 Reduce, affine_access, bound_indices, children, free_indices, postorder, walk, with_children)
 from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
 
 
@@ -53,6 +53,9 @@ class _Checker:
     first_use: dict[str, Span] = field(default_factory=dict)
     conditions: set[str] = field(default_factory=set)        # names read directly as conditions
     notes: list[ImplicitSumWarning] = field(default_factory=list)   # warnings, given once the program checks
+    # dimensions read at an affine subscript: (the dimension, its ({index: coefficient}, constant), span)
+    affine: list[tuple[str, tuple[dict[str, int], int], Span]] = field(default_factory=list)
+    length_only: set[str] = field(default_factory=set)       # indices named in len(...) alone
 
     @property
     def source(self) -> str:
@@ -91,10 +94,12 @@ class _Checker:
                 if name not in defined:
                     raise CheckError(f"unknown output '{name}'; the statements are {', '.join(names)}")
             program_outputs = tuple(n for n in names if n in set(outputs))
-        self._check_extents_known(checked)
+        derived = self._check_extents_known(checked)
         self._check_fused_size(checked)
         extents = tuple((i, self._extent_symbol(i)) for i in sorted(self.index_names))
-        return Program(tuple(checked), tuple(self.inputs.values()), program_outputs, extents, self.source)
+        dimensions = tuple(sorted({(dim, self._extent_symbol(dim)) for dim, _, _ in self.affine}, key=str))
+        return Program(tuple(checked), tuple(self.inputs.values()), program_outputs, extents, self.source,
+                       derived=derived, dimensions=dimensions)
 
     def _check_fused_size(self, statements: list[Assign]) -> None:
         """The fuse pass inlines every statement into its readers: a chain of
@@ -114,13 +119,21 @@ class _Checker:
             size[st.name] = total
 
     def _collect_index_names(self) -> None:
+        lengths, named = [], set()
+
         def visit(node):
             if isinstance(node, syn.Access):
+                named.add(node.name)
                 for sub in node.subscripts:
-                    if not isinstance(sub, syn.Name):
-                        raise self.error("an access takes index names; index arithmetic inside "
-                                         "accesses is not supported", sub.span)
-                    self._note_index(sub)
+                    for name in _subscript_names(sub, self.error):
+                        self._note_index(name)
+                return
+            if isinstance(node, syn.Call) and node.name == "len" and len(node.args) == 1 \
+                    and isinstance(node.args[0], syn.Name):
+                lengths.append(node.args[0])
+                return
+            if isinstance(node, syn.Name):
+                named.add(node.name)
             if isinstance(node, syn.Reduction):
                 for ix in node.indices:
                     if not isinstance(ix, syn.Name):
@@ -133,6 +146,13 @@ class _Checker:
             for ix in st.indices:
                 self._note_index(ix)
             visit(st.expr)
+        # len(n) of a name read nowhere else (a gradient's count of a pooling window that its
+        # tensors no longer index): an index whose extent the call passes, as a size input
+        others = (named - self.index_names) | {st.name for st in self.syntax.statements} | set(CONSTANTS)
+        for name in lengths:
+            if name.name not in self.index_names and name.name not in others:
+                self.length_only.add(name.name)
+                self._note_index(name)
 
     def _note_index(self, name: syn.Name) -> None:
         self.index_names.add(name.name)
@@ -173,7 +193,8 @@ class _Checker:
         if isinstance(node, syn.Name):
             return self._name(node, statement, later)
         if isinstance(node, syn.Access):
-            return self._access(node, tuple(s.name for s in node.subscripts), statement, later)
+            subscripts = tuple(_affine(sub, self.error) for sub in node.subscripts)
+            return self._access(node, subscripts, statement, later)
         if isinstance(node, syn.Operator):
             return Call(node.op, tuple(map(rec, node.operands)), node.span)
         if isinstance(node, syn.Call):
@@ -189,9 +210,14 @@ class _Checker:
             return Const(CONSTANTS[node.name], node.span)
         return self._access(node, (), statement, later)
 
-    def _access(self, node, indices: tuple[str, ...], statement: str, later: set[str]) -> Access:
+    def _access(self, node, subscripts: tuple[tuple[dict[str, int], int], ...], statement: str,
+                later: set[str]) -> Access:
+        """The read of `node` at `subscripts` (per dimension, ({index: coefficient},
+        constant)).  A dimension read at one index unifies its extent with the index's;
+        one read at an affine subscript measures its own (self.affine)."""
         name = node.name
         span = getattr(node, "name_span", node.span)
+        indices = subscripts        # the rank checks count dimensions
         if name == statement:
             raise self.error(f"statement '{name}' reads itself; a statement may only read "
                              f"earlier results", span)
@@ -216,9 +242,14 @@ class _Checker:
             # an input read as a condition holds bools; any other, numbers (float until a call
             # passes an integer tensor: Program._specialised)
             self.inputs[name] = Input(name, len(indices), node.span, BOOL if name in self.conditions else FLOAT)
-        for d, ix in enumerate(indices):
-            self._union(f"{name}#{d}", ix)
-        return Access(name, indices, node.span)
+        access = affine_access(name, subscripts, node.span)
+        for d in range(access.rank):
+            ix = access.dimension_index(d)
+            if ix is not None:
+                self._union(f"{name}#{d}", ix)
+            else:
+                self.affine.append((f"{name}#{d}", subscripts[d], node.subscripts[d].span))
+        return access
 
     def _call(self, node: syn.Call, rec) -> Expr:
         if node.name == "len":
@@ -322,23 +353,70 @@ class _Checker:
     def _extent_symbol(self, index: str) -> sympy.Symbol:
         return sympy.Symbol(f"len_{self._find(index)}", integer=True, positive=True)
 
-    def _check_extents_known(self, statements: list[Assign]) -> None:
-        """Every index has an extent: a dimension of an input it indexes, or, for an index
-        on a left-hand side that no input measures (a prefix's position t in
-        `L[t] = logsumexp[s](where(s <= t, X[s], -inf))`), a size the call passes under
-        its name (`t=16`): a size input, an integer of rank 0 that no expression reads."""
+    def _check_extents_known(self, statements: list[Assign]) -> tuple[DerivedExtent, ...]:
+        """Every index has an extent: a dimension of an input it indexes; or, where it
+        is read in affine subscripts only (`t` of `X[t + r]`), the positions at which
+        every such read stays inside its dimension (DerivedExtent); or a size the call
+        passes under its name (`t=16`: a size input, an integer of rank 0 that no
+        expression reads), for an index on a left-hand side that no input measures (a
+        prefix's position t in `L[t] = logsumexp[s](where(s <= t, X[s], -inf))`) and
+        for a window's index that only affine subscripts read (`r` of
+        `P[t] = max[r](X[2*t + r])`, the pooling window)."""
         measured = {self._find(f"{i.name}#{d}") for i in self.inputs.values() for d in range(i.rank)}
         on_left = {ix for st in statements for ix in st.indices}
-        for ix in sorted(self.index_names, key=lambda n: self.first_use[n].start):
-            if self._find(ix) in measured:
+        in_windows = {ix for _, (terms, _), _ in self.affine for ix in terms}
+        by_use = sorted(self.index_names, key=lambda n: self.first_use[n].start)
+        positions = on_left
+        while True:
+            derived = self._derive_extents(measured, positions)
+            known = measured | {d.symbol for d in derived}
+            window = next((ix for ix in by_use if ix in in_windows and ix not in positions
+                           and self._find(ix) not in known and self._extent_symbol(ix) not in known), None)
+            if window is None:
+                break
+            self._size_input(window, measured)          # then derive again: others may follow from it
+        for ix in by_use:
+            if self._find(ix) in measured or self._extent_symbol(ix) in known:
                 continue
-            if ix not in on_left:
+            if ix not in on_left and ix not in self.length_only:
                 raise self.error(f"index '{ix}' has no extent: no input tensor is indexed by it "
                                  f"(directly or through a statement's result), and it is on no left-hand "
                                  f"side, where a size passed at the call ({ix}=...) could give it one",
                                  self.first_use[ix])
-            self.inputs[ix] = Input(ix, 0, self.first_use[ix], INT)
-            measured.add(self._find(ix))
+            self._size_input(ix, measured)
+        return derived
+
+    def _size_input(self, ix: str, measured: set[str]) -> None:
+        self.inputs[ix] = Input(ix, 0, self.first_use[ix], INT)
+        measured.add(self._find(ix))
+
+    def _derive_extents(self, measured: set[str], positions: set[str]) -> tuple[DerivedExtent, ...]:
+        """The extents of the output positions `positions` (indices on a left-hand side)
+        that only affine subscripts read, in an order where each reads
+        extents known before it: `t` of `X[2*t + r]` once `r` has one.  An index takes
+        its bound from every read where its coefficient is positive and the other
+        indices of the subscript have extents by then.  A reduced index is never
+        derived: a window `r` in `max[r](X[2*t + r])` is a size of the call."""
+        roots = {self._find(ix) for ix in positions}
+        known, order = set(measured), []
+        while True:
+            ready = sorted({self._find(ix) for _, (terms, _), _ in self.affine for ix, c in terms.items()
+                            if c > 0 and self._find(ix) in roots - known
+                            and all(self._find(n) in known for n in terms if n != ix)})
+            if not ready:
+                break
+            order += ready
+            known |= set(ready)
+        derived, known = [], set(measured)
+        for root in order:
+            reads = tuple((self._extent_symbol(dim), c, tuple((self._extent_symbol(n), terms[n]) for n in terms
+                                                              if n != ix), constant)
+                          for dim, (terms, constant), _ in self.affine for ix, c in terms.items()
+                          if self._find(ix) == root and c > 0
+                          and all(self._find(n) in known for n in terms if n != ix))
+            derived.append(DerivedExtent(self._extent_symbol(root), reads))
+            known.add(root)
+        return tuple(derived)
 
 
 # ---------------------------------------------------------------- types
@@ -426,7 +504,8 @@ def _binders(e: Expr) -> tuple[str, ...]:
 def _count_free(e: Expr, counts: Counter) -> Counter:
     """Free occurrences of each index in `e`, given the counts of its children."""
     if isinstance(e, Access):
-        return Counter(e.indices)
+        return Counter(e.indices if e.layout is None else
+                       [ix for j, ix in enumerate(e.indices) for coeffs, _ in e.layout if coeffs[j]])
     if isinstance(e, Index):
         return Counter([e.name])
     counts = Counter(counts)
@@ -537,6 +616,51 @@ def indices_in_order(e: Expr) -> tuple[str, ...]:
     for c in children(e):
         out.update(dict.fromkeys(indices_in_order(c)))
     return tuple(out)
+
+
+# ---------------------------------------------------------------- subscripts
+_AFFINE_HELP = ("a subscript is an index or an affine combination of indices with integer "
+                "coefficients: t, t + r, 2*t + r - 1")
+
+
+def _subscript_names(sub, error) -> list:
+    """The index names (syntax Names) of subscript `sub`; a CheckError where it is
+    more than an affine combination of them."""
+    if isinstance(sub, syn.Name):
+        return [sub]
+    if isinstance(sub, syn.Number):
+        return []
+    if isinstance(sub, syn.Operator) and sub.op in ("add", "sub", "neg", "mul"):
+        if sub.op == "mul" and not any(isinstance(o, syn.Number) for o in sub.operands):
+            raise error(f"{_AFFINE_HELP}; a product needs one integer factor", sub.span)
+        return [n for o in sub.operands for n in _subscript_names(o, error)]
+    raise error(_AFFINE_HELP, sub.span)
+
+
+def _affine(sub, error) -> tuple[dict[str, int], int]:
+    """Subscript `sub` as ({index: coefficient}, constant), zero coefficients dropped."""
+    if isinstance(sub, syn.Name):
+        return {sub.name: 1}, 0
+    if isinstance(sub, syn.Number):
+        if not sub.text.isdigit():
+            raise error(f"{_AFFINE_HELP}; {sub.text} is not an integer", sub.span)
+        return {}, int(sub.text)
+    parts = [_affine(o, error) for o in sub.operands]
+    if sub.op == "neg":
+        (terms, constant), = parts
+        return {n: -c for n, c in terms.items()}, -constant
+    if sub.op == "mul":
+        (a, ka), (b, kb) = parts
+        if a and b:
+            raise error(f"{_AFFINE_HELP}; a product of two indices is not affine", sub.span)
+        k = kb if a else ka                     # the constant factor
+        return {n: c * k for n, c in (a or b).items() if c * k}, ka * kb
+    (a, ka), (b, kb) = parts
+    k = 1 if sub.op == "add" else -1
+    terms = dict(a)
+    for n, c in b.items():
+        terms[n] = terms.get(n, 0) + k * c
+    return {n: c for n, c in terms.items() if c}, ka + k * kb
 
 
 # ---------------------------------------------------------------- helpers

@@ -95,11 +95,62 @@ class Const(Expr):
 
 @_node
 class Access(Expr):
-    """Read of a tensor (input or earlier statement); rank 0 reads a scalar."""
+    """Read of a tensor (input or earlier statement); rank 0 reads a scalar.
+
+    `indices` are the indices the read varies over.  Without a `layout`, dimension d
+    of the tensor is read at `indices[d]`.  With one (an affine subscript,
+    `X[b, c, t + r]`), dimension d is read at `sum(layout[d][0][j] * indices[j]) +
+    layout[d][1]`; a position outside the tensor reads 0 (docs/language.md)."""
 
     tensor: str
     indices: tuple[str, ...]
     span: Span | None = _span_field()
+    layout: tuple[tuple[tuple[int, ...], int], ...] | None = None
+
+    @property
+    def rank(self) -> int:
+        """The tensor's number of dimensions."""
+        return len(self.indices) if self.layout is None else len(self.layout)
+
+    def subscripts(self) -> tuple[str, ...]:
+        """Each dimension's subscript as written: an index name or `2*t + r - 1`."""
+        if self.layout is None:
+            return self.indices
+        return tuple(format_affine(dict(zip(self.indices, coeffs)), constant)
+                     for coeffs, constant in self.layout)
+
+    def dimension_index(self, d: int) -> str | None:
+        """The index dimension d reads alone (coefficient 1, no constant), or None."""
+        if self.layout is None:
+            return self.indices[d]
+        coeffs, constant = self.layout[d]
+        used = [j for j, c in enumerate(coeffs) if c]
+        return self.indices[used[0]] if constant == 0 and len(used) == 1 and coeffs[used[0]] == 1 else None
+
+
+def affine_access(tensor: str, subscripts: tuple[tuple[dict[str, int], int], ...],
+                  span: Span | None = None) -> Access:
+    """The read of `tensor` whose dimension d is at `sum(c * index) + constant` for
+    `subscripts[d] = ({index: c}, constant)`: a plain Access where every dimension
+    reads one index, else one with a layout over the indices in order of occurrence."""
+    if all(constant == 0 and len(terms) == 1 and set(terms.values()) == {1} for terms, constant in subscripts):
+        return Access(tensor, tuple(next(iter(terms)) for terms, _ in subscripts), span)
+    names = tuple(dict.fromkeys(n for terms, _ in subscripts for n, c in terms.items() if c))
+    layout = tuple((tuple(terms.get(n, 0) for n in names), constant) for terms, constant in subscripts)
+    return Access(tensor, names, span, layout)
+
+
+def format_affine(terms: Mapping[str, int], constant: int) -> str:
+    """`2*t + r - 1`: an affine subscript as the language writes it."""
+    parts = []
+    for name, c in terms.items():
+        if c == 0:
+            continue
+        term = name if abs(c) == 1 else f"{abs(c)}*{name}"
+        parts.append(("- " if c < 0 else "+ ") + term if parts else ("-" if c < 0 else "") + term)
+    if constant or not parts:
+        parts.append(f"{'-' if constant < 0 else '+'} {abs(constant)}" if parts else str(constant))
+    return " ".join(parts)
 
 
 @_node
@@ -222,6 +273,36 @@ class Input:
 
 
 @_node
+class DerivedExtent:
+    """The extent of an index that no dimension measures and affine subscripts read
+    (`t` of `X[t + r]`): the positions 0, 1, ... at which each such read stays below
+    its dimension's extent, len(X) - len(r) + 1 there.  `reads` holds, per read,
+    (the dimension's extent, the index's coefficient (> 0), the other indices'
+    (extent, coefficient), the constant)."""
+
+    symbol: sympy.Symbol
+    reads: tuple[tuple[sympy.Symbol, int, tuple[tuple[sympy.Symbol, int], ...], int], ...]
+
+    @staticmethod
+    def symbols(read) -> tuple[sympy.Symbol, ...]:
+        """The extents one of `reads` needs."""
+        dimension, _, others, _ = read
+        return (dimension, *(n for n, _ in others))
+
+    def value(self, extent: Callable[[sympy.Symbol], int]) -> int:
+        """The extent, given those of the other symbols (ints, or torch's symbolic sizes)."""
+        out = None
+        for dimension, c, others, constant in self.reads:
+            # the largest position of the other terms (a negative coefficient: at 0)
+            reach = constant + sum(k * (extent(n) - 1) for n, k in others if k > 0)
+            if any(extent(n) == 0 for n, _ in others):
+                continue            # no reads at all: no bound
+            fits = (extent(dimension) - 1 - reach) // c + 1
+            out = fits if out is None else min(out, fits)
+        return max(out, 0) if out is not None else 0
+
+
+@_node
 class Program:
     statements: tuple[Assign, ...]
     inputs: tuple[Input, ...]
@@ -230,6 +311,10 @@ class Program:
     source: str = field(default="", compare=False, repr=False)
     # what a pass says of reductions it left as they are (factorise: why no rule applied)
     notes: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # extents that affine subscripts derive, in the order they are computed (check._derive_extents)
+    derived: tuple[DerivedExtent, ...] = ()
+    # the dimensions read at affine subscripts ("X#2") and the symbols of their extents
+    dimensions: tuple[tuple[str, sympy.Symbol], ...] = ()
 
     def extent(self, index: str) -> sympy.Symbol:
         return dict(self.extents)[index]
@@ -581,7 +666,7 @@ def _format_node(e: Expr, text: dict[int, str], wrap) -> str:
     if isinstance(e, Const):
         return format_number(e.value)
     if isinstance(e, Access):
-        return e.tensor + (f"[{', '.join(e.indices)}]" if e.indices else "")
+        return e.tensor + (f"[{', '.join(e.subscripts())}]" if e.rank else "")
     if isinstance(e, Index | Var):
         return e.name
     if isinstance(e, Extent):
@@ -623,6 +708,6 @@ def format_program(p: Program) -> str:
 
 
 __all__ = ["Expr", "Const", "Access", "Index", "Extent", "Var", "Call", "Reduce", "Composite",
-           "Assign", "Input", "Program", "walk", "nodes", "postorder", "transform", "substitute", "identical",
+           "Assign", "Input", "Program", "DerivedExtent", "affine_access", "format_affine", "walk", "nodes", "postorder", "transform", "substitute", "identical",
            "children", "with_children",
            "free_indices", "bound_indices", "alpha_key", "format_expr", "format_statement", "format_program"]

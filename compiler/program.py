@@ -53,7 +53,7 @@ class Program(CompiledProgram):
     """
 
     def __init__(self, source: str, *, outputs: Iterable[str] | None = None, backend: str = "auto",
-                 **options):
+                 checked: IRProgram | None = None, **options):
         check_options(options)
         check_source(source)
         summaries = checked_user_summaries(options.get("summaries", ()))
@@ -66,12 +66,16 @@ class Program(CompiledProgram):
         if isinstance(wide, str) or not all(isinstance(n, str) for n in wide):
             raise EinfoldError(f"float32_outputs= takes a list of output names, not {wide!r}")
         self.text = source
-        syntax = parse(source)          # iterative; enforces config's size limits
-        # Checking and the passes recurse over expressions: deep() reruns them on a
-        # large stack when the default one is too small (compiler/config.py).
-        where = deepest_statement(syntax)
-        self.trace = deep(lambda: _front_end(syntax, wanted, summaries), what="the program", source=source,
-                          span=where.span if where is not None else None)
+        if checked is not None:
+            # IR made by a rewrite (a derived gradient) whose extents its text alone cannot fix
+            self.trace = deep(lambda: passes_of(checked), what="the program", source=source)
+        else:
+            syntax = parse(source)          # iterative; enforces config's size limits
+            # Checking and the passes recurse over expressions: deep() reruns them on a
+            # large stack when the default one is too small (compiler/config.py).
+            where = deepest_statement(syntax)
+            self.trace = deep(lambda: _front_end(syntax, wanted, summaries), what="the program", source=source,
+                              span=where.span if where is not None else None)
         self.checked, self.factorised = self.trace[0][1], self.trace[-1][1]
         self.outputs = self.checked.outputs
         if set(wide) - set(self.outputs):
@@ -279,7 +283,12 @@ def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram
     wide = set(batched)
 
     def widen(e):
-        return replace(e, indices=(index, *e.indices)) if isinstance(e, Access) and e.tensor in wide else e
+        if not isinstance(e, Access) or e.tensor not in wide:
+            return e
+        if e.layout is None:
+            return replace(e, indices=(index, *e.indices))
+        layout = (((1,) + (0,) * len(e.indices), 0), *(((0, *coeffs), c) for coeffs, c in e.layout))
+        return replace(e, indices=(index, *e.indices), layout=layout)
 
     statements = []
     for st in ir.statements:
@@ -287,7 +296,10 @@ def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram
             st = replace(st, indices=(index, *st.indices), expr=transform(st.expr, widen))
             wide.add(st.name)
         statements.append(st)
-    return replace(ir, statements=tuple(statements)), index
+    # an affine subscript's dimension of a widened tensor moves one place on
+    dimensions = tuple((f"{t}#{int(d) + 1}" if t in wide else f"{t}#{d}", symbol)
+                       for (t, d), symbol in ((key.rsplit("#", 1), symbol) for key, symbol in ir.dimensions))
+    return replace(ir, statements=tuple(statements), dimensions=dimensions), index
 
 
 def _transformed(torch) -> bool:
@@ -390,9 +402,23 @@ def grad(source: str, wrt: Iterable[str] | str | None = None, outputs: Iterable[
     derived = gradient_of(forward, wrt, saved)
     if summaries:
         options["summaries"] = tuple(summaries.values())
-    return GradientProgram(format_program(derived.backward), wrt=derived.wrt, upstream=derived.upstream,
-                           inputs=tuple(i.name for i in derived.backward.inputs), statistics=derived.statistics,
-                           outputs=derived.backward.outputs, backend=backend, **options)
+    backward = derived.backward
+    # Where affine subscripts read tensors, the text cannot say every extent the derivation
+    # knows (a pooling window's size, a position the forward derived): the IR is compiled, its
+    # spans (into the forward's source) dropped, and the text is what it prints
+    checked = _without_spans(backward) if backward.dimensions or backward.derived else None
+    return GradientProgram(format_program(backward), wrt=derived.wrt, upstream=derived.upstream,
+                           inputs=tuple(i.name for i in backward.inputs), statistics=derived.statistics,
+                           outputs=backward.outputs, backend=backend, checked=checked, **options)
+
+
+def _without_spans(program: IRProgram) -> IRProgram:
+    """`program` with no node pointing into a source: its text is not the one they point into."""
+    def unspanned(e):
+        return replace(e, span=None) if getattr(e, "span", None) is not None else e
+    statements = tuple(replace(s, expr=transform(s.expr, unspanned), span=None) for s in program.statements)
+    return replace(program, statements=statements, inputs=tuple(replace(i, span=None) for i in program.inputs),
+                   source=format_program(program))
 
 
 __all__ = ["Program", "compile", "GradientProgram", "grad", "Summary"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .ir import Program
+from .ir import Access, Program, walk
 from .ops import BOOL
 
 DEFAULT_EXTENT = 16
@@ -27,18 +27,35 @@ def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float3
             inputs[decl.name] = float(torch.rand((), generator=generator)) + 0.5
             continue
         access = _first_access(program, decl.name)
-        shape = [by_symbol.get(symbols[i], DEFAULT_EXTENT) for i in access]
+        shape = [_dimension(program, access, d, by_symbol) for d in range(access.rank)]
         values = torch.randn(shape, generator=generator, dtype=torch.float64)
         inputs[decl.name] = (values > 0 if decl.dtype == BOOL else values.to(dtype)).to(device)
     return inputs
 
 
-def _first_access(program: Program, name: str) -> tuple[str, ...]:
-    from .ir import Access, walk
+def _dimension(program: Program, access: Access, d: int, by_symbol: dict) -> int:
+    """The extent of dimension `d` of the tensor `access` reads: its index's, or, at an
+    affine subscript, one past the largest position it reads (the derived extents of
+    its indices are then the sizes asked for)."""
+    symbols = dict(program.extents)
+    index = access.dimension_index(d)
+    if index is not None:
+        return by_symbol.get(symbols[index], DEFAULT_EXTENT)
+    given = by_symbol.get(dict(program.dimensions)[f"{access.tensor}#{d}"])
+    if given is not None:
+        return given
+    coeffs, constant = access.layout[d]
+    sizes = [by_symbol.get(symbols[i], DEFAULT_EXTENT) for i in access.indices]
+    if 0 in sizes:
+        return 0
+    return max(0, constant + 1 + sum(c * (n - 1) for c, n in zip(coeffs, sizes) if c > 0))
+
+
+def _first_access(program: Program, name: str) -> Access:
     for st in program.statements:
         for node in walk(st.expr):
             if isinstance(node, Access) and node.tensor == name:
-                return node.indices
+                return node
     raise KeyError(name)
 
 

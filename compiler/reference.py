@@ -76,6 +76,8 @@ class _Evaluator:
             return Labelled(torch.tensor(self.extents[e.name], dtype=torch.int64), ())
         if isinstance(e, Access):
             stored = self.values[e.tensor]
+            if e.layout is not None:
+                return self._affine_read(stored.tensor, e)
             return _diagonal(stored.tensor, e.indices)
         if isinstance(e, Call):
             op = OPS[e.op]
@@ -95,6 +97,20 @@ class _Evaluator:
             dims = arg.dims if rule.keeps_index else tuple(d for d in arg.dims if d not in e.indices)
             return Labelled(out, dims)
         raise TypeError(f"the oracle cannot evaluate {type(e).__name__}")
+
+    def _affine_read(self, t: torch.Tensor, e: Access) -> Labelled:
+        """`t` read at affine subscripts over the grid of `e.indices`; 0 outside it."""
+        grid = [self.extents[i] for i in e.indices]
+        ranges = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij") if grid else ()
+        positions = [sum((c * r for c, r in zip(coeffs, ranges) if c), torch.zeros(grid, dtype=torch.int64))
+                     + constant for coeffs, constant in e.layout]
+        inside = torch.ones(grid, dtype=torch.bool)
+        for p, n in zip(positions, t.shape):
+            inside &= (p >= 0) & (p < n)
+        if 0 in t.shape:
+            return Labelled(torch.zeros(grid, dtype=t.dtype), e.indices)
+        read = t[tuple(p.clamp(0, n - 1) for p, n in zip(positions, t.shape))]
+        return Labelled(torch.where(inside, read, torch.zeros((), dtype=t.dtype)), e.indices)
 
     def _reduce(self, e: Reduce) -> Labelled:
         kept, state = self._fold(e.fold)

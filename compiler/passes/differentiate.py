@@ -57,6 +57,7 @@ from ..ir import (
     Program,
     Reduce,
     Var,
+    affine_access,
     alpha_key,
     bound_indices,
     children,
@@ -68,7 +69,7 @@ from ..ir import (
 )
 from ..ops import BOOL, EXPONENTIAL, FLOAT, OPS
 from .canonicalise import order_operands
-from .fuse import FreshNames, rename_indices
+from .fuse import FreshNames, _position, rename_indices, substitute_affine
 from .stabilise import factors, product, signed_sum
 
 SUM = BUILTINS["sum"]
@@ -232,7 +233,8 @@ def _add(terms: list[Expr]) -> Expr:
 
 
 def _subscripts(e: Expr) -> set[str]:
-    return {i for n in walk(e) if isinstance(n, Access) for i in n.indices}
+    """The indices some tensor dimension is read at alone (its extent measures them)."""
+    return {n.dimension_index(d) for n in walk(e) if isinstance(n, Access) for d in range(n.rank)} - {None}
 
 
 @dataclass
@@ -250,6 +252,12 @@ class _Names:
         new = f"{name}_{n}"
         self.taken.add(new)
         self.extents[new] = self.extents[name]
+        return new
+
+    def fresh_of(self, name: str, extent: sympy.Symbol) -> str:
+        """A new index name like `name`'s, of extent `extent`."""
+        new = self.fresh(name)
+        self.extents[new] = extent
         return new
 
     def tensor(self, name: str) -> str:
@@ -402,6 +410,10 @@ class _Differentiator:
         if access.tensor not in self.live:
             return
         targets = self.targets[access.tensor]
+        if access.layout is not None:
+            g = _scattered(g, access, targets, self.names)
+            self.adjoints.setdefault(access.tensor, []).append(g)
+            return
         mapping: dict[str, str] = {}
         diagonal: list[Expr] = []
         for target, ix in zip(targets, access.indices):
@@ -452,17 +464,15 @@ class _Differentiator:
         decls = {i.name: i for i in p.inputs}
         given = tuple(Input(upstream[o], len(statements[o].indices)) for o in outputs)
         result = Program(kept, (*decls.values(), *given), tuple(g.name for g in gradients),
-                         tuple(sorted(self.names.extents.items())), p.source)
-        return _anchor_unmeasured(result, p, self.names)
+                         tuple(sorted(self.names.extents.items())), p.source, derived=p.derived)
+        result = _anchor_unmeasured(result, p, self.names)
+        return replace(result, dimensions=_affine_dimensions(result, p, upstream))
 
     def _input_indices(self, name: str) -> tuple[str, ...]:
         """Index names for d<name>: those of its first read, a repeated one renamed."""
         first = next(n for s in self.program.statements for n in walk(s.expr)
                      if isinstance(n, Access) and n.tensor == name)
-        out: list[str] = []
-        for ix in first.indices:
-            out.append(self.names.fresh(ix) if ix in out else ix)
-        return tuple(out)
+        return _dimension_names(first, self.names, dict(self.program.dimensions), distinct=True)
 
     def _anchored(self, st: Assign, shape_of: str) -> Assign:
         """Read the shape where the right side does not vary over one of the statement's
@@ -490,6 +500,105 @@ class _Differentiator:
             if tuple(symbols[i] for i in first.indices) == shape:
                 return decl.name
         return None
+
+
+def _dimension_names(read: Access, names: _Names, dimensions: dict, distinct: bool = False) -> tuple[str, ...]:
+    """An index name for each dimension of the tensor `read` reads: the index a dimension
+    is read at alone, else (an affine subscript) a fresh one of that dimension's extent;
+    `distinct`: a name repeated (`T[i, i]`) fresh the second time."""
+    out: list[str] = []
+    for d in range(read.rank):
+        ix = read.dimension_index(d)
+        if ix is None:
+            coeffs, _ = read.layout[d]
+            base = next(n for n, c in zip(read.indices, coeffs) if c) if any(coeffs) else "d"
+            ix = names.fresh_of(base, dimensions[f"{read.tensor}#{d}"])
+        elif distinct and ix in out:
+            ix = names.fresh(ix)
+        out.append(ix)
+    return tuple(out)
+
+
+def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -> Expr:
+    """The contribution to dT[targets] of the adjoint `g` of a read of T at affine
+    subscripts: g summed over every position of the read's indices that reads
+    T[targets].  Each dimension solves for one index of coefficient +-1 (`t + r`
+    read at s: t = s - r, kept where 0 <= s - r < len(t)); the others are summed over
+    (r), and a dimension with no such index keeps the positions equal to its target
+    (`2*t` read at s: where(2*t == s)), a sum over all of them."""
+    # a read index named like a target of another dimension is renamed first
+    own = {targets[d] for d in range(read.rank) if read.dimension_index(d) == targets[d]}
+    renamed = {n: names.fresh(n) for n in read.indices if n in targets and n not in own}
+    if renamed:
+        g = rename_indices(g, renamed, names.fresh)
+        read = replace(read, indices=tuple(renamed.get(n, n) for n in read.indices))
+    subscripts = [({n: c for n, c in zip(read.indices, coeffs) if c}, constant) for coeffs, constant in read.layout]
+    solved: dict[str, tuple[dict[str, int], int]] = {}
+    unknown = set(read.indices)
+    equal: list[Expr] = []
+    for d in sorted(range(read.rank), key=lambda d: read.dimension_index(d) is None):    # plain dimensions first
+        terms, constant = _substituted_affine(subscripts[d], solved)
+        pivot = next((n for n, c in terms.items() if abs(c) == 1 and n in unknown), None)
+        if pivot is None:
+            equal.append(Call("eq", (_position(terms, constant), Index(targets[d]))))
+            continue
+        c = terms[pivot]
+        # pivot = c * (target - constant - the other terms)
+        rest = {targets[d]: c}
+        for n, k in terms.items():
+            if n != pivot:
+                rest[n] = rest.get(n, 0) - c * k
+        value = ({n: k for n, k in rest.items() if k}, -c * constant)
+        solved = {n: _substituted_affine(v, {pivot: value}) for n, v in solved.items()}
+        solved[pivot] = value
+        unknown.discard(pivot)
+    out = substitute_affine(g, {n: v for n, v in solved.items() if v != ({n: 1}, 0)}, names.fresh, read)
+    conditions = list(equal)
+    for n, value in solved.items():
+        position = _position(*value)
+        if not (isinstance(position, Index) and position.name in targets):
+            conditions += [Call("ge", (position, Const(0))), Call("lt", (position, Extent(n)))]
+    if conditions:
+        out = Call("where", (_conjunction(conditions), out, Const(0.0)))
+    summed = tuple(n for n in read.indices if n in unknown and n in free_indices(out))
+    return Reduce(SUM, summed, (out,)) if summed else out
+
+
+def _substituted_affine(affine: tuple[dict[str, int], int], table: dict) -> tuple[dict[str, int], int]:
+    """`affine` with the indices of `table` replaced by their own affine values."""
+    terms, constant = affine
+    out: dict[str, int] = {}
+    for n, c in terms.items():
+        inner, shift = table.get(n, ({n: 1}, 0))
+        for m, k in inner.items():
+            out[m] = out.get(m, 0) + c * k
+        constant += c * shift
+    return {n: c for n, c in out.items() if c}, constant
+
+
+def _affine_dimensions(program: Program, forward: Program, upstream: dict[str, str]) -> tuple:
+    """The extent symbol of every tensor dimension `program` reads at an affine
+    subscript (Program.dimensions): a forward input's as the forward knows it, a
+    statement's (an upstream gradient's: its output's) from its left side."""
+    symbols = dict(program.extents)
+    known = dict(forward.dimensions)
+    lhs = {s.name: s.indices for s in (*forward.statements, *program.statements)}
+    lhs |= {d: lhs[o] for o, d in upstream.items()}
+    for s in forward.statements:
+        for n in walk(s.expr):
+            if isinstance(n, Access) and n.tensor not in lhs:
+                for d in range(n.rank):
+                    if n.dimension_index(d) is not None:
+                        known.setdefault(f"{n.tensor}#{d}", symbols[n.dimension_index(d)])
+    out = {}
+    for s in program.statements:
+        for n in walk(s.expr):
+            if isinstance(n, Access) and n.layout is not None:
+                for d in range(n.rank):
+                    if n.dimension_index(d) is None:
+                        key = f"{n.tensor}#{d}"
+                        out[key] = symbols[lhs[n.tensor][d]] if n.tensor in lhs else known[key]
+    return tuple(sorted(out.items(), key=str))
 
 
 def _conjunction(terms: list[Expr]) -> Expr:
@@ -527,12 +636,17 @@ def _measured(program: Program) -> set[str]:
             parent[find(f"{s.name}#{d}")] = find(ix)
         for n in walk(s.expr):
             if isinstance(n, Access):
-                for d, ix in enumerate(n.indices):
-                    parent[find(f"{n.tensor}#{d}")] = find(ix)
+                for d in range(n.rank):
+                    if n.dimension_index(d) is not None:
+                        parent[find(f"{n.tensor}#{d}")] = find(n.dimension_index(d))
     statements = {s.name for s in program.statements}
     roots = {find(f"{n.tensor}#{d}") for s in program.statements for n in walk(s.expr)
-             if isinstance(n, Access) and n.tensor not in statements for d in range(len(n.indices))}
-    return {ix for ix, _ in program.extents if ix in parent and find(ix) in roots}
+             if isinstance(n, Access) and n.tensor not in statements for d in range(n.rank)}
+    # an extent that affine subscripts derive is known where its reads' extents are
+    # an extent that affine subscripts derive is known where its reads' extents are; a size
+    # input's is the call's
+    given = {rule.symbol for rule in program.derived} | set(program.sizes.values())
+    return {ix for ix, symbol in program.extents if (ix in parent and find(ix) in roots) or symbol in given}
 
 
 def _anchor_unmeasured(program: Program, forward: Program, names: _Names) -> Program:
@@ -549,15 +663,18 @@ def _anchor_unmeasured(program: Program, forward: Program, names: _Names) -> Pro
     symbols = dict(program.extents)
     inputs = {i.name for i in forward.inputs}
     by_symbol: dict[sympy.Symbol, tuple[Access, int]] = {}        # extent -> a read of an input dimension of it
+    dimensions = dict(forward.dimensions)
     for s in forward.statements:
         for n in walk(s.expr):
             if isinstance(n, Access) and n.tensor in inputs:
-                for d, ix in enumerate(n.indices):
-                    by_symbol.setdefault(symbols[ix], (n, d))
+                for d in range(n.rank):
+                    ix = n.dimension_index(d)
+                    by_symbol.setdefault(symbols[ix] if ix is not None else dimensions[f"{n.tensor}#{d}"], (n, d))
     statements = list(program.statements)
     for ix in missing:
         read, d = by_symbol[symbols[ix]]
-        indices = tuple(ix if k == d else names.fresh(other) for k, other in enumerate(read.indices))
+        indices = tuple(ix if k == d else names.fresh(other)
+                        for k, other in enumerate(_dimension_names(read, names, dimensions)))
         ones: Expr = Call("pow", (Access(read.tensor, indices), Const(0)))
         others = tuple(i for i in indices if i != ix)
         if others:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir import (Access, Composite, Expr, Extent, Index, Program, Reduce, bound_indices, children, free_indices,
-                  transform, with_children)
+from ..errors import CheckError
+from ..ir import (Access, Call, Composite, Const, Expr, Extent, Index, Program, Reduce, affine_access, bound_indices,
+                  children, free_indices, transform, with_children)
+from ..ops import FLOAT
 
 
 def rename_indices(e: Expr, mapping: dict[str, str], fresh) -> Expr:
@@ -48,6 +50,93 @@ def _renamed(e: Expr, mapping: dict[str, str], fresh, visit) -> Expr:
     return with_children(e, tuple(visit(c, mapping) for c in children(e)))
 
 
+def _at_affine_subscripts(body: Expr, params: tuple[str, ...], dtype: str, read: Access, fresh) -> Expr:
+    """`body`, a statement's right side over `params`, read at `read`'s affine
+    subscripts (`S[t + r]`): each parameter replaced by its subscript, and 0 where a
+    subscript falls outside the statement's extent, as a read outside a tensor is."""
+    subscripts = {p: ({n: c for n, c in zip(read.indices, coeffs) if c}, constant)
+                  for p, (coeffs, constant) in zip(params, read.layout)}
+    out = substitute_affine(body, subscripts, fresh, read)
+    zero = Const(0.0 if dtype == FLOAT else 0)
+    for d, p in enumerate(params):
+        if read.dimension_index(d) is None:
+            position = _position(*subscripts[p])
+            inside = Call("and", (Call("ge", (position, Const(0))), Call("lt", (position, Extent(p)))))
+            out = Call("where", (inside, out, zero))
+    return out
+
+
+def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fresh, read: Access) -> Expr:
+    """`e` with each free index of `table` replaced, all at once, by its affine value
+    ({index: coefficient}, constant): a tensor read composes its subscripts, an index
+    value becomes integer arithmetic, len(...) keeps the index's extent.  A binder
+    that would capture an index of a value takes a fresh name.  A normaliser whose
+    kept index is replaced (softmax[m] at m + 1) is a CheckError pointing at `read`,
+    the read that asks for it."""
+    done: dict[tuple[int, frozenset], Expr] = {}
+
+    def visit(n: Expr, table: dict) -> Expr:
+        if not table:
+            return n
+        key = (id(n), frozenset(table))
+        if key not in done:
+            done[key] = replaced(n, table)
+        return done[key]
+
+    def replaced(n: Expr, table: dict) -> Expr:
+        if isinstance(n, Access):
+            if not set(n.indices) & table.keys():
+                return n
+            return affine_access(n.tensor, tuple(_composed(n, d, table) for d in range(n.rank)), n.span)
+        if isinstance(n, Index):
+            return _position(*table[n.name]) if n.name in table else n
+        if isinstance(n, Composite) and not bound_indices(n):
+            if set(n.indices) & table.keys():
+                raise CheckError(f"{n.op}[{', '.join(n.indices)}]'s result would be read at an affine subscript "
+                                 f"({', '.join(read.subscripts())}); a normaliser keeps its index whole: read "
+                                 f"it at an index", None, read.span)
+        elif isinstance(n, Reduce | Composite):
+            inner = {k: v for k, v in table.items() if k not in n.indices}
+            written = {m for terms, _ in inner.values() for m in terms}
+            for bound in [i for i in n.indices if i in written]:
+                new = fresh(bound)
+                n = with_children(replace(n, indices=tuple(new if i == bound else i for i in n.indices)),
+                                  tuple(rename_indices(c, {bound: new}, fresh) for c in children(n)))
+            return with_children(n, tuple(visit(c, inner) for c in children(n)))
+        return with_children(n, tuple(visit(c, table) for c in children(n)))
+
+    return visit(e, table)
+
+
+def _composed(e: Access, d: int, table: dict) -> tuple[dict[str, int], int]:
+    """Dimension `d` of read `e` as ({index: coefficient}, constant), the indices in
+    `table` replaced by their affine subscripts."""
+    if e.layout is None:
+        coeffs, constant = tuple(int(j == d) for j in range(len(e.indices))), 0
+    else:
+        coeffs, constant = e.layout[d]
+    terms: dict[str, int] = {}
+    for name, c in zip(e.indices, coeffs):
+        if not c:
+            continue
+        inner, shift = table.get(name, ({name: 1}, 0))
+        for n, k in inner.items():
+            terms[n] = terms.get(n, 0) + c * k
+        constant += c * shift
+    return {n: c for n, c in terms.items() if c}, constant
+
+
+def _position(terms: dict[str, int], constant: int) -> Expr:
+    """An affine subscript as an integer expression of index values."""
+    out: Expr | None = None
+    for name, c in terms.items():
+        term: Expr = Index(name) if abs(c) == 1 else Call("mul", (Const(abs(c)), Index(name)))
+        out = (Call("neg", (term,)) if c < 0 else term) if out is None else Call("sub" if c < 0 else "add", (out, term))
+    if out is None:
+        return Const(constant)
+    return out if constant == 0 else Call("add" if constant > 0 else "sub", (out, Const(abs(constant))))
+
+
 class FreshNames:
     """Fresh index names sharing the extent of the index they stand for."""
 
@@ -82,11 +171,13 @@ class FreshNames:
 
 def fuse(program: Program) -> Program:
     names = FreshNames(dict(program.extents))
-    inlined: dict[str, tuple[tuple[str, ...], Expr]] = {}
+    inlined: dict[str, tuple[tuple[str, ...], Expr, str]] = {}
 
     def substitute(e: Expr) -> Expr:
         if isinstance(e, Access) and e.tensor in inlined:
-            params, body = inlined[e.tensor]
+            params, body, dtype = inlined[e.tensor]
+            if e.layout is not None:
+                return _at_affine_subscripts(body, params, dtype, e, names.fresh)
             mapping = {p: i for p, i in zip(params, e.indices) if p != i}
             return rename_indices(body, mapping, names.fresh) if mapping else body
         return e
@@ -98,7 +189,7 @@ def fuse(program: Program) -> Program:
         if len(names.origin) != renamed_before:      # fresh names were made: give them back where possible
             expr = transform(expr, names.restore)
         s = replace(s, expr=expr)
-        inlined[s.name] = (s.indices, s.expr)      # readers recompute it, outputs or not
+        inlined[s.name] = (s.indices, s.expr, s.dtype)      # readers recompute it, outputs or not
         if s.name in program.outputs:
             kept.append(s)
     return replace(program, statements=tuple(kept), extents=tuple(sorted(names.extents.items())))

@@ -98,6 +98,13 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
                              f"(its indices: {', '.join(sorted(extents))})", program.source)
     sharded = tuple(ix for ix, symbol in program.extents if symbol == extents[index])
     row_indices = () if rows is None else tuple(ix for ix, symbol in program.extents if symbol == extents[rows])
+    for st in program.statements:
+        for node in walk(st.expr):
+            if isinstance(node, Access) and node.layout is not None and set(node.indices) & {*sharded, *row_indices}:
+                # a rank's part of the tensor would have to reach into its neighbour's
+                raise ShardError(f"'{node.tensor}' is read at an affine subscript of a sharded index "
+                                 f"({', '.join(node.subscripts())}): parts cut at one index cannot be read "
+                                 f"across their edges", program.source, node.span)
     if rows in sharded:
         raise ShardError(f"the rows index '{rows}' is the sharded index '{index}' or shares its extent: rows "
                          f"must be an index of the outputs that the reduction does not run over", program.source)

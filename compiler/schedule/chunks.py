@@ -151,7 +151,11 @@ def _run(schedule, region, first: int, last: int, added: set[str], x: str, origi
     # accesses, or nowhere: a chunk's view of it is one narrow
     at: dict[str, set[tuple[int, ...]]] = {}
     for st in statements:
-        accesses = [(st.name, st.indices)] + [(n.tensor, n.indices) for n in nodes(st.expr) if isinstance(n, Access)]
+        reads = [n for n in nodes(st.expr) if isinstance(n, Access)]
+        crossing = next((n for n in reads if n.layout is not None and names & set(n.indices)), None)
+        if crossing is not None:
+            return f"{crossing.tensor} is read at an affine subscript of {x}: a chunk's view would cut its window"
+        accesses = [(st.name, st.indices)] + [(n.tensor, n.indices) for n in reads]
         for tensor, indices in accesses:
             at.setdefault(tensor, set()).add(tuple(p for p, i in enumerate(indices) if i in names))
     narrowed = []

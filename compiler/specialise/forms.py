@@ -89,6 +89,8 @@ def match(spec: KernelSchedule, loops: FoldLoops | None, sig: Signature, extent,
     if len(spec.program_folds) != 1 or spec.buffers or spec.epilogue or spec.dependent:
         return "not one program fold storing its results"
     (fold,) = spec.program_folds
+    if any(isinstance(n, Access) and n.layout is not None for st in spec.statements for n in walk(st.expr)):
+        return "a tensor is read at affine subscripts, which the TMA loads do not take"
     s = fold.summary
     if len(fold.indices) != 1 or len(s.rescaled) != 1 or len(spec.loops) != 1 or spec.loops[0].skips:
         return "not one rescaled fold over one index without per-tile tests"

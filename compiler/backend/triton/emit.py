@@ -207,7 +207,8 @@ class Arg:
     (the extent's bit length: tiles.size_class), a tensor, one of its strides, a float
     number (by value, or in memory for a float64 program), or the split count.  Its
     text is the launcher's expression."""
-    kind: str            # "extent", "size_class", "tensor", "stride", "number", "number64", "split",
+    kind: str            # "extent", "size_class", "tensor", "stride", "dimension" (a tensor's extent
+    #                      along `dim`), "number", "number64", "split",
     #                      or in a chunked run "start" (its chunk's first value) and "whole extent"
     name: str = ""       # the index or tensor it is of
     dim: int = 0         # a stride's dimension
@@ -216,7 +217,8 @@ class Arg:
         return {"extent": f'n["{self.name}"]', "size_class": f'n["{self.name}"].bit_length()',
                 "start": "start", "whole extent": f'whole["{self.name}"]',
                 "tensor": f't["{self.name}"]',
-                "stride": f't["{self.name}"].stride({self.dim})', "number": f'float(t["{self.name}"])',
+                "stride": f't["{self.name}"].stride({self.dim})', "dimension": f't["{self.name}"].shape[{self.dim}]',
+                "number": f'float(t["{self.name}"])',
                 "number64": f'torch.full((), float(t["{self.name}"]), dtype=torch.float64, device=device)',
                 "split": "n_split"}[self.kind]
 
@@ -825,8 +827,11 @@ class KernelEmitter:
         ptr, strides = self.tensor_params(e.tensor, info.rank)
         target = sort_axes(axes)
         place = self.target(target, scope)
+        inside = None
+        if e.layout is not None:
+            ptr, strides, inside = self.affine_read(e, axes, ptr, strides, target)
         address, tile = self.address(e.tensor, ptr, axes, strides, target, place)
-        mask = self.mask_code(target, target)
+        mask = " & ".join(filter(None, (self.mask_code(target, target), inside))) or None
         raw = self.temp(f"x_{ident(e.tensor)}")
         if tile is not None:
             self.tile_of[raw] = tile
@@ -849,6 +854,37 @@ class KernelEmitter:
         code = raw if stored == self.ctx.cdt else f"{raw}.to({self.ctx.cdt})"
         return Value(code, target, "float", raw=raw, raw_dtype=info.dtype, zero=frozenset(dims(target)),
                      user_tensor=e.tensor in self.ctx.input_names, tensor=e.tensor)
+
+    def affine_read(self, e: Access, axes: list[Axis], ptr: str, strides: list[str],
+                    target) -> tuple[str, list[str], str | None]:
+        """A read at affine subscripts (`X[b, c, t + r]`) as one of a view over its indices:
+        (its base, each index's stride, which is the sum of the strides of the dimensions
+        it moves times its coefficients, and the mask of the positions inside the tensor:
+        outside, the read is 0)."""
+        def times(c: int, code: str) -> str:
+            return code if c == 1 else f"-{code}" if c == -1 else f"{c} * {code}"
+
+        def total(terms: list[str]) -> str:
+            return terms[0] if len(terms) == 1 else f"({' + '.join(terms)})"
+
+        index_strides = [total([times(coeffs[j], st) for (coeffs, _), st in zip(e.layout, strides) if coeffs[j]])
+                         for j in range(len(e.indices))]
+        shift = " + ".join(times(k, st) for (_, k), st in zip(e.layout, strides) if k)
+        inside = []
+        for d, (coeffs, constant) in enumerate(e.layout):
+            if e.dimension_index(d) is not None:
+                continue            # read at one index, which its own mask keeps inside
+            terms = [times(c, f"{ax.offs}" if ax.scalar else self.expand(Value(ax.offs, (ax,), "int"), target))
+                     for c, ax in zip(coeffs, axes) if c]
+            position = " + ".join(terms + ([str(constant)] if constant else [])) or "0"
+            if dims(target) and all(ax.scalar for c, ax in zip(coeffs, axes) if c):
+                # of the tile's shape: Triton's interpreter refuses a scalar test beside the tile's
+                position = self.broadcast(position, target, "tl.int64")
+            n = self.local(f"{ident(e.tensor)}_n{d}", ("dimension", e.tensor, d))
+            self.params.setdefault(n, Arg("dimension", e.tensor, d))
+            low = "" if constant >= 0 and min(coeffs) >= 0 else f"({position} >= 0) & "
+            inside.append(f"{low}({position} < {n})")
+        return (f"({ptr} + ({shift}))" if shift else ptr), index_strides, " & ".join(inside) or None
 
     def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
         info = self.ctx.tensors[name]
