@@ -188,16 +188,28 @@ def _caps_within(fold, extent: Callable[[str], int], dot, cap: int, width: int) 
     return shared_loop_caps(indices, max(1, cap // width))
 
 
-def one_at_a_time(fold, dot) -> tuple[str, ...]:
-    """The leading indices of a fold over several indices that it streams one value
-    at a time: all but the last when it keeps order (not commutative), or when an
-    index takes part in a matrix product (softmax[m, n] of Q K^T times V over a 2-D
-    key grid: tiles of every index at once would make the product's tile
-    [rows, m, n, k], past Triton's limit, and no tl.dot; with m one value at a time
-    each step is FlashAttention over a tile of n).  `dot`: the tl.dot indices."""
+def one_at_a_time(fold, dot, extent: Callable[[str], int] | None = None) -> tuple[str, ...]:
+    """The indices of a fold over several indices that it streams one value at a
+    time: all but the last when it keeps order (not commutative), or when an index
+    takes part in a matrix product (softmax[m, n] of Q K^T times V over a 2-D key
+    grid: tiles of every index at once would make the product's tile [rows, m, n, k],
+    past Triton's limit, and no tl.dot; with m one value at a time each step is
+    FlashAttention over a tile of n).  `dot`: the tl.dot indices.  With `extent` (a
+    call's), a commutative fold's tiled index is its tl.dot index of the largest
+    extent, whichever order they are written in: a convolution's sum[c, r] over 256
+    channels and a window of 3 is a product 256 deep, not 3 (16 with padding)."""
     if len(fold.indices) > 1 and (not fold.summary.commutative or set(fold.indices) & dot):
-        return fold.indices[:-1]
-    return ()
+        if extent is None or not fold.summary.commutative:
+            return fold.indices[:-1]
+        deepest = max(reversed([b for b in fold.indices if b in dot]), key=lambda b: np2(extent(b)))
+        return tuple(b for b in fold.indices if b != deepest)
+    # an index that a contraction nested in the fold has for a side beside another side of
+    # the same operand (a max pool of a convolution: max[q] over X[b, c, 2*u + q + r] with u
+    # a grid index): tiles of both would make that operand 3-D, which tl.dot does not take
+    from .folds import contractions
+    nested = [c for c in contractions(fold) if set(fold.indices) <= c.bound]
+    return tuple(b for b in fold.indices
+                 if any(b in c.sides and any(b in f and (f & c.sides) - {b} for f in c.factors) for c in nested))
 
 
 def held_whole(n: int, exact_dot: bool) -> bool:

@@ -293,7 +293,7 @@ class _Kernel:
         """The loops of `fold`; `whole`: the kernel is not split (a split program's loop
         runs its chunk of the tiles, with no unmasked interior band)."""
         s = fold.summary
-        singles = one_at_a_time(fold, self.dot)
+        singles = one_at_a_time(fold, self.dot, self.extent)
         batch = _batch_indices(fold)
         exact = self.sig.sums_in_order(dot_dtype(fold, self.inputs, self.sig))
         caps = self.caps(fold, scope)
@@ -420,7 +420,7 @@ class _Kernel:
         for f in spec.program_folds:
             p = self.split_position(f)
             divided = f.indices[p]
-            singles, caps = one_at_a_time(f, self.dot), self.caps(f)
+            singles, caps = one_at_a_time(f, self.dot, extent), self.caps(f)
             blocks_of = [1 if b in singles else self.loop_block(f, q, hint, caps) for q, b in enumerate(f.indices)]
             tiles = max(tiles, math.ceil(extent(divided) / blocks_of[p]))
             floor = blocks_of[p] if divided in self.dot else min(blocks_of[p], SPLIT_FLOOR)

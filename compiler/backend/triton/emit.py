@@ -878,8 +878,10 @@ class KernelEmitter:
                      for c, ax in zip(coeffs, axes) if c]
             position = " + ".join(terms + ([str(constant)] if constant else [])) or "0"
             if dims(target) and all(ax.scalar for c, ax in zip(coeffs, axes) if c):
-                # of the tile's shape: Triton's interpreter refuses a scalar test beside the tile's
-                position = self.broadcast(position, target, "tl.int64")
+                # a tensor beside the tile: Triton's interpreter refuses a scalar test in a tile's mask
+                # (the offsets, not a shape: a transposed load swaps their subscripts)
+                tiled = dims(target)[0]
+                position += f" + 0 * {self.expand(Value(tiled.offs, (tiled,), 'int'), target)}"
             n = self.local(f"{ident(e.tensor)}_n{d}", ("dimension", e.tensor, d))
             self.params.setdefault(n, Arg("dimension", e.tensor, d))
             low = "" if constant >= 0 and min(coeffs) >= 0 else f"({position} >= 0) & "
