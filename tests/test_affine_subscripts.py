@@ -59,6 +59,8 @@ CASES = [
      {"r": 2}),
     ("average pool", "P[b, c, t] = mean[r](X[b, c, 3*t + r])", lambda X: F.avg_pool1d(X, 3), {"X": (2, 3, 13)},
      {"r": 3}),
+    ("pooled convolution", "Y[b, o, t] = sum[c, r](W[o, c, r] * X[b, c, t + r])\nP[b, o, u] = max[q](Y[b, o, 2*u + q])",
+     lambda X, W: F.max_pool1d(F.conv1d(X, W), 2), {"X": (2, 3, 13), "W": (4, 3, 3)}, {"q": 2}),
     ("two layers", "H[b, o, t] = relu(sum[c, r](W[o, c, r] * X[b, c, t + r]))\n"
                    "Y[b, p, u] = sum[o, q](V[p, o, q] * H[b, o, u + q])",
      lambda X, W, V: F.conv1d(F.relu(F.conv1d(X, W)), V), {"X": (2, 3, 13), "W": (4, 3, 3), "V": (5, 4, 2)}, {}),

@@ -195,21 +195,44 @@ def one_at_a_time(fold, dot, extent: Callable[[str], int] | None = None) -> tupl
     grid: tiles of every index at once would make the product's tile [rows, m, n, k],
     past Triton's limit, and no tl.dot; with m one value at a time each step is
     FlashAttention over a tile of n).  `dot`: the tl.dot indices.  With `extent` (a
-    call's), a commutative fold's tiled index is its tl.dot index of the largest
-    extent, whichever order they are written in: a convolution's sum[c, r] over 256
-    channels and a window of 3 is a product 256 deep, not 3 (16 with padding)."""
+    call's), a sum's tiled index is its tl.dot index of the largest extent,
+    whichever order they are written in: a convolution's sum[c, r] over 256
+    channels and a window of 3 is a product 256 deep, not 3 (16 with padding).
+    Besides, an index of the fold that a contraction nested in it has for a side
+    beside a longer side of the same operand (side_clash)."""
+    singles: set[str] = set()
     if len(fold.indices) > 1 and (not fold.summary.commutative or set(fold.indices) & dot):
-        if extent is None or not fold.summary.commutative:
-            return fold.indices[:-1]
-        deepest = max(reversed([b for b in fold.indices if b in dot]), key=lambda b: np2(extent(b)))
-        return tuple(b for b in fold.indices if b != deepest)
-    # an index that a contraction nested in the fold has for a side beside another side of
-    # the same operand (a max pool of a convolution: max[q] over X[b, c, 2*u + q + r] with u
-    # a grid index): tiles of both would make that operand 3-D, which tl.dot does not take
+        if extent is None or not additive(fold.summary):
+            singles = set(fold.indices[:-1])
+        else:
+            deepest = max(reversed([b for b in fold.indices if b in dot]), key=lambda b: np2(extent(b)))
+            singles = set(fold.indices) - {deepest}
     from .folds import contractions
     nested = [c for c in contractions(fold) if set(fold.indices) <= c.bound]
-    return tuple(b for b in fold.indices
-                 if any(b in c.sides and any(b in f and (f & c.sides) - {b} for f in c.factors) for c in nested))
+    for b in [b for b in fold.indices if b not in singles]:      # in order: of two that clash, one stays tiled
+        if side_clash(nested, b, extent, longer=True, among=lambda name: name not in singles):
+            singles.add(b)
+    return tuple(b for b in fold.indices if b in singles)
+
+
+def side_clash(contractions, index: str, extent: Callable[[str], int] | None, longer: bool,
+               among: Callable[[str], bool] = lambda name: True) -> bool:
+    """Whether `index` is a side of one of `contractions` beside another side of the
+    same operand (of those `among` admits) that is longer (`longer`), or at least as
+    long: tiles of both would make that operand 3-D, which tl.dot does not take, so
+    the shorter runs one value at a time (a max pool of a convolution: max[q] over
+    X[b, c, 2*u + q + r] tiles the positions u, not the window q; the pooled
+    convolution's weight gradient, summed over u, the same).  Without `extent`
+    (the schedule's symbols) any other side clashes."""
+    for c in contractions:
+        if index not in c.sides:
+            continue
+        for f in c.factors:
+            for other in (f & c.sides) - {index} if index in f else ():
+                if among(other) and (extent is None or (extent(other) > extent(index) if longer
+                                                        else extent(other) >= extent(index))):
+                    return True
+    return False
 
 
 def held_whole(n: int, exact_dot: bool) -> bool:
@@ -282,8 +305,13 @@ def tiled_grid(kernel, extent: Callable[[str], int]) -> tuple[str, ...]:
     candidates = [g for g in kernel.grid if extent(g) > 1]
     whole = {g for g in candidates if held_whole_in_grid(kernel, g, extent)}
     tiled: list[str] = []
+    grid = set(kernel.grid)
     for g in reversed([g for g in candidates if g not in batch]):
         if any(c.clashes(g, t) for c in kernel.contractions for t in tiled):
+            continue
+        # beside an at least as long index of a fold around a nested contraction, in one operand
+        if side_clash([c for c in kernel.contractions if c.bound], g, extent, longer=False,
+                      among=lambda name: name not in grid):
             continue
         if g in whole or len(set(tiled) - whole) < 2:
             tiled.insert(0, g)

@@ -304,10 +304,10 @@ class _Kernel:
                 tiles.append(Tile(b, ONE_AT_A_TIME, 1, why="in order"))
             elif b in batch:
                 tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="a contraction's batch index"))
+            elif b in singles:
+                tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="beside a tl.dot over another index"))
             elif nested and held_whole(n, dot and exact):
                 tiles.append(Tile(b, WHOLE, whole_tile(n, dot)))
-            elif b in singles:
-                tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="beside a tl.dot over the last"))
             else:
                 block = self.loop_block(fold, p, split, caps)
                 divided = self.split_here(fold, p, split)
