@@ -73,15 +73,17 @@ def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fre
     that would capture an index of a value takes a fresh name.  A normaliser whose
     kept index is replaced (softmax[m] at m + 1) is a CheckError pointing at `read`,
     the read that asks for it."""
-    done: dict[tuple[int, frozenset], Expr] = {}
+    # by node object and the names replaced below it; the node is kept beside its result, so that
+    # its id is not reused by a node made later (a renamed binder's body is made here, then dropped)
+    done: dict[tuple[int, frozenset], tuple[Expr, Expr]] = {}
 
     def visit(n: Expr, table: dict) -> Expr:
         if not table:
             return n
         key = (id(n), frozenset(table))
         if key not in done:
-            done[key] = replaced(n, table)
-        return done[key]
+            done[key] = (n, replaced(n, table))
+        return done[key][1]
 
     def replaced(n: Expr, table: dict) -> Expr:
         if isinstance(n, Access):
