@@ -22,13 +22,21 @@ def test_examples_exist():
     assert EXAMPLES, "no examples/*.py found"
 
 
-# Runs the script as __main__ with the test-only packages unimportable.
+# Runs the script as __main__ with the test-only packages unimportable: importing one raises
+# ModuleNotFoundError; a probe of one (importlib.util.find_spec, as torch._dynamo makes of
+# hypothesis when an example runs under autograd) finds a spec of no file, as of a module it
+# cannot locate, instead of an exception no plain install raises.
 PLAIN_INSTALL = """
-import runpy, sys
+import importlib.machinery, runpy, sys
+class Absent:
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (not in a plain install)")
+    def exec_module(self, module):
+        pass
 class TestExtras:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("pytest", "hypothesis", "mkdocs", "mkdocstrings"):
-            raise ModuleNotFoundError(f"No module named {name!r} (not in a plain install)")
+            return importlib.machinery.ModuleSpec(name, Absent())
 sys.meta_path.insert(0, TestExtras())
 sys.argv = [sys.argv[1]]
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -69,7 +69,7 @@ from ..ir import (
 )
 from ..ops import BOOL, EXPONENTIAL, FLOAT, OPS
 from .canonicalise import order_operands
-from .fuse import FreshNames, _position, rename_indices, substitute_affine
+from .fuse import FreshNames, affine_position, rename_indices, substitute_affine
 from .stabilise import factors, product, signed_sum
 
 SUM = BUILTINS["sum"]
@@ -540,7 +540,7 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
         terms, constant = _substituted_affine(subscripts[d], solved)
         pivot = next((n for n, c in terms.items() if abs(c) == 1 and n in unknown), None)
         if pivot is None:
-            equal.append(Call("eq", (_position(terms, constant), Index(targets[d]))))
+            equal.append(Call("eq", (affine_position(terms, constant), Index(targets[d]))))
             continue
         c = terms[pivot]
         # pivot = c * (target - constant - the other terms)
@@ -555,7 +555,7 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
     out = substitute_affine(g, {n: v for n, v in solved.items() if v != ({n: 1}, 0)}, names.fresh, read)
     conditions = list(equal)
     for n, value in solved.items():
-        position = _position(*value)
+        position = affine_position(*value)
         if not (isinstance(position, Index) and position.name in targets):
             conditions += [Call("ge", (position, Const(0))), Call("lt", (position, Extent(n)))]
     if conditions:

@@ -60,7 +60,7 @@ def _at_affine_subscripts(body: Expr, params: tuple[str, ...], dtype: str, read:
     zero = Const(0.0 if dtype == FLOAT else 0)
     for d, p in enumerate(params):
         if read.dimension_index(d) is None:
-            position = _position(*subscripts[p])
+            position = affine_position(*subscripts[p])
             inside = Call("and", (Call("ge", (position, Const(0))), Call("lt", (position, Extent(p)))))
             out = Call("where", (inside, out, zero))
     return out
@@ -91,7 +91,7 @@ def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fre
                 return n
             return affine_access(n.tensor, tuple(_composed(n, d, table) for d in range(n.rank)), n.span)
         if isinstance(n, Index):
-            return _position(*table[n.name]) if n.name in table else n
+            return affine_position(*table[n.name]) if n.name in table else n
         if isinstance(n, Composite) and not bound_indices(n):
             if set(n.indices) & table.keys():
                 raise CheckError(f"{n.op}[{', '.join(n.indices)}]'s result would be read at an affine subscript "
@@ -128,7 +128,7 @@ def _composed(e: Access, d: int, table: dict) -> tuple[dict[str, int], int]:
     return {n: c for n, c in terms.items() if c}, constant
 
 
-def _position(terms: dict[str, int], constant: int) -> Expr:
+def affine_position(terms: dict[str, int], constant: int) -> Expr:
     """An affine subscript as an integer expression of index values."""
     out: Expr | None = None
     for name, c in terms.items():
