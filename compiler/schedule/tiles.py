@@ -488,13 +488,18 @@ def describe(kernel) -> list[str]:
     """The tile symbols of a KernelSchedule with their candidate sets, and its split
     policy, as the schedule prints them."""
     dot = kernel.dot_indices
-    singles = {b for f in kernel.program_folds for b in one_at_a_time(f, dot)}
+    # a sum over several tl.dot indices streams the deepest at the call (one_at_a_time): each may
+    at_call = [[b for b in f.indices if b in dot] for f in kernel.program_folds
+               if additive(f.summary) and len(set(f.indices) & dot) > 1]
+    choices = {b for names in at_call for b in names}
+    singles = {b for f in kernel.program_folds for b in one_at_a_time(f, dot)} - choices
     # the streamed index of an outermost contraction (the emitter tunes its tile)
     loops = sorted({i for c in kernel.contractions if not c.bound for i in c.reduced} - singles)
+    depths = len(loops) - sum(len(set(names) & set(loops)) - 1 for names in at_call if set(names) & set(loops))
     whole = (lacked(kernel) & dot) - kernel.value_only
     rows = sorted(g for g in kernel.grid if g in dot and g not in kernel.value_only and g not in whole)
-    streamed = len(rows) == 1 and len(loops) == 1
-    matmul = len(rows) == 2 and len(loops) == 1
+    streamed = len(rows) == 1 and depths == 1
+    matmul = len(rows) == 2 and depths == 1
     tiles = []
     for g in rows:
         sizes = ({r for r, *_ in STREAMED} if streamed else
@@ -512,7 +517,11 @@ def describe(kernel) -> list[str]:
                      f"else {DOT_BLOCK}")
     for b in loops:
         sizes = {k for _, k, *_ in STREAMED} if streamed else {t[2] for t in MATMUL} if matmul else {DOT_BLOCK}
-        tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''})")
+        among = next((names for names in at_call if b in names), None)
+        chosen = (f", if the deepest of {', '.join(among)} at the call; else one value at a time"
+                  if among else "")
+        tiles.append(f"BLOCK_{b} in {_set(sizes)} (tl.dot, streamed{', tuned' if streamed or matmul else ''}"
+                     f"{chosen})")
     for b in sorted(dot - set(rows) - set(loops) - kernel.value_only - kernel.batch_indices - singles - whole):
         tiles.append(f"BLOCK_{b} = np2(n_{b}) up to {WHOLE_MAX}, {EXACT_DOT_WHOLE_MAX} for float32 without TF32 "
                      f"(nested tl.dot, whole), else {DOT_BLOCK}")
