@@ -165,6 +165,10 @@ class Binder:
         for rule in self.derived:       # indices that only affine subscripts read, where no dimension measures them
             if rule.symbol not in seen and all(n in seen for read in rule.reads for n in rule.symbols(read)):
                 seen[rule.symbol] = (rule.value(lambda symbol: seen[symbol][0]), None, None, None)
+        unknown = next((ix for ix, symbol in self.sized if symbol not in seen), None)
+        if unknown is not None:         # the checker orders every derived extent after what it reads
+            raise BindError(f"index '{unknown}' has no extent at this call: no input measures it, and the "
+                            f"reads its extent is derived from have none", src)
         extents = {ix: seen[symbol][0] for ix, symbol in self.sized}
         # Float results take the promoted dtype of the tensor inputs (float32 if none).
         dtype = tensor_dtypes[0] if tensor_dtypes else torch.float32

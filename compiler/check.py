@@ -393,15 +393,16 @@ class _Checker:
     def _derive_extents(self, measured: set[str], positions: set[str]) -> tuple[DerivedExtent, ...]:
         """The extents of the output positions `positions` (indices on a left-hand side)
         that only affine subscripts read, in an order where each reads
-        extents known before it: `t` of `X[2*t + r]` once `r` has one.  An index takes
-        its bound from every read where its coefficient is positive and the other
-        indices of the subscript have extents by then.  A reduced index is never
+        extents known before it: `t` of `X[2*t + r]` once `r` has one, `u` of
+        `H[u + q]` once `H`'s own position has one.  An index takes its bound from every
+        read where its coefficient is positive and the dimension and the other indices
+        of the subscript have extents by then.  A reduced index is never
         derived: a window `r` in `max[r](X[2*t + r])` is a size of the call."""
         roots = {self._find(ix) for ix in positions}
         known, order = set(measured), []
         while True:
-            ready = sorted({self._find(ix) for _, (terms, _), _ in self.affine for ix, c in terms.items()
-                            if c > 0 and self._find(ix) in roots - known
+            ready = sorted({self._find(ix) for dim, (terms, _), _ in self.affine for ix, c in terms.items()
+                            if c > 0 and self._find(ix) in roots - known and self._find(dim) in known
                             and all(self._find(n) in known for n in terms if n != ix)})
             if not ready:
                 break
@@ -412,7 +413,7 @@ class _Checker:
             reads = tuple((self._extent_symbol(dim), c, tuple((self._extent_symbol(n), terms[n]) for n in terms
                                                               if n != ix), constant)
                           for dim, (terms, constant), _ in self.affine for ix, c in terms.items()
-                          if self._find(ix) == root and c > 0
+                          if self._find(ix) == root and c > 0 and self._find(dim) in known
                           and all(self._find(n) in known for n in terms if n != ix))
             derived.append(DerivedExtent(self._extent_symbol(root), reads))
             known.add(root)

@@ -105,6 +105,18 @@ def test_extents_are_derived_and_a_window_larger_than_the_input_gives_nothing(ba
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_position_read_in_a_statement_is_derived_once_the_statement_has_its_extent(backend):
+    # q's extent follows from H's positions t, themselves derived from X and r: t first
+    source = ("H[b, o, t] = relu(sum[c, r](W[o, c, r] * X[b, c, t + r]))\n"
+              "dV[p, o, q] = sum[b, u](dY[b, p, u] * H[b, o, u + q])")
+    x, w, dy = randn(2, 3, 13), randn(4, 3, 3, seed=2), randn(2, 5, 10, seed=3)
+    got = compiler.compile(source, backend=backend, outputs=("dV",))(X=x, W=w, dY=dy)
+    h = F.relu(F.conv1d(x, w))                                   # 11 positions: q takes 11 - 10 + 1
+    want = torch.einsum("bpu,bouq->poq", dy, h.unfold(2, 2, 1))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_reads_outside_are_zero_and_nan_stays_where_it_is_read(backend):
     x = torch.tensor([1.0, float("nan"), 3.0, float("inf"), 5.0], dtype=torch.float64)
     shifted = compiler.compile("Y[t] = X[t - 1] + 0 * Z[t]", backend=backend)
