@@ -36,7 +36,10 @@ CASES = {
     "m < i + start": ["m < i + start"],                               # strict, rounded down: ceil - 1
     "m >= start": ["m >= start"],                                     # no other index
     "m + i < len(m)": ["m < -i + len(m)"],                            # the other index negated
-    "2 * m <= i": [],                                                 # not +-1: no bound, still right
+    "2 * m <= i": ["2 * m <= i"],                                     # a coefficient: floor(i / 2)
+    "i - 2 * m < 6": ["2 * m > i - 6"],                               # a stride's window, from below
+    "3 * m >= i and 3 * m < i + 5": ["3 * m >= i", "3 * m < i + 5"],  # both sides, ceil and floor
+    "2 * m + start <= i": ["2 * m <= i - start"],                     # a float offset, halved
     "m <= 2 * i - i": ["m <= i"],                                     # integer multiples that sum to +-1
 }
 

@@ -78,6 +78,9 @@ class Bound:
     sign: int               # +1 or -1: the coefficient of `other`
     offset: Expr
     conjunct: Expr          # the predicate conjunct it was read off
+    # the index's coefficient, > 0: `scale * index op sign * other + offset` (a stride's
+    # window, `s - 2 * y < 2` read off a pooling gradient, bounds y by halves of s)
+    scale: int = 1
 
     @property
     def upper(self) -> bool:
@@ -99,7 +102,8 @@ class Bound:
         return Call("add", (other, self.offset))
 
     def __str__(self) -> str:
-        return f"{self.index} {OPS[self.op].symbol} {format_expr(self.side)}"
+        index = self.index if self.scale == 1 else f"{self.scale} * {self.index}"
+        return f"{index} {OPS[self.op].symbol} {format_expr(self.side)}"
 
 
 def _sum_of(terms: list[tuple[int, Expr]]) -> Expr:
@@ -113,9 +117,9 @@ def _sum_of(terms: list[tuple[int, Expr]]) -> Expr:
 
 
 def _bound(c: Expr, index: str, bound: tuple[str, ...]) -> Bound | None:
-    """The bound `c` puts on `index`, if it is a comparison linear in `index` with
-    coefficient +-1, involving at most one other index (outside the fold's
-    `bound` indices), also with coefficient +-1."""
+    """The bound `c` puts on `index`, if it is a comparison linear in `index` with an
+    integer coefficient, involving at most one other index (outside the fold's
+    `bound` indices), with coefficient +-1."""
     if not (isinstance(c, Call) and c.op in _FLIP):
         return None
     left, right = linear_form(c.args[0]), linear_form(c.args[1])
@@ -127,14 +131,15 @@ def _bound(c: Expr, index: str, bound: tuple[str, ...]) -> Bound | None:
     coeffs = {n: v for n, v in coeffs.items() if v}
     terms = left[1] + [(-s, t) for s, t in right[1]]
     own = coeffs.pop(index, 0)
-    if abs(own) != 1 or any(n in bound for n in coeffs) or len(coeffs) > 1 \
+    if own == 0 or any(n in bound for n in coeffs) or len(coeffs) > 1 \
             or any(abs(v) != 1 for v in coeffs.values()):
         return None
-    # own * index + co * other + terms  op  0
+    # own * index + co * other + terms  op  0, as |own| * index op' u * (-co * other - terms)
+    u = 1 if own > 0 else -1
     op = c.op if own > 0 else _FLIP[c.op]
     other, co = next(iter(coeffs.items()), (None, 0))
-    offset = _sum_of([(-own * s, t) for s, t in terms])
-    return Bound(index, op, other, -own * co if other else 1, offset, c)
+    offset = _sum_of([(-u * s, t) for s, t in terms])
+    return Bound(index, op, other, -u * co if other else 1, offset, c, abs(own))
 
 
 @lru_cache(maxsize=4096)

@@ -152,7 +152,7 @@ def match(spec: KernelSchedule, loops: FoldLoops | None, sig: Signature, extent,
         return f"fewer than {tiling.rows} rows or an empty index"
     bounds = dict(loops.bounds).get(keys, ())
     for bound in bounds:
-        if bound.other not in (rows, None, *batch) or not _integral(bound.offset):
+        if bound.other not in (rows, None, *batch) or not _integral(bound.offset) or bound.scale != 1:
             return f"the bound {bound} is not a shift of the rows by integers"
     costly = sorted({n.op for n in walk(fold.args[0]) if isinstance(n, Call) and n.op in COSTLY
                      and not (n.op == "div" and _power_of_two(n.args[1]))})

@@ -1310,6 +1310,8 @@ class KernelEmitter:
         offset = self.value(b.offset, T) if c != 0 else None
         if offset is not None and offset.kind == "float":
             x = offset.code if side is None else self.assign(f"{side} + {offset.code}", (), T, stem="side").code
+            if b.scale != 1:
+                x = self.assign(f"{x} / {b.scale}", (), T, stem="side").code
             n = f"{self.extent_param(b.index)}.to(tl.float32)"
             empty = "-1.0" if b.upper else n
             clamped = self.assign(f"tl.where({x} != {x}, {empty}, tl.minimum(tl.maximum({x}, -1.0), {n}))",
@@ -1322,6 +1324,16 @@ class KernelEmitter:
             spare = "- 1" if outward else "+ 1"
             return f"(tl.ceil({clamped}).to(tl.int32) {spare})"
         past = 1 if b.op in ("le", "gt") else 0
+        if b.scale != 1:
+            # scale * index op x: the first index past those where it holds (le: floor(x / scale) + 1,
+            # lt: ceil(x / scale)), or the first where it does (ge: ceil, gt: floor + 1), in floor
+            # division, which Triton's // (truncating) gives for x >= 0 only
+            x = side if offset is None else offset.code if side is None else f"{side} + {offset.code}"
+            x = self.assign(f"tl.cast({x}, tl.int32)" if side is None else x, (), T, stem="side").code
+            k = b.scale
+            floor = f"tl.where({x} >= 0, {x} // {k}, -((-{x} + {k - 1}) // {k}))"
+            ceil = f"tl.where({x} >= 0, ({x} + {k - 1}) // {k}, -(-{x} // {k}))"
+            return f"({floor} + 1)" if past else f"({ceil})"
         if c is not None and side is not None:        # a constant offset: one integer
             total = int(c) + past
             return side if total == 0 else f"{side} {'+' if total > 0 else '-'} {abs(total)}"
@@ -1332,7 +1344,7 @@ class KernelEmitter:
     def tile_start(limit: str, ax: Axis, b) -> str:
         """The start of the tile of `ax` holding index `limit` (clamped at 0 unless
         `limit` is an index of the program's tile plus a non-negative amount)."""
-        if not (b.other is not None and b.sign > 0 and constant(b.offset) == 0):
+        if not (b.other is not None and b.sign > 0 and constant(b.offset) == 0 and b.scale == 1):
             limit = f"tl.maximum({limit}, 0)"
         return f"({limit}) // {ax.block_name} * {ax.block_name}"
 
