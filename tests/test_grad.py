@@ -164,6 +164,22 @@ CORPUS = {
                           lambda X, G: (torch.nn.functional.silu(X) * torch.sigmoid(G) + torch.tanh(X / 2) ** 2
                                         - torch.log(1 + torch.exp(G))),
                           lambda: {"X": randn(3, 7), "G": randn(7)}, ("X", "G")),
+    # affine subscripts: the transposed convolution, a stride's scatter, pooling windows (sizes)
+    "convolution": ("Y[b,o,t] = sum[c,r](W[o,c,r] * X[b,c,t+r])",
+                    lambda X, W: torch.nn.functional.conv1d(X, W),
+                    lambda: {"X": randn(2, 3, 9), "W": randn(4, 3, 3)}, ("X", "W")),
+    "strided_convolution": ("Y[b,o,t] = sum[c,r](W[o,c,r] * X[b,c,2*t+r-1])",
+                            lambda X, W: torch.nn.functional.conv1d(X, W, stride=2, padding=1)[..., :4],
+                            lambda: {"X": randn(2, 3, 9), "W": randn(4, 3, 3)}, ("X", "W")),
+    "max_pool": ("P[b,c,t] = max[r](X[b,c,2*t+r])",
+                 lambda X, r: torch.nn.functional.max_pool1d(X, r, 2),
+                 lambda: {"X": randn(2, 3, 9), "r": 2}, ("X",)),
+    "average_pool": ("P[b,c,t] = mean[r](X[b,c,3*t+r])",
+                     lambda X, r: torch.nn.functional.avg_pool1d(X, r, 3),
+                     lambda: {"X": randn(2, 3, 11), "r": 3}, ("X",)),
+    "pooled_convolution": ("Y[b,o,t] = sum[c,r](W[o,c,r] * X[b,c,t+r])\nP[b,o,u] = max[q](Y[b,o,2*u+q])",
+                           lambda X, W, q: torch.nn.functional.max_pool1d(torch.nn.functional.conv1d(X, W), q),
+                           lambda: {"X": randn(2, 3, 10), "W": randn(4, 3, 3), "q": 2}, ("X", "W")),
 }
 
 

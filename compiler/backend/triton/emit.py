@@ -389,6 +389,7 @@ class KernelEmitter:
         self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
         self.loads: dict[str, Load] = {}             # a load's variable -> what its hint depends on
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
+        self.held: dict[str, tuple] = {}             # a running state's variable -> the axes it holds
         self.root = Scope(None, 0, {}, "root")
         self.buffers: list[tuple[str, list[str], str]] = []
         self.contraction = set(spec.dot_indices)        # the schedule's tile roles
@@ -1413,6 +1414,9 @@ class KernelEmitter:
         var = self.local(f"{acc}_lanes", ("lanes", prefix, field_name)) if lanes else acc
         held = tile.axes if lanes else sort_axes(a for a in tile.axes if a not in RA)
         init.append(f"{var} = {start.format(shape=self.shape(held))}")
+        # a further copy of the update (an interior band's, without the mask that made the tile
+        # vary over the row index) joins the state as the first copy made it: broadcast to it
+        held = self.held.setdefault(var, held)
         body.lines.append(update.format(var=var, tile=self.expand(tile, held)))
         if lanes:
             current = list(dims(held))
