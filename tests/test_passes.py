@@ -40,6 +40,11 @@ PROGRAMS = {
     "mean_variance": "mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)",
     "third_moment": "Z[i] = sum[j](X[i,j]); Z3[i] = sum[j]((X[i,j] - Z[i] / len(j))**3)",
     "sum_of_exp": "Z[i] = sum[j](exp(X[i,j]))",
+    # affine subscripts: a convolution and a padded depthwise one (a pooled convolution's
+    # positions follow from its window's size, which the corpus's size sets do not choose:
+    # test_grad's corpus has it at sizes of its own)
+    "convolution": "Y[b,o,t] = sum[c,r](W[o,c,r] * X[b,c,t+r])",
+    "padded_depthwise": "Y[c,t] = sum[r](W[c,r] * X[c,t+r-2])",
 }
 
 
