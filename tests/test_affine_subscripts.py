@@ -105,6 +105,17 @@ def test_extents_are_derived_and_a_window_larger_than_the_input_gives_nothing(ba
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_index_named_only_in_len_is_a_size_of_the_call(backend):
+    # what a derived gradient's count of a window reads (dP / len(r)); a tensor's name in len(...)
+    # stays an error (test_errors)
+    program = compiler.compile("Y[i] = X[i] / len(n)", backend=backend)
+    assert program.checked.sizes.keys() == {"n"}
+    torch.testing.assert_close(program(X=randn(5), n=4), randn(5) / 4)
+    with pytest.raises(BindError, match="missing size 'n'"):
+        program(X=randn(5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_position_read_in_a_statement_is_derived_once_the_statement_has_its_extent(backend):
     # q's extent follows from H's positions t, themselves derived from X and r: t first
     source = ("H[b, o, t] = relu(sum[c, r](W[o, c, r] * X[b, c, t + r]))\n"
