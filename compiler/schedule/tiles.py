@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ..algebra.properties import additive, extremum
 from ..algebra.summary import independent_fields
 from ..ir import Access, Reduce, free_indices, nodes, outer_reductions
+from .folds import contractions
 
 DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
@@ -207,7 +208,6 @@ def one_at_a_time(fold, dot, extent: Callable[[str], int] | None = None) -> tupl
         else:
             deepest = max(reversed([b for b in fold.indices if b in dot]), key=lambda b: np2(extent(b)))
             singles = set(fold.indices) - {deepest}
-    from .folds import contractions
     nested = [c for c in contractions(fold) if set(fold.indices) <= c.bound]
     for b in [b for b in fold.indices if b not in singles]:      # in order: of two that clash, one stays tiled
         if side_clash(nested, b, extent, longer=True, among=lambda name: name not in singles):
