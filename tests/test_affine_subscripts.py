@@ -105,6 +105,17 @@ def test_extents_are_derived_and_a_window_larger_than_the_input_gives_nothing(ba
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_constant_subscript_reads_one_position_and_its_gradient_lands_there(backend):
+    x, z = randn(5), randn(4, seed=2)
+    upstream = randn(4, seed=1)                       # forward_and_backward's, seed 1
+    for position in (3, 7):                           # 7: outside X, read as 0, no gradient
+        got, (dx,) = forward_and_backward(f"Y[t] = X[{position}] + Z[t]", {"X": x, "Z": z}, ("X",), backend)
+        torch.testing.assert_close(got, (x[position] if position < 5 else 0.0) + z)
+        want = torch.where(torch.arange(5) == position, upstream.sum(), 0.0)
+        torch.testing.assert_close(dx, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_index_named_only_in_len_is_a_size_of_the_call(backend):
     # what a derived gradient's count of a window reads (dP / len(r)); a tensor's name in len(...)
     # stays an error (test_errors)

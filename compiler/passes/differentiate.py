@@ -255,8 +255,12 @@ class _Names:
         return new
 
     def fresh_of(self, name: str, extent: sympy.Symbol) -> str:
-        """A new index name like `name`'s, of extent `extent`."""
-        new = self.fresh(name)
+        """A new index name like `name` (an index or not), of extent `extent`."""
+        n = 1
+        while f"{name}_{n}" in self.taken:
+            n += 1
+        new = f"{name}_{n}"
+        self.taken.add(new)
         self.extents[new] = extent
         return new
 
@@ -511,7 +515,7 @@ def _dimension_names(read: Access, names: _Names, dimensions: dict, distinct: bo
         ix = read.dimension_index(d)
         if ix is None:
             coeffs, _ = read.layout[d]
-            base = next(n for n, c in zip(read.indices, coeffs) if c) if any(coeffs) else "d"
+            base = next(n for n, c in zip(read.indices, coeffs) if c) if any(coeffs) else "s"    # a position
             ix = names.fresh_of(base, dimensions[f"{read.tensor}#{d}"])
         elif distinct and ix in out:
             ix = names.fresh(ix)

@@ -885,7 +885,7 @@ class KernelEmitter:
                 position += f" + 0 * {self.expand(Value(tiled.offs, (tiled,), 'int'), target)}"
             n = self.local(f"{ident(e.tensor)}_n{d}", ("dimension", e.tensor, d))
             self.params.setdefault(n, Arg("dimension", e.tensor, d))
-            low = "" if constant >= 0 and min(coeffs) >= 0 else f"({position} >= 0) & "
+            low = "" if constant >= 0 and all(c >= 0 for c in coeffs) else f"({position} >= 0) & "
             inside.append(f"{low}({position} < {n})")
         return (f"({ptr} + ({shift}))" if shift else ptr), index_strides, " & ".join(inside) or None
 
