@@ -217,7 +217,6 @@ class _Checker:
         one read at an affine subscript measures its own (self.affine)."""
         name = node.name
         span = getattr(node, "name_span", node.span)
-        indices = subscripts        # the rank checks count dimensions
         if name == statement:
             raise self.error(f"statement '{name}' reads itself; a statement may only read "
                              f"earlier results", span)
@@ -228,20 +227,20 @@ class _Checker:
             raise self.error(f"'{name}' is used both as an index and as a tensor", span)
         if name in self.ranks:
             rank = self.ranks[name]
-            if rank != len(indices):
-                raise self.error(f"'{name}' has rank {rank} but is accessed with {len(indices)} "
-                                 f"ind{'ex' if len(indices) == 1 else 'ices'}", node.span)
+            if rank != len(subscripts):
+                raise self.error(f"'{name}' has rank {rank} but is accessed with {len(subscripts)} "
+                                 f"ind{'ex' if len(subscripts) == 1 else 'ices'}", node.span)
         elif name in self.inputs:
             rank = self.inputs[name].rank
-            if rank != len(indices):
+            if rank != len(subscripts):
                 first = self.inputs[name].span.line_col(self.source)
-                raise self.error(f"input '{name}' is accessed with {len(indices)} "
-                                 f"ind{'ex' if len(indices) == 1 else 'ices'} here but with {rank} "
+                raise self.error(f"input '{name}' is accessed with {len(subscripts)} "
+                                 f"ind{'ex' if len(subscripts) == 1 else 'ices'} here but with {rank} "
                                  f"at line {first[0]}, column {first[1]}", node.span)
         else:
             # an input read as a condition holds bools; any other, numbers (float until a call
             # passes an integer tensor: Program._specialised)
-            self.inputs[name] = Input(name, len(indices), node.span, BOOL if name in self.conditions else FLOAT)
+            self.inputs[name] = Input(name, len(subscripts), node.span, BOOL if name in self.conditions else FLOAT)
         access = affine_access(name, subscripts, node.span)
         for d in range(access.rank):
             ix = access.dimension_index(d)
@@ -366,11 +365,10 @@ class _Checker:
         on_left = {ix for st in statements for ix in st.indices}
         in_windows = {ix for _, (terms, _), _ in self.affine for ix in terms}
         by_use = sorted(self.index_names, key=lambda n: self.first_use[n].start)
-        positions = on_left
         while True:
-            derived = self._derive_extents(measured, positions)
+            derived = self._derive_extents(measured, on_left)
             known = measured | {d.symbol for d in derived}
-            window = next((ix for ix in by_use if ix in in_windows and ix not in positions
+            window = next((ix for ix in by_use if ix in in_windows and ix not in on_left
                            and self._find(ix) not in known and self._extent_symbol(ix) not in known), None)
             if window is None:
                 break
@@ -396,28 +394,25 @@ class _Checker:
         extents known before it: `t` of `X[2*t + r]` once `r` has one, `u` of
         `H[u + q]` once `H`'s own position has one.  An index takes its bound from every
         read where its coefficient is positive and the dimension and the other indices
-        of the subscript have extents by then.  A reduced index is never
+        of the subscript have extents by then.  An index on no left-hand side is never
         derived: a window `r` in `max[r](X[2*t + r])` is a size of the call."""
+        def reads(root: str, known: set[str]) -> tuple:
+            """The reads that bound `root` once the roots in `known` have extents."""
+            return tuple((self._extent_symbol(dim), c,
+                          tuple((self._extent_symbol(n), k) for n, k in terms.items() if n != ix), constant)
+                         for dim, (terms, constant), _ in self.affine for ix, c in terms.items()
+                         if self._find(ix) == root and c > 0 and self._find(dim) in known
+                         and all(self._find(n) in known for n in terms if n != ix))
+
         roots = {self._find(ix) for ix in positions}
-        known, order = set(measured), []
+        known, derived = set(measured), []
         while True:
-            ready = sorted({self._find(ix) for dim, (terms, _), _ in self.affine for ix, c in terms.items()
-                            if c > 0 and self._find(ix) in roots - known and self._find(dim) in known
-                            and all(self._find(n) in known for n in terms if n != ix)})
+            ready = sorted(root for root in roots - known if reads(root, known))
             if not ready:
-                break
-            order += ready
-            known |= set(ready)
-        derived, known = [], set(measured)
-        for root in order:
-            reads = tuple((self._extent_symbol(dim), c, tuple((self._extent_symbol(n), terms[n]) for n in terms
-                                                              if n != ix), constant)
-                          for dim, (terms, constant), _ in self.affine for ix, c in terms.items()
-                          if self._find(ix) == root and c > 0 and self._find(dim) in known
-                          and all(self._find(n) in known for n in terms if n != ix))
-            derived.append(DerivedExtent(self._extent_symbol(root), reads))
-            known.add(root)
-        return tuple(derived)
+                return tuple(derived)
+            for root in ready:          # in order: a later one may read an earlier one's extent
+                derived.append(DerivedExtent(self._extent_symbol(root), reads(root, known)))
+                known.add(root)
 
 
 # ---------------------------------------------------------------- types
@@ -632,9 +627,7 @@ def _subscript_names(sub, error) -> list:
     if isinstance(sub, syn.Number):
         return []
     if isinstance(sub, syn.Operator) and sub.op in ("add", "sub", "neg", "mul"):
-        if sub.op == "mul" and not any(isinstance(o, syn.Number) for o in sub.operands):
-            raise error(f"{_AFFINE_HELP}; a product needs one integer factor", sub.span)
-        return [n for o in sub.operands for n in _subscript_names(o, error)]
+        return [n for o in sub.operands for n in _subscript_names(o, error)]      # _affine checks products
     raise error(_AFFINE_HELP, sub.span)
 
 
@@ -653,7 +646,7 @@ def _affine(sub, error) -> tuple[dict[str, int], int]:
     if sub.op == "mul":
         (a, ka), (b, kb) = parts
         if a and b:
-            raise error(f"{_AFFINE_HELP}; a product of two indices is not affine", sub.span)
+            raise error(f"{_AFFINE_HELP}; a product needs one integer factor", sub.span)
         k = kb if a else ka                     # the constant factor
         return {n: c * k for n, c in (a or b).items() if c * k}, ka * kb
     (a, ka), (b, kb) = parts

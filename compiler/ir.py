@@ -112,20 +112,25 @@ class Access(Expr):
         """The tensor's number of dimensions."""
         return len(self.indices) if self.layout is None else len(self.layout)
 
+    def affine(self, d: int) -> tuple[dict[str, int], int]:
+        """Dimension d's subscript as ({index: coefficient}, constant)."""
+        if self.layout is None:
+            return {self.indices[d]: 1}, 0
+        coeffs, constant = self.layout[d]
+        return {n: c for n, c in zip(self.indices, coeffs) if c}, constant
+
     def subscripts(self) -> tuple[str, ...]:
         """Each dimension's subscript as written: an index name or `2*t + r - 1`."""
         if self.layout is None:
             return self.indices
-        return tuple(format_affine(dict(zip(self.indices, coeffs)), constant)
-                     for coeffs, constant in self.layout)
+        return tuple(format_affine(*self.affine(d)) for d in range(self.rank))
 
     def dimension_index(self, d: int) -> str | None:
         """The index dimension d reads alone (coefficient 1, no constant), or None."""
         if self.layout is None:
             return self.indices[d]
-        coeffs, constant = self.layout[d]
-        used = [j for j, c in enumerate(coeffs) if c]
-        return self.indices[used[0]] if constant == 0 and len(used) == 1 and coeffs[used[0]] == 1 else None
+        terms, constant = self.affine(d)
+        return next(iter(terms)) if constant == 0 and list(terms.values()) == [1] else None
 
 
 def affine_access(tensor: str, subscripts: tuple[tuple[dict[str, int], int], ...],

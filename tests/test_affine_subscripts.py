@@ -80,15 +80,18 @@ def test_matches_torch_forward_and_backward(name, source, reference, shapes, siz
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=lambda m, k=k: f"d{k}: {m}")
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_triton_in_low_precision_is_as_accurate_as_torch(dtype, tolerance):
-    """Against float64, at a ragged (prime) length: no worse than torch's own conv1d
-    in the same precision (plus its tolerance)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_in_low_precision_is_as_accurate_as_torch(dtype):
+    """Against float64, at a ragged (prime) length: within the differential corpus's bar,
+    twice torch's own conv1d error in the same precision plus the roundings the kernel
+    adds (test_differential.floor_of, for a product 5 x 4 deep)."""
+    from test_differential import floor_of
     x, w = randn(3, 5, 31), randn(7, 5, 4, seed=2)
     want = F.conv1d(x, w)
+    scale = want.abs().max()
     got = compiler.compile(CONV1D)(X=x.to(dtype), W=w.to(dtype)).double()
-    torch_error = (F.conv1d(x.to(dtype), w.to(dtype)).double() - want).abs().max()
-    assert (got - want).abs().max() <= torch_error + tolerance * want.abs().max()
+    torch_error = (F.conv1d(x.to(dtype), w.to(dtype)).double() - want).abs().max() / scale
+    assert (got - want).abs().max() / scale <= 2 * torch_error + floor_of(dtype, [5 * 4])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

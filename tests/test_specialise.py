@@ -1,5 +1,7 @@
 """The specialisation stage: every tile, loop and split decided for one call's
 signature, printed as text, and built as decided by the backend."""
+import re
+
 import pytest
 import torch
 
@@ -435,3 +437,25 @@ def test_of_two_sides_of_one_operand_the_shorter_runs_one_value_at_a_time():
     assert any(t.index == "q" and t.how == ONE_AT_A_TIME for t in kernel.grid), str(kernel)
     outer = next(f for f in kernel.folds if not f.nested)
     assert any(t.index == "u" and t.how == TILED for t in outer.tiles), str(kernel)
+
+
+def test_a_convolutions_spellings_get_one_specialised_schedule():
+    # renamed indices, swapped operands, the window written first in the sum and in the
+    # subscript: each index in the same role gets the same tile, and one autotune table
+    spellings = {"Y[b, o, t] = sum[c, r](W[o, c, r] * X[b, c, t + r])": "botcr",
+                 "Y[b, o, t] = sum[r, c](X[b, c, r + t] * W[o, c, r])": "botcr",
+                 "Y[n, p, s] = sum[q, k](X[n, q, k + s] * W[p, q, k])": "npsqk"}
+    shapes = {"X": (16, 256, 4096), "W": (256, 256, 3)}
+
+    def roles(source, names):
+        program = compiler.compile(source, backend="triton")
+        binding = program.binder({k: _input(v, torch.bfloat16) for k, v in shapes.items()})
+        (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+        role = dict(zip(names, "botcr"))
+        tiles = {role[t.index]: (t.how, t.size, t.tuned) for t in kernel.grid}
+        tiles |= {role[t.index]: (t.how, t.size, t.tuned) for f in kernel.folds for t in f.tiles}
+        candidates = str(kernel).split("autotuned over")[1].splitlines()[1:]
+        return tiles, [re.sub(r"\b(\w)/", lambda m: f"{role[m.group(1)]}/", line) for line in candidates]
+
+    (first, *rest) = [roles(source, names) for source, names in spellings.items()]
+    assert all(r == first for r in rest), (first, rest)

@@ -69,7 +69,7 @@ from ..ir import (
 )
 from ..ops import BOOL, EXPONENTIAL, FLOAT, OPS
 from .canonicalise import order_operands
-from .fuse import FreshNames, affine_position, rename_indices, substitute_affine
+from .fuse import FreshNames, affine_position, rename_indices, substitute_affine, substituted_affine
 from .stabilise import factors, product, signed_sum
 
 SUM = BUILTINS["sum"]
@@ -536,12 +536,11 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
     if renamed:
         g = rename_indices(g, renamed, names.fresh)
         read = replace(read, indices=tuple(renamed.get(n, n) for n in read.indices))
-    subscripts = [({n: c for n, c in zip(read.indices, coeffs) if c}, constant) for coeffs, constant in read.layout]
     solved: dict[str, tuple[dict[str, int], int]] = {}
     unknown = set(read.indices)
     equal: list[Expr] = []
     for d in sorted(range(read.rank), key=lambda d: read.dimension_index(d) is None):    # plain dimensions first
-        terms, constant = _substituted_affine(subscripts[d], solved)
+        terms, constant = substituted_affine(read.affine(d), solved)
         pivot = next((n for n, c in terms.items() if abs(c) == 1 and n in unknown), None)
         if pivot is None:
             equal.append(Call("eq", (affine_position(terms, constant), Index(targets[d]))))
@@ -553,7 +552,7 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
             if n != pivot:
                 rest[n] = rest.get(n, 0) - c * k
         value = ({n: k for n, k in rest.items() if k}, -c * constant)
-        solved = {n: _substituted_affine(v, {pivot: value}) for n, v in solved.items()}
+        solved = {n: substituted_affine(v, {pivot: value}) for n, v in solved.items()}
         solved[pivot] = value
         unknown.discard(pivot)
     out = substitute_affine(g, {n: v for n, v in solved.items() if v != ({n: 1}, 0)}, names.fresh, read)
@@ -566,18 +565,6 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
         out = Call("where", (_conjunction(conditions), out, Const(0.0)))
     summed = tuple(n for n in read.indices if n in unknown and n in free_indices(out))
     return Reduce(SUM, summed, (out,)) if summed else out
-
-
-def _substituted_affine(affine: tuple[dict[str, int], int], table: dict) -> tuple[dict[str, int], int]:
-    """`affine` with the indices of `table` replaced by their own affine values."""
-    terms, constant = affine
-    out: dict[str, int] = {}
-    for n, c in terms.items():
-        inner, shift = table.get(n, ({n: 1}, 0))
-        for m, k in inner.items():
-            out[m] = out.get(m, 0) + c * k
-        constant += c * shift
-    return {n: c for n, c in out.items() if c}, constant
 
 
 def _affine_dimensions(program: Program, forward: Program, upstream: dict[str, str]) -> tuple:
@@ -646,7 +633,6 @@ def _measured(program: Program) -> set[str]:
     statements = {s.name for s in program.statements}
     roots = {find(f"{n.tensor}#{d}") for s in program.statements for n in walk(s.expr)
              if isinstance(n, Access) and n.tensor not in statements for d in range(n.rank)}
-    # an extent that affine subscripts derive is known where its reads' extents are
     # an extent that affine subscripts derive is known where its reads' extents are; a size
     # input's is the call's
     given = {rule.symbol for rule in program.derived} | set(program.sizes.values())

@@ -54,8 +54,7 @@ def _at_affine_subscripts(body: Expr, params: tuple[str, ...], dtype: str, read:
     """`body`, a statement's right side over `params`, read at `read`'s affine
     subscripts (`S[t + r]`): each parameter replaced by its subscript, and 0 where a
     subscript falls outside the statement's extent, as a read outside a tensor is."""
-    subscripts = {p: ({n: c for n, c in zip(read.indices, coeffs) if c}, constant)
-                  for p, (coeffs, constant) in zip(params, read.layout)}
+    subscripts = {p: read.affine(d) for d, p in enumerate(params)}
     out = substitute_affine(body, subscripts, fresh, read)
     zero = Const(0.0 if dtype == FLOAT else 0)
     for d, p in enumerate(params):
@@ -89,7 +88,8 @@ def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fre
         if isinstance(n, Access):
             if not set(n.indices) & table.keys():
                 return n
-            return affine_access(n.tensor, tuple(_composed(n, d, table) for d in range(n.rank)), n.span)
+            return affine_access(n.tensor, tuple(substituted_affine(n.affine(d), table) for d in range(n.rank)),
+                                 n.span)
         if isinstance(n, Index):
             return affine_position(*table[n.name]) if n.name in table else n
         if isinstance(n, Composite) and not bound_indices(n):
@@ -110,22 +110,17 @@ def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fre
     return visit(e, table)
 
 
-def _composed(e: Access, d: int, table: dict) -> tuple[dict[str, int], int]:
-    """Dimension `d` of read `e` as ({index: coefficient}, constant), the indices in
-    `table` replaced by their affine subscripts."""
-    if e.layout is None:
-        coeffs, constant = tuple(int(j == d) for j in range(len(e.indices))), 0
-    else:
-        coeffs, constant = e.layout[d]
-    terms: dict[str, int] = {}
-    for name, c in zip(e.indices, coeffs):
-        if not c:
-            continue
-        inner, shift = table.get(name, ({name: 1}, 0))
-        for n, k in inner.items():
-            terms[n] = terms.get(n, 0) + c * k
+def substituted_affine(affine: tuple[dict[str, int], int], table: dict) -> tuple[dict[str, int], int]:
+    """`affine` ({index: coefficient}, constant) with the indices of `table` replaced by
+    their own affine values."""
+    terms, constant = affine
+    out: dict[str, int] = {}
+    for n, c in terms.items():
+        inner, shift = table.get(n, ({n: 1}, 0))
+        for m, k in inner.items():
+            out[m] = out.get(m, 0) + c * k
         constant += c * shift
-    return {n: c for n, c in terms.items() if c}, constant
+    return {n: c for n, c in out.items() if c}, constant
 
 
 def affine_position(terms: dict[str, int], constant: int) -> Expr:
