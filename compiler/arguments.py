@@ -12,7 +12,7 @@ from numbers import Real
 from .algebra import Summary
 from .errors import BindError, CheckError, EinfoldError, ParseError
 from .ir import Program as IRProgram
-from .ops import BOOL
+from .ops import FLOAT
 
 # summaries: user summaries usable by name; split: force a split count for every
 # reduction (a schedule option: the Triton backend splits, the oracle has no schedule);
@@ -79,10 +79,11 @@ def checked_outputs(outputs) -> tuple[str, ...] | None:
 
 
 def checked_wrt(wrt, forward: IRProgram) -> tuple[str, ...]:
-    """wrt=: input names (a list of them, or one name); None: every tensor input but
-    those read as conditions (bools have no gradient)."""
+    """wrt=: input names (a list of them, or one name); None: every tensor input of
+    numbers, not those read as conditions or as subscripts (bools and positions have no
+    gradient)."""
     if wrt is None:
-        names = tuple(i.name for i in forward.inputs if i.rank > 0 and i.dtype != BOOL)
+        names = tuple(i.name for i in forward.inputs if i.rank > 0 and i.dtype == FLOAT)
         if not names:
             raise CheckError("the program has no tensor input to differentiate with respect to; name the "
                              "0-d inputs to differentiate (wrt=, or --wrt on the command line)")

@@ -14,8 +14,9 @@ from typing import Mapping
 
 import torch
 
+from . import config
 from .errors import BindError
-from .ir import Access, Program, walk
+from .ir import Access, Program, accesses, walk
 from .ops import BOOL, FLOAT, INT
 
 # each dtype einfold reads -> the language's type of its values (ops.FLOAT, INT, BOOL)
@@ -90,10 +91,14 @@ class Binder:
         # dimension of an input access
         self.checks = [(node.tensor, d, symbols[ix] if ix is not None else dimensions[f"{node.tensor}#{d}"],
                         ix or node.subscripts()[d], node)
-                       for st in program.statements for node in walk(st.expr)
-                       if isinstance(node, Access) and node.tensor in self.declared
+                       for st in program.statements for node in accesses(st.expr)
+                       if node.tensor in self.declared
                        for d, ix in ((d, node.dimension_index(d)) for d in range(node.rank))]
         self.derived = program.derived
+        # (read, dimension) of every gathered subscript of an input (`E[T[i], d]`: E's dimension 0)
+        self.gathered = [(node, d) for st in program.statements for node in walk(st.expr)
+                         if isinstance(node, Access) and node.tensor in self.declared and node.gathers is not None
+                         for d in range(node.rank) if node.gathers[d] is not None]
         # every index of `extents_of` (a later stage's program, whose passes may add
         # fresh indices sharing an extent symbol) -> the symbol that sizes it
         self.target = extents_of if extents_of is not None else program
@@ -143,6 +148,10 @@ class Binder:
                                 f"not {type(value).__name__}", src, decl.span)
             if (input_types[name] == BOOL) != (decl.dtype == BOOL):
                 raise BindError(_condition_message(name, decl.dtype, value), src, decl.span)
+            if decl.dtype == INT and input_types[name] != INT:
+                raise BindError(f"input '{name}' is read as a subscript, so holds integer positions, but the call "
+                                f"passes {f'a {value.dtype} tensor' if isinstance(value, torch.Tensor) else 'a number'}; pass an integer tensor ({name}.long())",
+                                src, decl.span)
         if len(devices) > 1:
             raise BindError(f"inputs live on different devices: {', '.join(sorted(map(str, devices)))}")
 
@@ -170,6 +179,8 @@ class Binder:
             raise BindError(f"index '{unknown}' has no extent at this call: no input measures it, and the "
                             f"reads its extent is derived from have none", src)
         extents = {ix: seen[symbol][0] for ix, symbol in self.sized}
+        if self.gathered and config.check_positions():
+            self._check_positions(inputs, extents)
         # Float results take the promoted dtype of the tensor inputs (float32 if none).
         dtype = tensor_dtypes[0] if tensor_dtypes else torch.float32
         for t in tensor_dtypes[1:]:
@@ -179,6 +190,20 @@ class Binder:
         self._check_output_sizes(extents, dtype, device)
         values = {name: readable(v) if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
         return Binding(values, extents, dtype, device, input_types)
+
+    def _check_positions(self, inputs: Mapping[str, object], extents: dict[str, int]) -> None:
+        """Checked mode (config.check_positions): every position a gathered subscript
+        reads lies inside its dimension."""
+        from .reference import gathered_positions
+        for node, d in self.gathered:
+            size = inputs[node.tensor].shape[d]
+            positions = gathered_positions(node, d, inputs, extents)
+            outside = positions[(positions < 0) | (positions >= size)]
+            if outside.numel():
+                raise BindError(f"subscript '{node.subscripts()[d]}' of {node.tensor} reads position "
+                                f"{int(outside[0])}, outside its dimension {d} of extent {size} "
+                                f"({config.CHECK_POSITIONS_ENV} is set; unset, such a read is 0)",
+                                self.program.source, node.span)
 
     def _check_output_sizes(self, extents: dict, dtype: torch.dtype, device: torch.device) -> None:
         """Outputs that together need more memory than `device` has are refused before

@@ -21,7 +21,7 @@ from . import config
 from .config import deep
 from .errors import CheckError, ImplicitSumWarning, LimitError, Span
 from .ir import (Access, Assign, Call, Composite, Const, DerivedExtent, Expr, Extent, Index, Input, Program,
-                 Reduce, affine_access, bound_indices, children, free_indices, postorder, walk, with_children)
+                 Reduce, accesses, affine_access, bound_indices, children, free_indices, postorder, walk, with_children)
 from .ops import BOOL, CONSTANTS, FLOAT, FUNCTIONS, INT, OPS
 
 
@@ -52,9 +52,11 @@ class _Checker:
     parent: dict[str, str] = field(default_factory=dict)     # union-find over indices and tensor dims
     first_use: dict[str, Span] = field(default_factory=dict)
     conditions: set[str] = field(default_factory=set)        # names read directly as conditions
+    positions: set[str] = field(default_factory=set)         # names read as a subscript (a gather)
     notes: list[ImplicitSumWarning] = field(default_factory=list)   # warnings, given once the program checks
     # dimensions read at an affine subscript: (the dimension, its ({index: coefficient}, constant), span)
     affine: list[tuple[str, tuple[dict[str, int], int], Span]] = field(default_factory=list)
+    gathered: list[str] = field(default_factory=list)        # dimensions read at a gathered subscript
     length_only: set[str] = field(default_factory=set)       # indices named in len(...) alone
 
     @property
@@ -71,6 +73,7 @@ class _Checker:
             raise CheckError("the program has no statements", self.source, Span(0, max(1, len(self.source))))
         self._collect_index_names()
         self.conditions = _condition_reads(statements, self.index_names)
+        self.positions = self._position_reads(statements)
         names = [s.name for s in statements]
         defined: dict[str, syn.Statement] = {}
         for st in statements:       # before reading: a reread of a twice-assigned name is no forward read
@@ -87,7 +90,7 @@ class _Checker:
                                  st.name_span)
             later = set(names[position:])
             checked.append(self._statement(st, later))
-        read = {a.tensor for s in checked for a in _accesses(s.expr)}
+        read = {a.tensor for s in checked for a in accesses(s.expr)}
         program_outputs = tuple(s.name for s in checked if s.name not in read)
         if outputs is not None:
             for name in outputs:
@@ -97,7 +100,8 @@ class _Checker:
         derived = self._check_extents_known(checked)
         self._check_fused_size(checked)
         extents = tuple((i, self._extent_symbol(i)) for i in sorted(self.index_names))
-        dimensions = tuple(sorted({(dim, self._extent_symbol(dim)) for dim, _, _ in self.affine}, key=str))
+        dimensions = tuple(sorted({(dim, self._extent_symbol(dim))
+                                   for dim in [*(dim for dim, _, _ in self.affine), *self.gathered]}, key=str))
         return Program(tuple(checked), tuple(self.inputs.values()), program_outputs, extents, self.source,
                        derived=derived, dimensions=dimensions)
 
@@ -127,6 +131,7 @@ class _Checker:
                 for sub in node.subscripts:
                     for name in _subscript_names(sub, self.error):
                         self._note_index(name)
+                    named.update(read.name for read in _gathers(sub))
                 return
             if isinstance(node, syn.Call) and node.name == "len" and len(node.args) == 1 \
                     and isinstance(node.args[0], syn.Name):
@@ -238,17 +243,59 @@ class _Checker:
                                  f"ind{'ex' if len(subscripts) == 1 else 'ices'} here but with {rank} "
                                  f"at line {first[0]}, column {first[1]}", node.span)
         else:
-            # an input read as a condition holds bools; any other, numbers (float until a call
-            # passes an integer tensor: Program._specialised)
-            self.inputs[name] = Input(name, len(subscripts), node.span, BOOL if name in self.conditions else FLOAT)
-        access = affine_access(name, subscripts, node.span)
+            # an input read as a condition holds bools, one read as a subscript integer positions;
+            # any other, numbers (float until a call passes an integer tensor: Program._specialised)
+            if name in self.conditions and name in self.positions:
+                raise self.error(f"input '{name}' is read both as a condition and as a subscript (integer "
+                                 f"positions)", span)
+            dtype = BOOL if name in self.conditions else INT if name in self.positions else FLOAT
+            self.inputs[name] = Input(name, len(subscripts), node.span, dtype)
+        gathers = tuple(self._gather(sub, terms, statement, later)
+                        for sub, (terms, _) in zip(getattr(node, "subscripts", ()), subscripts))
+        subscripts = tuple(({n: c for n, c in terms.items() if isinstance(n, str)}, constant)
+                           for terms, constant in subscripts)
+        access = affine_access(name, subscripts, node.span, gathers)
         for d in range(access.rank):
             ix = access.dimension_index(d)
             if ix is not None:
                 self._union(f"{name}#{d}", ix)
+            elif gathers[d] is not None:
+                self.gathered.append(f"{name}#{d}")
             else:
                 self.affine.append((f"{name}#{d}", subscripts[d], node.subscripts[d].span))
         return access
+
+    def _gather(self, sub, terms: dict, statement: str, later: set[str]) -> tuple[Access, int] | None:
+        """The integer read a subscript adds (`T[i]` of `E[T[i], d]`) and its factor, or
+        None.  It reads an integer input at affine subscripts."""
+        reads = [n for n in terms if isinstance(n, syn.Access)]
+        if not reads:
+            return None
+        if len(reads) > 1:
+            raise self.error(f"{_AFFINE_HELP}; this one adds {len(reads)} tensor reads", sub.span)
+        inner = reads[0]
+        if inner.name in self.ranks or inner.name == statement or inner.name in later:
+            raise self.error(f"a gathered subscript reads an integer input, and '{inner.name}' is a statement; "
+                             f"pass its positions as an input (compute them in a program of their own)",
+                             inner.name_span)
+        subscripts = tuple(_affine(s, self.error) for s in inner.subscripts)
+        nested = next((s for s, (t, _) in zip(inner.subscripts, subscripts) if any(not isinstance(n, str) for n in t)),
+                      None)
+        if nested is not None:
+            raise self.error(f"a gathered subscript's own subscripts are affine combinations of indices, "
+                             f"not another gather", nested.span)
+        return self._access(inner, subscripts, statement, later), terms[inner]
+
+    def _position_reads(self, statements) -> set[str]:
+        """The tensor names read in a subscript (`T` of `E[T[i], d]`): integer inputs."""
+        found = set()
+        stack = [st.expr for st in statements]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, syn.Access):
+                found |= {read.name for sub in node.subscripts for read in _gathers(sub)}
+            stack.extend(_syntax_children(node))
+        return found
 
     def _call(self, node: syn.Call, rec) -> Expr:
         if node.name == "len":
@@ -500,8 +547,9 @@ def _binders(e: Expr) -> tuple[str, ...]:
 def _count_free(e: Expr, counts: Counter) -> Counter:
     """Free occurrences of each index in `e`, given the counts of its children."""
     if isinstance(e, Access):
+        rows = [] if e.layout is None else [*e.layout, *(r for g in e.gathers or () if g for r in g.layout)]
         return Counter(e.indices if e.layout is None else
-                       [ix for j, ix in enumerate(e.indices) for coeffs, _ in e.layout if coeffs[j]])
+                       [ix for j, ix in enumerate(e.indices) for coeffs, _ in rows if coeffs[j]])
     if isinstance(e, Index):
         return Counter([e.name])
     counts = Counter(counts)
@@ -615,8 +663,9 @@ def indices_in_order(e: Expr) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- subscripts
-_AFFINE_HELP = ("a subscript is an index or an affine combination of indices with integer "
-                "coefficients: t, t + r, 2*t + r - 1")
+_AFFINE_HELP = ("a subscript is an index, an affine combination of indices with integer "
+                "coefficients (t, t + r, 2*t + r - 1), or one that adds an integer input's value "
+                "(T[i], Y[i] + 1)")
 
 
 def _subscript_names(sub, error) -> list:
@@ -626,15 +675,20 @@ def _subscript_names(sub, error) -> list:
         return [sub]
     if isinstance(sub, syn.Number):
         return []
+    if isinstance(sub, syn.Access):         # a gather: the indices of its own subscripts
+        return [n for s in sub.subscripts for n in _subscript_names(s, error)]
     if isinstance(sub, syn.Operator) and sub.op in ("add", "sub", "neg", "mul"):
         return [n for o in sub.operands for n in _subscript_names(o, error)]      # _affine checks products
     raise error(_AFFINE_HELP, sub.span)
 
 
 def _affine(sub, error) -> tuple[dict[str, int], int]:
-    """Subscript `sub` as ({index: coefficient}, constant), zero coefficients dropped."""
+    """Subscript `sub` as ({index: coefficient}, constant), zero coefficients dropped; a
+    gathered read (`T[i]`) is a term keyed by its syntax node."""
     if isinstance(sub, syn.Name):
         return {sub.name: 1}, 0
+    if isinstance(sub, syn.Access):
+        return {sub: 1}, 0
     if isinstance(sub, syn.Number):
         if not sub.text.isdigit():
             raise error(f"{_AFFINE_HELP}; {sub.text} is not an integer", sub.span)
@@ -657,11 +711,16 @@ def _affine(sub, error) -> tuple[dict[str, int], int]:
     return {n: c for n, c in terms.items() if c}, ka + k * kb
 
 
+def _gathers(sub) -> list:
+    """The tensor reads (syntax Access nodes) an affine subscript adds."""
+    if isinstance(sub, syn.Access):
+        return [sub]
+    if isinstance(sub, syn.Operator):
+        return [read for o in sub.operands for read in _gathers(o)]
+    return []
+
+
 # ---------------------------------------------------------------- helpers
-def _accesses(e: Expr):
-    return (n for n in walk(e) if isinstance(n, Access))
-
-
 def _reduction_name(e: Expr) -> str:
     return e.summary.name if isinstance(e, Reduce) else e.op
 

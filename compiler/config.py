@@ -6,6 +6,10 @@ Environment variables read by einfold:
                         default ~/.cache/einfold
     EINFOLD_STACK_MB    the stack of the worker thread that runs deep programs (below);
                         default 256
+    EINFOLD_CHECK_POSITIONS  1: every call tests that the positions its gathered subscripts
+                        read (`T[i]` of `E[T[i], d]`) lie inside their dimensions, a
+                        BindError where one does not (a device sync per gather); unset
+                        or 0: a position outside reads 0, as docs/language.md says
 
 Deep programs.  Parsing is iterative, but checking, the passes, the backends'
 analysis and the oracle walk expressions recursively, and CPython's default
@@ -32,6 +36,7 @@ T = TypeVar("T")
 
 CACHE_ENV = "EINFOLD_CACHE_DIR"
 STACK_ENV = "EINFOLD_STACK_MB"
+CHECK_POSITIONS_ENV = "EINFOLD_CHECK_POSITIONS"
 
 # Hard limits, checked on the syntax tree before anything recursive runs
 # (parse.check_limits); past them a program is a LimitError pointing at the source.
@@ -49,6 +54,11 @@ DEFAULT_STACK_MB = 256
 # frames; 2 KiB per frame leaves a factor of about ten.  The default 256 MiB stack
 # thus allows 131,072 frames: MAX_DEPTH (20,000) with room to spare.
 LEVELS_PER_MB = 512
+
+
+def check_positions() -> bool:
+    """Whether calls test their gathered positions (EINFOLD_CHECK_POSITIONS)."""
+    return os.environ.get(CHECK_POSITIONS_ENV, "0") not in ("", "0")
 
 
 def stack_mb() -> int:

@@ -94,18 +94,33 @@ class Const(Expr):
 
 
 @_node
+class Gather:
+    """What a gathered dimension's position adds to its affine part: the value of an
+    integer input read at affine subscripts over the enclosing read's indices, times
+    `scale` (`T[i]` of `E[T[i], d]`).  `layout` holds, per dimension of `tensor`,
+    (coefficients over the enclosing Access's indices, constant): positional, so
+    renaming the enclosing read's indices renames these too."""
+
+    tensor: str
+    layout: tuple[tuple[tuple[int, ...], int], ...]
+    scale: int = 1
+
+
+@_node
 class Access(Expr):
     """Read of a tensor (input or earlier statement); rank 0 reads a scalar.
 
     `indices` are the indices the read varies over.  Without a `layout`, dimension d
     of the tensor is read at `indices[d]`.  With one (an affine subscript,
     `X[b, c, t + r]`), dimension d is read at `sum(layout[d][0][j] * indices[j]) +
-    layout[d][1]`; a position outside the tensor reads 0 (docs/language.md)."""
+    layout[d][1]`, plus, where `gathers[d]` is set (`E[T[i], d]`), the integer it
+    reads; a position outside the tensor reads 0 (docs/language.md)."""
 
     tensor: str
     indices: tuple[str, ...]
     span: Span | None = _span_field()
     layout: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    gathers: tuple[Gather | None, ...] | None = None
 
     @property
     def rank(self) -> int:
@@ -113,36 +128,80 @@ class Access(Expr):
         return len(self.indices) if self.layout is None else len(self.layout)
 
     def affine(self, d: int) -> tuple[dict[str, int], int]:
-        """Dimension d's subscript as ({index: coefficient}, constant)."""
+        """Dimension d's subscript as ({index: coefficient}, constant), less any
+        gathered value (`gathered`)."""
         if self.layout is None:
             return {self.indices[d]: 1}, 0
         coeffs, constant = self.layout[d]
         return {n: c for n, c in zip(self.indices, coeffs) if c}, constant
 
+    def gathered(self, d: int) -> tuple[Access, int] | None:
+        """The integer read that dimension d's position adds, and its factor; None
+        where the dimension is affine."""
+        g = self.gathers[d] if self.gathers is not None else None
+        if g is None:
+            return None
+        subscripts = tuple(({n: c for n, c in zip(self.indices, coeffs) if c}, constant)
+                           for coeffs, constant in g.layout)
+        return affine_access(g.tensor, subscripts, self.span), g.scale
+
+    def gather_reads(self) -> tuple[Access, ...]:
+        """The integer reads of its gathered dimensions, in dimension order."""
+        return tuple(found[0] for d in range(self.rank) if (found := self.gathered(d)) is not None)
+
     def subscripts(self) -> tuple[str, ...]:
-        """Each dimension's subscript as written: an index name or `2*t + r - 1`."""
+        """Each dimension's subscript as written: an index name, `2*t + r - 1`, `T[i] + 1`."""
         if self.layout is None:
             return self.indices
-        return tuple(format_affine(*self.affine(d)) for d in range(self.rank))
+        out = []
+        for d in range(self.rank):
+            terms, constant = self.affine(d)
+            found = self.gathered(d)
+            if found is not None:
+                read, scale = found
+                terms = {format_expr(read): scale, **terms}
+            out.append(format_affine(terms, constant))
+        return tuple(out)
 
     def dimension_index(self, d: int) -> str | None:
         """The index dimension d reads alone (coefficient 1, no constant), or None."""
         if self.layout is None:
             return self.indices[d]
+        if self.gathers is not None and self.gathers[d] is not None:
+            return None
         terms, constant = self.affine(d)
         return next(iter(terms)) if constant == 0 and list(terms.values()) == [1] else None
 
 
 def affine_access(tensor: str, subscripts: tuple[tuple[dict[str, int], int], ...],
-                  span: Span | None = None) -> Access:
+                  span: Span | None = None,
+                  gathers: tuple[tuple[Access, int] | None, ...] | None = None) -> Access:
     """The read of `tensor` whose dimension d is at `sum(c * index) + constant` for
-    `subscripts[d] = ({index: c}, constant)`: a plain Access where every dimension
-    reads one index, else one with a layout over the indices in order of occurrence."""
-    if all(constant == 0 and len(terms) == 1 and set(terms.values()) == {1} for terms, constant in subscripts):
+    `subscripts[d] = ({index: c}, constant)`, plus `scale` times the integer read
+    `gathers[d] = (read, scale)` where one is given: a plain Access where every
+    dimension reads one index, else one with a layout over the indices in order of
+    occurrence."""
+    gathers = gathers if gathers is not None and any(g is not None for g in gathers) else None
+    if gathers is None and all(constant == 0 and len(terms) == 1 and set(terms.values()) == {1}
+                               for terms, constant in subscripts):
         return Access(tensor, tuple(next(iter(terms)) for terms, _ in subscripts), span)
-    names = tuple(dict.fromkeys(n for terms, _ in subscripts for n, c in terms.items() if c))
-    layout = tuple((tuple(terms.get(n, 0) for n in names), constant) for terms, constant in subscripts)
-    return Access(tensor, names, span, layout)
+    occurring = []
+    for d, (terms, _) in enumerate(subscripts):
+        if gathers is not None and gathers[d] is not None:
+            read = gathers[d][0]
+            occurring += [n for k in range(read.rank) for n, c in read.affine(k)[0].items() if c]
+        occurring += [n for n, c in terms.items() if c]
+    names = tuple(dict.fromkeys(occurring))
+
+    def row(terms: Mapping[str, int], constant: int) -> tuple[tuple[int, ...], int]:
+        return tuple(terms.get(n, 0) for n in names), constant
+
+    layout = tuple(row(terms, constant) for terms, constant in subscripts)
+    if gathers is None:
+        return Access(tensor, names, span, layout)
+    rows = tuple(None if g is None else Gather(g[0].tensor, tuple(row(*g[0].affine(k)) for k in range(g[0].rank)),
+                                               g[1]) for g in gathers)
+    return Access(tensor, names, span, layout, rows)
 
 
 def format_affine(terms: Mapping[str, int], constant: int) -> str:
@@ -495,8 +554,19 @@ def unused_name(base: str, taken, first_plain: bool = True) -> str:
 
 
 def reads(e: Expr) -> set[str]:
-    """The names of the tensors (inputs or statements) `e` reads."""
-    return {n.tensor for n in nodes(e) if isinstance(n, Access)}
+    """The names of the tensors (inputs or statements) `e` reads, the integer inputs
+    of gathered subscripts included."""
+    return {n.tensor for n in accesses(e)}
+
+
+def accesses(e: Expr) -> Iterator[Access]:
+    """Every tensor read in `e`, each node object once, a gathered read followed by the
+    integer reads of its subscripts (`E[T[i], d]`, then `T[i]`)."""
+    for n in nodes(e):
+        if isinstance(n, Access):
+            yield n
+            if n.gathers is not None:
+                yield from n.gather_reads()
 
 
 def bound_indices(e: Expr) -> tuple[str, ...]:

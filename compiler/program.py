@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from . import backend as backends
+from . import backend as backends, config
 from .algebra import Summary
 from .arguments import SCHEDULE_OPTIONS, check_options, check_source, checked_outputs, checked_user_summaries
 from .check import check
@@ -126,6 +126,8 @@ class Program(CompiledProgram):
             from .autograd import call_op
             return call_op(self, inputs)
         key, requires_grad = self._key_of(inputs)
+        if self.binder.gathered and config.check_positions():
+            self.binder(inputs)     # checked mode: every call's gathered positions (a cached runner binds none)
         transformed = _transformed(torch)
         if transformed or requires_grad and torch.is_grad_enabled():
             from .autograd import call_op
@@ -282,13 +284,21 @@ def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram
                         | {s.name for s in ir.statements})
     wide = set(batched)
 
+    def rows(layout, batched: bool) -> tuple:
+        """`layout` over the indices with the batch index first: a column of zeros, and a
+        leading dimension read at it where the tensor is batched."""
+        first = (((1,) + (0,) * len(layout[0][0]), 0),) if batched else ()
+        return (*first, *(((0, *coeffs), c) for coeffs, c in layout))
+
     def widen(e):
-        if not isinstance(e, Access) or e.tensor not in wide:
+        if not isinstance(e, Access) or not ({e.tensor} | {g.tensor for g in e.gathers or () if g}) & wide:
             return e
         if e.layout is None:
             return replace(e, indices=(index, *e.indices))
-        layout = (((1,) + (0,) * len(e.indices), 0), *(((0, *coeffs), c) for coeffs, c in e.layout))
-        return replace(e, indices=(index, *e.indices), layout=layout)
+        gathers = None if e.gathers is None else (
+            *((None,) if e.tensor in wide else ()),
+            *(g and replace(g, layout=rows(g.layout, g.tensor in wide)) for g in e.gathers))
+        return replace(e, indices=(index, *e.indices), layout=rows(e.layout, e.tensor in wide), gathers=gathers)
 
     statements = []
     for st in ir.statements:

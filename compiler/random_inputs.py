@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .ir import Access, Program, walk
-from .ops import BOOL
+from .ir import Access, Program, accesses
+from .ops import BOOL, INT
 
 DEFAULT_EXTENT = 16
 
@@ -13,8 +13,10 @@ DEFAULT_EXTENT = 16
 def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float32, seed: int = 0,
                   device="cpu") -> dict[str, torch.Tensor | float]:
     """Standard-normal tensors for every input (numbers for rank-0 inputs), a
-    random mask for an input read as a condition (bool), the extent of a size input.  Indices sharing an
-    extent take the size given for any of them."""
+    random mask for an input read as a condition (bool), int64 positions inside the
+    dimension an input read as a subscript gathers from (`T` of `E[T[i], d]`), the
+    extent of a size input.  Indices sharing an extent take the size given for any of
+    them."""
     symbols = dict(program.extents)
     by_symbol = {symbols[i]: n for i, n in sizes.items() if i in symbols}
     generator = torch.Generator().manual_seed(seed)
@@ -28,6 +30,10 @@ def random_inputs(program: Program, sizes: dict[str, int], *, dtype=torch.float3
             continue
         access = _first_access(program, decl.name)
         shape = [_dimension(program, access, d, by_symbol) for d in range(access.rank)]
+        if decl.dtype == INT:
+            inputs[decl.name] = torch.randint(0, max(1, _gathered_extent(program, decl.name, by_symbol)), shape,
+                                              generator=generator).to(device)
+            continue
         values = torch.randn(shape, generator=generator, dtype=torch.float64)
         inputs[decl.name] = (values > 0 if decl.dtype == BOOL else values.to(dtype)).to(device)
     return inputs
@@ -44,6 +50,8 @@ def _dimension(program: Program, access: Access, d: int, by_symbol: dict) -> int
     given = by_symbol.get(dict(program.dimensions)[f"{access.tensor}#{d}"])
     if given is not None:
         return given
+    if access.gathered(d) is not None:
+        return DEFAULT_EXTENT
     coeffs, constant = access.layout[d]
     sizes = [by_symbol.get(symbols[i], DEFAULT_EXTENT) for i in access.indices]
     if 0 in sizes:
@@ -53,10 +61,21 @@ def _dimension(program: Program, access: Access, d: int, by_symbol: dict) -> int
 
 def _first_access(program: Program, name: str) -> Access:
     for st in program.statements:
-        for node in walk(st.expr):
-            if isinstance(node, Access) and node.tensor == name:
+        for node in accesses(st.expr):
+            if node.tensor == name:
                 return node
     raise KeyError(name)
+
+
+def _gathered_extent(program: Program, name: str, by_symbol: dict) -> int:
+    """The extent of the first dimension that input `name`'s values are positions in."""
+    for st in program.statements:
+        for node in accesses(st.expr):
+            for d in range(node.rank):
+                found = node.gathered(d)
+                if found is not None and found[0].tensor == name:
+                    return _dimension(program, node, d, by_symbol)
+    return DEFAULT_EXTENT
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -104,6 +104,11 @@ class _Evaluator:
         ranges = torch.meshgrid(*(torch.arange(n) for n in grid), indexing="ij") if grid else ()
         positions = [sum((c * r for c, r in zip(coeffs, ranges) if c), torch.zeros(grid, dtype=torch.int64))
                      + constant for coeffs, constant in e.layout]
+        for d in range(e.rank):
+            found = e.gathered(d)
+            if found is not None:                   # the integer read's values, over the same grid
+                read, scale = found
+                positions[d] = positions[d] + scale * self(read).aligned(e.indices).to(torch.int64)
         inside = torch.ones(grid, dtype=torch.bool)
         for p, n in zip(positions, t.shape):
             inside &= (p >= 0) & (p < n)
@@ -239,6 +244,20 @@ def run(program: Program, inputs: Mapping[str, torch.Tensor | float], extents: M
     Deeply nested programs run on a large stack (config.deep)."""
     return deep(_run, program, inputs, extents, outputs, chunking, what="the program",
                 source=program.source or None)
+
+
+def gathered_positions(access: Access, d: int, inputs: Mapping[str, torch.Tensor],
+                       extents: Mapping[str, int]) -> torch.Tensor:
+    """The positions that dimension d of the gathered read `access` reads (`T[i] + 1` of
+    `E[T[i] + 1, d]`), int64, over the indices its subscript varies over."""
+    read, scale = access.gathered(d)
+    value = _Evaluator({read.tensor: Labelled(inputs[read.tensor].detach().to("cpu", torch.int64), ())},
+                       extents)(read)
+    terms, constant = access.affine(d)
+    parts = [Labelled(value.tensor * scale, value.dims), *(
+        Labelled(c * torch.arange(extents[n], dtype=torch.int64), (n,)) for n, c in terms.items())]
+    dims = _union(parts)
+    return sum((p.aligned(dims) for p in parts), torch.tensor(constant, dtype=torch.int64))
 
 
 def _run(program, inputs, extents, outputs, chunking):

@@ -187,7 +187,7 @@ def test_canonical_form_prints_and_parses_back():
 @pytest.mark.parametrize("source, pointed, words", [
     ("Y[t] = X[t * t]", "t * t", "a product needs one integer factor"),
     ("Y[t] = X[t / 2] * Z[t]", "t / 2", "affine combination"),
-    ("Y[t] = X[L[t]]", "L[t]", "affine combination"),
+    ("Y[t] = X[L[L[t]]]", "L[t]]]", "not another gather"),
     ("Y[t] = X[t + 1.5] * Z[t]", "1.5", "is not an integer"),
 ])
 def test_a_subscript_beyond_affine_is_an_error_at_it(source, pointed, words):

@@ -539,8 +539,18 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
     solved: dict[str, tuple[dict[str, int], int]] = {}
     unknown = set(read.indices)
     equal: list[Expr] = []
-    for d in sorted(range(read.rank), key=lambda d: read.dimension_index(d) is None):    # plain dimensions first
+    # plain dimensions first, gathered ones last (their positions are integer reads, never solved for)
+    for d in sorted(range(read.rank), key=lambda d: (read.dimension_index(d) is None, read.gathered(d) is not None)):
         terms, constant = substituted_affine(read.affine(d), solved)
+        found = read.gathered(d)
+        if found is not None:
+            # a gathered position (`E[T[i], d]` read at v): the positions where T[i] == v, summed over
+            value = substitute_affine(found[0], {n: v for n, v in solved.items() if v != ({n: 1}, 0)},
+                                      names.fresh, read)
+            value = value if found[1] == 1 else Call("mul", (Const(found[1]), value))
+            position = value if not terms and not constant else Call("add", (value, affine_position(terms, constant)))
+            equal.append(Call("eq", (position, Index(targets[d]))))
+            continue
         pivot = next((n for n, c in terms.items() if abs(c) == 1 and n in unknown), None)
         if pivot is None:
             equal.append(Call("eq", (affine_position(terms, constant), Index(targets[d]))))

@@ -51,10 +51,11 @@ def _renamed(e: Expr, mapping: dict[str, str], fresh, visit) -> Expr:
 
 
 def _at_affine_subscripts(body: Expr, params: tuple[str, ...], dtype: str, read: Access, fresh) -> Expr:
-    """`body`, a statement's right side over `params`, read at `read`'s affine
-    subscripts (`S[t + r]`): each parameter replaced by its subscript, and 0 where a
-    subscript falls outside the statement's extent, as a read outside a tensor is."""
-    subscripts = {p: read.affine(d) for d, p in enumerate(params)}
+    """`body`, a statement's right side over `params`, read at `read`'s affine or
+    gathered subscripts (`S[t + r]`, `S[T[i], d]`): each parameter replaced by its
+    subscript, and 0 where a subscript falls outside the statement's extent, as a read
+    outside a tensor is."""
+    subscripts = {p: (*read.affine(d), read.gathered(d)) for d, p in enumerate(params)}
     out = substitute_affine(body, subscripts, fresh, read)
     zero = Const(0.0 if dtype == FLOAT else 0)
     for d, p in enumerate(params):
@@ -65,13 +66,16 @@ def _at_affine_subscripts(body: Expr, params: tuple[str, ...], dtype: str, read:
     return out
 
 
-def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fresh, read: Access) -> Expr:
+def substitute_affine(e: Expr, table: dict[str, tuple], fresh, read: Access) -> Expr:
     """`e` with each free index of `table` replaced, all at once, by its affine value
-    ({index: coefficient}, constant): a tensor read composes its subscripts, an index
-    value becomes integer arithmetic, len(...) keeps the index's extent.  A binder
-    that would capture an index of a value takes a fresh name.  A normaliser whose
-    kept index is replaced (softmax[m] at m + 1) is a CheckError pointing at `read`,
-    the read that asks for it."""
+    ({index: coefficient}, constant), plus, where a value has a third part (an integer
+    read and its factor, or None), that gathered value: a tensor read composes its
+    subscripts, an index value becomes integer arithmetic, len(...) keeps the index's
+    extent.  A binder that would capture an index of a value takes a fresh name.  A
+    normaliser whose kept index is replaced (softmax[m] at m + 1), and a subscript
+    that would gather twice, are CheckErrors pointing at `read`, the read that asks
+    for it."""
+    table = {n: v if len(v) == 3 else (*v, None) for n, v in table.items()}
     # by node object and the names replaced below it; the node is kept beside its result, so that
     # its id is not reused by a node made later (a renamed binder's body is made here, then dropped)
     done: dict[tuple[int, frozenset], tuple[Expr, Expr]] = {}
@@ -88,8 +92,8 @@ def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fre
         if isinstance(n, Access):
             if not set(n.indices) & table.keys():
                 return n
-            return affine_access(n.tensor, tuple(substituted_affine(n.affine(d), table) for d in range(n.rank)),
-                                 n.span)
+            subscripts = tuple(_substituted_subscript(n, d, table, read, visit) for d in range(n.rank))
+            return affine_access(n.tensor, tuple(s[:2] for s in subscripts), n.span, tuple(s[2] for s in subscripts))
         if isinstance(n, Index):
             return affine_position(*table[n.name]) if n.name in table else n
         if isinstance(n, Composite) and not bound_indices(n):
@@ -99,7 +103,8 @@ def substitute_affine(e: Expr, table: dict[str, tuple[dict[str, int], int]], fre
                                  f"it at an index", None, read.span)
         elif isinstance(n, Reduce | Composite):
             inner = {k: v for k, v in table.items() if k not in n.indices}
-            written = {m for terms, _ in inner.values() for m in terms}
+            written = {m for terms, _, gathered in inner.values()
+                       for m in [*terms, *(gathered[0].indices if gathered else ())]}
             for bound in [i for i in n.indices if i in written]:
                 new = fresh(bound)
                 n = with_children(replace(n, indices=tuple(new if i == bound else i for i in n.indices)),
@@ -123,8 +128,35 @@ def substituted_affine(affine: tuple[dict[str, int], int], table: dict) -> tuple
     return {n: c for n, c in out.items() if c}, constant
 
 
-def affine_position(terms: dict[str, int], constant: int) -> Expr:
-    """An affine subscript as an integer expression of index values."""
+def _substituted_subscript(n: Access, d: int, table: dict, read: Access, visit) -> tuple:
+    """Dimension d of `n` with the indices of `table` replaced (substitute_affine):
+    ({index: coefficient}, constant, the gathered read and its factor or None)."""
+    terms, constant = substituted_affine(n.affine(d), {k: v[:2] for k, v in table.items()})
+    found = n.gathered(d)
+    if found is not None:
+        found = (visit(found[0], table), found[1])
+        if not isinstance(found[0], Access) or found[0].gathers is not None:
+            raise CheckError(f"reading this at {', '.join(read.subscripts())} would make a gathered subscript read "
+                             f"through another gather; read it at an index", None, read.span)
+    for name, c in n.affine(d)[0].items():
+        gathered = table.get(name, (None, None, None))[2]
+        if gathered is None:
+            continue
+        if found is not None:
+            raise CheckError(f"reading this at {', '.join(read.subscripts())} would gather twice in one subscript "
+                             f"({n.tensor}'s dimension {d}); read it at an index", None, read.span)
+        found = (gathered[0], c * gathered[1])
+    return terms, constant, found
+
+
+def affine_position(terms: dict[str, int], constant: int, gathered: tuple[Access, int] | None = None) -> Expr:
+    """An affine subscript (plus a gathered read times its factor) as an integer
+    expression of index values."""
+    if gathered is not None:
+        read, scale = gathered
+        value: Expr = read if scale == 1 else Call("mul", (Const(scale), read))
+        rest = affine_position(terms, constant)
+        return value if rest == Const(0) else Call("add", (value, rest))
     out: Expr | None = None
     for name, c in terms.items():
         term: Expr = Index(name) if abs(c) == 1 else Call("mul", (Const(abs(c)), Index(name)))

@@ -830,8 +830,14 @@ class KernelEmitter:
         place = self.target(target, scope)
         inside = None
         if e.layout is not None:
-            ptr, strides, inside = self.affine_read(e, axes, ptr, strides, target)
-        address, tile = self.address(e.tensor, ptr, axes, strides, target, place)
+            ptr, strides, inside = self.affine_read(e, axes, ptr, strides, target, scope)
+            # an index no dimension moves (i of E[T[i], d], read through T) adds no offsets
+            axes, strides = [a for a, st in zip(axes, strides) if st], [st for st in strides if st]
+        if e.gathers is not None:
+            # the addresses of a gathered tile vary as its positions do: none stepped through a loop
+            address, tile = f"{ptr} + {self.offsets(axes, strides, target)}" if axes else ptr, None
+        else:
+            address, tile = self.address(e.tensor, ptr, axes, strides, target, place)
         mask = " & ".join(filter(None, (self.mask_code(target, target), inside))) or None
         raw = self.temp(f"x_{ident(e.tensor)}")
         if tile is not None:
@@ -857,37 +863,47 @@ class KernelEmitter:
                      user_tensor=e.tensor in self.ctx.input_names, tensor=e.tensor)
 
     def affine_read(self, e: Access, axes: list[Axis], ptr: str, strides: list[str],
-                    target) -> tuple[str, list[str], str | None]:
+                    target, scope: Scope) -> tuple[str, list[str], str | None]:
         """A read at affine subscripts (`X[b, c, t + r]`) as one of a view over its indices:
         (its base, each index's stride, which is the sum of the strides of the dimensions
-        it moves times its coefficients, and the mask of the positions inside the tensor:
-        outside, the read is 0)."""
+        it moves times its coefficients ("" where it moves none), and the mask of the
+        positions inside the tensor: outside, the read is 0).  A gathered dimension
+        (`E[T[i], d]`) adds its integer read's values, loaded first, times its stride to
+        the base: a tile of addresses."""
         def times(c: int, code: str) -> str:
             return code if c == 1 else f"-{code}" if c == -1 else f"{c} * {code}"
 
         def total(terms: list[str]) -> str:
-            return terms[0] if len(terms) == 1 else f"({' + '.join(terms)})"
+            return "" if not terms else terms[0] if len(terms) == 1 else f"({' + '.join(terms)})"
 
         index_strides = [total([times(coeffs[j], st) for (coeffs, _), st in zip(e.layout, strides) if coeffs[j]])
                          for j in range(len(e.indices))]
-        shift = " + ".join(times(k, st) for (_, k), st in zip(e.layout, strides) if k)
+        shift = [times(k, st) for (_, k), st in zip(e.layout, strides) if k]
         inside = []
         for d, (coeffs, constant) in enumerate(e.layout):
             if e.dimension_index(d) is not None:
                 continue            # read at one index, which its own mask keeps inside
             terms = [times(c, f"{ax.offs}" if ax.scalar else self.expand(Value(ax.offs, (ax,), "int"), target))
                      for c, ax in zip(coeffs, axes) if c]
+            found, tiled = e.gathered(d), any(not ax.scalar for c, ax in zip(coeffs, axes) if c)
+            if found is not None:
+                read, scale = found
+                value = self.load(read, scope)
+                tiled = tiled or bool(dims(value.axes))
+                gathered = times(scale, self.expand(value, target) if dims(value.axes) else value.code)
+                shift.append(f"{gathered}.to(tl.int64) * {strides[d]}")
+                terms.insert(0, gathered)
             position = " + ".join(terms + ([str(constant)] if constant else [])) or "0"
-            if dims(target) and all(ax.scalar for c, ax in zip(coeffs, axes) if c):
+            if dims(target) and not tiled:
                 # a tensor beside the tile: Triton's interpreter refuses a scalar test in a tile's mask
                 # (the offsets, not a shape: a transposed load swaps their subscripts)
                 tiled = dims(target)[0]
                 position += f" + 0 * {self.expand(Value(tiled.offs, (tiled,), 'int'), target)}"
             n = self.local(f"{ident(e.tensor)}_n{d}", ("dimension", e.tensor, d))
             self.params.setdefault(n, Arg("dimension", e.tensor, d))
-            low = "" if constant >= 0 and all(c >= 0 for c in coeffs) else f"({position} >= 0) & "
+            low = "" if constant >= 0 and all(c >= 0 for c in coeffs) and found is None else f"({position} >= 0) & "
             inside.append(f"{low}({position} < {n})")
-        return (f"({ptr} + ({shift}))" if shift else ptr), index_strides, " & ".join(inside) or None
+        return (f"({ptr} + ({' + '.join(shift)}))" if shift else ptr), index_strides, " & ".join(inside) or None
 
     def store(self, name: str, indices: tuple[str, ...], v: Value, scope: Scope) -> None:
         info = self.ctx.tensors[name]
