@@ -27,8 +27,9 @@ import compiler
 from compiler.backend.triton import TritonBackend
 from compiler.schedule import schedule
 from compiler.bind import Binder, Binding
-from compiler.ir import Access, walk
-from compiler.random_inputs import random_inputs
+from compiler.ir import accesses, walk
+from compiler.ops import FLOAT
+from compiler.random_inputs import _dimension, random_inputs
 from test_passes import PROGRAMS as CORPUS
 
 pytestmark = pytest.mark.filterwarnings("ignore:einfold. no CUDA tensors")
@@ -201,10 +202,13 @@ def meta_binding(src, sizes, dtype, outputs=None, split=None):
         if decl.rank == 0:
             inputs[decl.name] = 0.5
             continue
-        access = next(n for st in ref.checked.statements for n in walk(st.expr)
-                      if isinstance(n, Access) and n.tensor == decl.name)
-        inputs[decl.name] = torch.empty([extents[i] for i in access.indices], dtype=dtype, device="meta")
-    return backend, Binding(inputs, extents, dtype, torch.device("cpu"), {name: "float" for name in inputs})
+        access = next(n for st in ref.checked.statements for n in accesses(st.expr) if n.tensor == decl.name)
+        by_symbol = {symbol: extents[ix] for ix, symbol in ref.checked.extents}
+        shape = [_dimension(ref.checked, access, d, by_symbol) for d in range(access.rank)]
+        # positions (an input read as a subscript) are integers
+        inputs[decl.name] = torch.empty(shape, dtype=dtype if decl.dtype == FLOAT else torch.int64, device="meta")
+    return backend, Binding(inputs, extents, dtype, torch.device("cpu"),
+                            {decl.name: decl.dtype for decl in ref.checked.inputs})
 
 
 def test_the_launch_checker_finds_an_unbound_tile():

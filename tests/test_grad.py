@@ -54,8 +54,8 @@ def check_gradients(source, reference, inputs, wrt, backend, outputs=None, seed=
     keyword inputs, float64, returning one tensor or a tuple in statement order)."""
     program = compiler.compile(source, backend=backend, outputs=outputs)
     dtype, device = DTYPE[backend], DEVICE[backend]
-    ours = {n: (v.to(device, dtype, copy=True).requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
-            for n, v in inputs.items()}
+    ours = {n: (v.to(device, dtype if v.is_floating_point() else v.dtype, copy=True).requires_grad_(n in wrt)
+                if isinstance(v, torch.Tensor) else v) for n, v in inputs.items()}
     theirs = {n: (v.clone().requires_grad_(n in wrt) if isinstance(v, torch.Tensor) else v)
               for n, v in inputs.items()}
     got = program(**ours)
@@ -180,6 +180,12 @@ CORPUS = {
     "pooled_convolution": ("Y[b,o,t] = sum[c,r](W[o,c,r] * X[b,c,t+r])\nP[b,o,u] = max[q](Y[b,o,2*u+q])",
                            lambda X, W, q: torch.nn.functional.max_pool1d(torch.nn.functional.conv1d(X, W), q),
                            lambda: {"X": randn(2, 3, 10), "W": randn(4, 3, 3), "q": 2}, ("X", "W")),
+    # gathered subscripts: the scatter of an embedding lookup, a label's logit (integer targets, ignore_index)
+    "embedding": ("Y[i,d] = E[T[i],d]", lambda E, T: torch.nn.functional.embedding(T, E),
+                  lambda: {"E": randn(11, 4), "T": torch.tensor([0, 10, 3, 3, 7])}, ("E",)),
+    "labelled_cross_entropy": ("L[i] = where(Y[i] == -100, 0, logsumexp[c](X[i,c]) - X[i,Y[i]])",
+                               lambda X, Y: torch.nn.functional.cross_entropy(X, Y, reduction="none"),
+                               lambda: {"X": randn(5, 7), "Y": torch.tensor([0, 6, -100, 3, 3])}, ("X",)),
 }
 
 

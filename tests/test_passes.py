@@ -45,6 +45,9 @@ PROGRAMS = {
     # test_grad's corpus has it at sizes of its own)
     "convolution": "Y[b,o,t] = sum[c,r](W[o,c,r] * X[b,c,t+r])",
     "padded_depthwise": "Y[c,t] = sum[r](W[c,r] * X[c,t+r-2])",
+    # gathered subscripts: an embedding row's projection, a label's logit
+    "embedding_projection": "Y[i,d] = sum[k](E[T[i],k] * W[d,k])",
+    "labelled_cross_entropy": "L[i] = logsumexp[c](X[i,c]) - X[i,Y[i]]",
 }
 
 

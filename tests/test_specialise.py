@@ -67,6 +67,23 @@ def test_a_document_mask_skips_tiles_and_scans_its_live_span():
                          "[live span of D[i] == D[i_2] scanned first]")
 
 
+def test_a_gathered_reads_scatter_visits_the_positions_sorted_by_their_values():
+    # the embedding's gradient dE[s, d] = sum[i](where(T[i] == s, dY[i, d], 0)): each program runs over
+    # the range of T's sorted order whose values are its tile's rows, not over every position
+    backward = compiler.grad("Y[i, d] = E[T[i], d]", backend="triton")
+    binding = backward.binder({"E": _input((50257, 1024), torch.bfloat16), "dY": _input((8192, 1024), torch.bfloat16),
+                               "T": torch.zeros(8192, dtype=torch.int64)})
+    (kernel,) = backward.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    (loop,) = kernel.folds
+    assert loop.sorted is not None and loop.sorted.tensor == "T" and (loop.bounds, loop.span) == ((), ())
+    assert "[visits i sorted by T, only the positions where T[i] == s_1 can hold]" in str(loop), str(loop)
+    # a float tensor of ids has no sorted order to run over: the loop scans, skipping dead tiles
+    floats = backward.binder({"E": _input((512, 64), torch.float32), "dY": _input((256, 64), torch.float32),
+                              "T": _input((256,), torch.float32)})
+    (kernel,) = backward.backend.specialised_for(floats, sm_count=H100_SMS, arch=90).kernels
+    assert kernel.folds[0].sorted is None and kernel.folds[0].skips
+
+
 def test_hopper_takes_the_warp_specialised_form_at_depth_128():
     source, inputs = SIZES["causal"]
     program = compiler.compile(source, backend="triton")

@@ -54,6 +54,7 @@ from ..ir import (
     Program,
     Reduce,
     Var,
+    accesses,
     free_indices,
     transform,
     unused_name,
@@ -98,13 +99,20 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
                              f"(its indices: {', '.join(sorted(extents))})", program.source)
     sharded = tuple(ix for ix, symbol in program.extents if symbol == extents[index])
     row_indices = () if rows is None else tuple(ix for ix, symbol in program.extents if symbol == extents[rows])
-    for st in program.statements:
-        for node in walk(st.expr):
-            if isinstance(node, Access) and node.layout is not None and set(node.indices) & {*sharded, *row_indices}:
-                # a rank's part of the tensor would have to reach into its neighbour's
-                raise ShardError(f"'{node.tensor}' is read at an affine subscript of a sharded index "
-                                 f"({', '.join(node.subscripts())}): parts cut at one index cannot be read "
-                                 f"across their edges", program.source, node.span)
+    cut_at = {*sharded, *row_indices}
+    reads = [node for st in program.statements for node in accesses(st.expr)]
+    cut = {(node.tensor, d) for node in reads for d in range(node.rank) if node.dimension_index(d) in cut_at}
+    for node in reads:
+        if node.layout is None:
+            continue
+        crossing = set(node.indices) & cut_at or any((node.tensor, d) in cut for d in range(node.rank)
+                                                     if node.dimension_index(d) is None)
+        if crossing:
+            # a rank's part of the tensor would have to reach into its neighbour's
+            what = "a gathered subscript" if node.gathers is not None else "an affine subscript"
+            raise ShardError(f"'{node.tensor}' is read at {what} of a sharded index or dimension "
+                             f"({', '.join(node.subscripts())}): parts cut at one index cannot be read "
+                             f"across their edges", program.source, node.span)
     if rows in sharded:
         raise ShardError(f"the rows index '{rows}' is the sharded index '{index}' or shares its extent: rows "
                          f"must be an index of the outputs that the reduction does not run over", program.source)

@@ -78,6 +78,24 @@ RANGED = frozenset({"lt", "le", "gt", "ge", "eq"})
 
 
 @dataclass(frozen=True)
+class SortedLoop:
+    """A loop that visits its index in the order of an integer input's values: the fold
+    sums only where `tensor[index] + offset == by` (a gathered read's scatter,
+    `sum[i](where(T[i] == s, dY[i, d], 0))`), so each program runs over the positions
+    whose value is one of its tile's `by`, which the launcher's stable sort of the
+    tensor and the start of each value in it give.  The comparison stays in the body."""
+    index: str
+    tensor: str
+    by: str
+    offset: int
+    conjunct: Expr
+
+    def __str__(self) -> str:
+        return (f"visits {self.index} sorted by {self.tensor}, only the positions where "
+                f"{format_expr(self.conjunct)} can hold")
+
+
+@dataclass(frozen=True)
 class FoldLoops:
     """How one fold streams: a Tile per index it reduces, in its order, and the
     bands of its loops (schedule.bounds: each fact read off the fold once, here)."""
@@ -102,6 +120,8 @@ class FoldLoops:
     # the index whose loop a split kernel's programs divide among them, one chunk of its
     # tiles each (a split program fold's; "" otherwise)
     chunked: str = ""
+    # a single loop over the positions sorted by the values an equality with data compares
+    sorted: SortedLoop | None = None
 
     def tile(self, index: str) -> Tile:
         return next(t for t in self.tiles if t.index == index)
@@ -110,6 +130,8 @@ class FoldLoops:
         where = "nested fold" if self.nested else "fold"
         fields = ", ".join(self.fold.summary.field_names)
         notes = [f"bounds: {', '.join(str(b) for _, bs in self.bounds for b in bs)}"] if self.bounds else []
+        if self.sorted is not None:
+            notes.append(str(self.sorted))
         if self.interior:
             notes.append(f"interior tiles without {', '.join(str(b) for b in self.interior)}")
         notes += [f"skips tiles where {' and '.join(format_expr(c) for c in cs)} fails" for _, cs in self.skips]

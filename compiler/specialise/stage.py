@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from ..ir import Access, Call, Reduce, outer_reductions, walk
+from ..ir import Access, Call, Expr, Index, Reduce, constant, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.chunks import CHUNK_ALIGN, Chunking
 from ..schedule.bounds import index_bounds, tile_tests
@@ -35,7 +35,7 @@ from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SP
                               one_at_a_time, size_class, split_tile, uniform_work, whole_tile)
 from . import forms
 from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
-                 Signature, Tile)
+                 Signature, SortedLoop, Tile)
 
 
 def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
@@ -355,7 +355,31 @@ class _Kernel:
                 return others <= (one_value if t.index in free(x) else free(fold))
             span = tuple(c for c in tests.get(t.index, ()) if isinstance(c, Call) and c.op in RANGED
                          and all(map(scannable, c.args)))
+            ordered = None if loops.chunked else next(
+                filter(None, (self.sorted_loop(c, t.index, scope) for c in tests.get(t.index, ()))), None)
+            if ordered is not None:
+                # positions in sorted order: no bound, band or span of the index's own order holds there
+                return replace(loops, bounds=(), skips=skips, sorted=ordered)
         return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
+
+    def sorted_loop(self, c: Expr, index: str, scope) -> SortedLoop | None:
+        """The sorted loop an equality `T[index] + offset == by` gives, where T is an
+        integer input read at the loop's index alone and `by` an index of the grid."""
+        if not (isinstance(c, Call) and c.op == "eq"):
+            return None
+        for data, other in (c.args, c.args[::-1]):
+            offset = 0
+            if isinstance(data, Call) and data.op in ("add", "sub"):
+                k = constant(data.args[1])
+                if k is None or k != int(k):
+                    continue
+                offset, data = (int(k) if data.op == "add" else -int(k)), data.args[0]
+            dtype = self.inputs.get(data.tensor) if isinstance(data, Access) else None
+            if (isinstance(other, Index) and dtype is not None and not dtype.is_floating_point
+                    and dtype != torch.bool and data.layout is None and data.indices == (index,)
+                    and scope.get(other.name, ("",))[0] == "grid"):
+                return SortedLoop(index, data.tensor, other.name, offset, c)
+        return None
 
     def caps(self, fold: Reduce, scope: dict | None = None) -> list[int]:
         """The caps of `fold`'s streamed tiles; inside the epilogue loop (`scope`), within

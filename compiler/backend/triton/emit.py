@@ -211,9 +211,28 @@ class Arg:
     #                      along `dim`), "number", "number64", "split",
     #                      or in a chunked run "start" (its chunk's first value) and "whole extent"
     name: str = ""       # the index or tensor it is of
-    dim: int = 0         # a stride's dimension
+    dim: int = 0         # a stride's dimension; the offset of a sorted loop's values ("starts")
+    by: str = ""         # "order", "starts": the grid index whose values a sorted loop's starts are of
+
+    @property
+    def prepared(self) -> tuple[str, str] | None:
+        """(its key in the launcher's `t`, the expression the launcher computes it by) for
+        what the launcher prepares: a sorted loop's stable order of an integer input and
+        the start of each value of `by` (minus the offset) in it."""
+        if self.kind == "order":
+            return f"{self.name} sorted", f'torch.sort(t["{self.name}"].long(), stable=True)'
+        if self.kind == "starts":
+            shift = f" - {self.dim}" if self.dim > 0 else f" + {-self.dim}" if self.dim < 0 else ""
+            return (f"{self.name} starts of {self.by}{shift}",
+                    f'torch.searchsorted(t["{self.name} sorted"].values, '
+                    f'torch.arange(n["{self.by}"] + 1, device=device){shift})')
+        return None
 
     def __str__(self) -> str:
+        if self.kind == "order":
+            return f't["{self.name} sorted"].indices'
+        if self.kind == "starts":
+            return f't["{self.prepared[0]}"]'
         return {"extent": f'n["{self.name}"]', "size_class": f'n["{self.name}"].bit_length()',
                 "start": "start", "whole extent": f'whole["{self.name}"]',
                 "tensor": f't["{self.name}"]',
@@ -388,6 +407,7 @@ class KernelEmitter:
         self.tiles: set[tuple[str, ...]] = set()     # block names of every tile shape held
         self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
         self.loads: dict[str, Load] = {}             # a load's variable -> what its hint depends on
+        self.sorted_axes: set[int] = set()           # the ids of loop axes over sorted positions
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
         self.held: dict[str, tuple] = {}             # a running state's variable -> the axes it holds
         self.root = Scope(None, 0, {}, "root")
@@ -793,7 +813,9 @@ class KernelEmitter:
         scripts/matmul_probe.py)."""
         if not axes:
             return ptr, None
-        stepped = {a for a in axes if a.kind in ("loop", "epilogue", "scan") and not a.scalar}
+        # a sorted loop's positions are gathered, not a range a start moves along
+        stepped = {a for a in axes if a.kind in ("loop", "epilogue", "scan") and not a.scalar
+                   and a.id not in self.sorted_axes}
         level = max((a.level for a in axes if a not in stepped), default=0)
         stepped = {a for a in stepped if a.level > level}
         if not stepped:
@@ -1008,9 +1030,18 @@ class KernelEmitter:
             if ax.kind == "loop":
                 loops.append(ax)
         env = {**env0, **{b: ax for b, ax in zip(fold.indices, bound)}}
+        ordered = how.sorted
         if loops:
             body = Scope(T, T.level + 1, env, "body")
             for ax in loops:
+                if ordered is not None and ax.name == ordered.index:
+                    # the next positions in the order of the values: a tile of gathered offsets
+                    self.sorted_axes.add(ax.id)
+                    order = self.prepared_param(Arg("order", ordered.tensor))
+                    body.lines.append(f"rank_{ax.var} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+                    body.lines.append(f"{ax.mask} = rank_{ax.var} < hi_{ax.var}")
+                    body.lines.append(f"{ax.offs} = tl.load({order} + rank_{ax.var}, mask={ax.mask}, other=0)")
+                    continue
                 if ax.scalar:
                     body.lines.append(f"{ax.offs} = start_{ax.var}")
                     continue
@@ -1046,6 +1077,8 @@ class KernelEmitter:
                     T.lines.append(f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})")
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
                 lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
+                if ordered is not None and ax.name == ordered.index:
+                    lo, hi = self.sorted_range(ordered, ax, env0, T)
                 dense = None
                 if span:
                     lo, hi, dense = self.live_span(span, ax, env0, lo, hi, T)
@@ -1287,6 +1320,25 @@ class KernelEmitter:
             place.lines.append(f"{found} = {fn}({v.code})")
             place.memo[key] = found
         return found
+
+    def prepared_param(self, arg: Arg) -> str:
+        """The parameter of what the launcher prepares for a sorted loop (Arg.prepared)."""
+        p = self.local(f"{ident(arg.name)}_{arg.kind}", ("prepared", arg.prepared[0]))
+        self.params.setdefault(p, arg)
+        return p
+
+    def sorted_range(self, ordered, ax: Axis, env0, T: Scope) -> tuple[str, str]:
+        """A sorted loop's range: the positions, in the order of the values, whose value is
+        one of the program's tile of `ordered.by` (minus the offset)."""
+        by = env0[ordered.by]
+        first, past = (by.offs, f"{by.offs} + 1") if by.scalar else (
+            f"tl.min({by.offs}, 0)", f"tl.minimum(tl.max({by.offs}, 0) + 1, {self.extent_param(ordered.by)})")
+        starts = self.prepared_param(Arg("starts", ordered.tensor, ordered.offset, ordered.by))
+        T.lines.append(f"# {ordered}: the positions whose value is the tile's {ordered.by}, "
+                       f"a range of the sorted order")
+        T.lines.append(f"lo_{ax.var} = tl.load({starts} + {first})")
+        T.lines.append(f"hi_{ax.var} = tl.load({starts} + {past})")
+        return f"lo_{ax.var}", f"hi_{ax.var}"
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
         """Tighten a loop's range to the tiles where an index predicate can hold."""

@@ -265,6 +265,10 @@ class ModuleBuilder:
             lines += launch
             if run is not None and position == run.last:
                 lines += self.chunks_closed()
+        # what sorted loops read, prepared once per launch: each integer input's stable order, each
+        # value's start in it (emit.Arg.prepared)
+        prepared = dict(arg.prepared for code, _ in self.kernels for _, arg in code.params if arg.prepared)
+        lines[3:3] = [f'    t["{key}"] = {expression}' for key, expression in prepared.items()]
         for spec in self.schedule.kernels:
             for b in spec.buffers:
                 chunked = run is not None and b in run.buffers
