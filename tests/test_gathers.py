@@ -106,15 +106,17 @@ def test_ragged_rows_and_positions_outside_read_zero(backend, rows):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_scatter_runs_over_sorted_positions_and_skips_those_outside(backend):
+@pytest.mark.parametrize("positions", [11, 32])
+def test_the_scatter_runs_over_sorted_positions_and_skips_those_outside(backend, positions):
     # the Triton gradient visits the positions in the order of their values (a sorted loop), each
-    # row of dE the range holding its id; ids outside the table reach no row
-    T = torch.tensor([-1, 5, 4, 0, 99, 2, 2, 4, 4, -100, 3])
+    # row of dE the range holding its id; ids outside the table reach no row.  32 positions: a
+    # multiple of the loop's tile, whose masks (the range's end, not the extent's) must stay
+    T = torch.tensor([5, -1, 4, 0, 99, 2, 2, 4, 4, -100, 3] * 3)[:positions]
     E = randn(6, 3)
     got, (dE,) = run(EMBEDDING, {"E": E, "T": T}, ("E",), backend)
     want = torch.zeros(6, 3, dtype=torch.float64)
     inside = (T >= 0) & (T < 6)
-    want.index_add_(0, T[inside], randn(11, 3, seed=1)[inside])
+    want.index_add_(0, T[inside], randn(positions, 3, seed=1)[inside])
     torch.testing.assert_close(dE, want, rtol=1e-12, atol=1e-12)
 
 

@@ -367,16 +367,28 @@ class GridTiling:
     loop_cap: int         # the elements a streamed non-dot tile may hold beside the grid tiles
 
 
-def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
-    """The tiles of `kernel`'s grid indices for these extents, the last index first."""
+def sorted_tile(positions: int, values: int) -> int:
+    """The loop tile of a sorted loop (specialise.ir.SortedLoop) over `positions` whose
+    programs each take the positions of one of `values`: the mean count a value,
+    between 16 (tl's smallest) and 256.  An embedding's rows average a fraction of a
+    token: a streamed tile of 256 zeroed and reduced a 256-wide tile per row."""
+    return max(16, min(256, np2(-(-positions // max(values, 1)))))
+
+
+def grid_tiling(kernel, extent: Callable[[str], int], ordered: tuple[str, int] | None = None) -> GridTiling:
+    """The tiles of `kernel`'s grid indices for these extents, the last index first.
+    `ordered`: (the grid index, the loop tile) of a sorted loop (specialise.ir.SortedLoop):
+    that index runs one value at a time, each program the contiguous range of the sorted
+    order its value has, and the others share the budget with the loop's tile (the rows
+    it gathers are read whole-line, not a column's stride)."""
     dot = kernel.dot_indices
     tiled = tiled_grid(kernel, extent)
-    streamed = streamed_width(kernel, extent) if streams(kernel) else 0
+    streamed = (ordered[1] if ordered else streamed_width(kernel, extent)) if streams(kernel) else 0
     blocks: dict[str, int] = {}
     whole: set[str] = set()
     cap = STREAM_BLOCK
     for g in reversed(kernel.grid):
-        if g not in tiled:
+        if g not in tiled or ordered and g == ordered[0]:
             continue
         n = np2(extent(g))
         b = free_tile(extent(g), g in dot, g in kernel.value_only)
@@ -386,7 +398,7 @@ def grid_tiling(kernel, extent: Callable[[str], int]) -> GridTiling:
         elif g in dot and n > WHOLE_MAX and recomputed_per_grid_tile(kernel, g):
             # too wide to hold whole: the widest tile, the fewest times to recompute
             b = WHOLE_MAX
-        if not b and streamed and contiguous(kernel, g):
+        if not b and streamed and contiguous(kernel, g) and not ordered:
             # a column sum (dG[k] = sum[i](...) of row-major tensors): programs one
             # column wide would read memory with a stride per element; a tile of
             # columns reads whole lines, and the streamed rows share the budget

@@ -32,7 +32,7 @@ from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SP
                               TUNE_SPLIT_WORK,
                               auto_split, fold_caps, free_tile,
                               grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
-                              one_at_a_time, size_class, split_tile, uniform_work, whole_tile)
+                              one_at_a_time, size_class, sorted_tile, split_tile, uniform_work, whole_tile)
 from . import forms
 from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
                  Signature, SortedLoop, Tile)
@@ -173,7 +173,11 @@ class _Kernel:
 
     def specialised(self, known: frozenset, shared: frozenset, dtypes: dict) -> ConcreteKernel:
         spec = self.spec
-        tiling = grid_tiling(spec, self.extent)
+        grid_scope = {g: ("grid", False) for g in spec.grid}
+        ordered = [o for f in spec.program_folds if len(f.indices) == 1
+                   for o in [next(filter(None, (self.sorted_loop(c, f.indices[0], grid_scope)
+                                                for c in tile_tests(f).get(f.indices[0], ()))), None)] if o]
+        tiling = grid_tiling(spec, self.extent, (ordered[0].by, self.sorted_tile(ordered[0])) if ordered else None)
         blocks = dict(tiling.blocks)
         lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
         for g in lacking:
@@ -358,9 +362,14 @@ class _Kernel:
             ordered = None if loops.chunked else next(
                 filter(None, (self.sorted_loop(c, t.index, scope) for c in tests.get(t.index, ()))), None)
             if ordered is not None:
-                # positions in sorted order: no bound, band or span of the index's own order holds there
-                return replace(loops, bounds=(), skips=skips, sorted=ordered)
+                # positions in sorted order: no bound, band or span of the index's own order holds there;
+                # a tile of about the positions a value has
+                tile = Tile(t.index, TILED, self.sorted_tile(ordered), why="sorted: the positions a value has")
+                return replace(loops, tiles=(tile,), bounds=(), skips=skips, sorted=ordered)
         return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
+
+    def sorted_tile(self, ordered: SortedLoop) -> int:
+        return sorted_tile(self.extent(ordered.index), self.extent(ordered.by))
 
     def sorted_loop(self, c: Expr, index: str, scope) -> SortedLoop | None:
         """The sorted loop an equality `T[index] + offset == by` gives, where T is an

@@ -648,8 +648,8 @@ class KernelEmitter:
         multiple of every tile the axis may take (tuned tiles are powers of two up to
         256) and tiles start at multiples of the tile: such tiles need no mask at all.
         An empty index (extent 0) is no multiple: every element of its tile is masked."""
-        if a.kind == "scan":         # its steps start at the loop's start, any tile of it
-            return True
+        if a.kind == "scan" or a.id in self.sorted_axes:
+            return True             # its steps start anywhere: a scan's at the loop's start, a sorted loop's range
         largest = 256 if a.block_name in self.tunable else a.block
         if self.in_chunks(a.name):
             return any(n % largest != 0 for n in self.ctx.chunking.lengths)
@@ -1462,14 +1462,15 @@ class KernelEmitter:
         left = sort_axes(a for a in axes if a not in reduced)
         return self.assign(code, left, body, kind, stem=stem)
 
-    @staticmethod
-    def lanes(RA) -> tuple[Axis, ...]:
+    def lanes(self, RA) -> tuple[Axis, ...]:
         """The streamed tile of a fold's loops: a sum, max or min keeps one running value
         per lane of it and reduces the lanes once, after the loops (as a hand-written
         Triton kernel does).  Besides saving a cross-thread reduction per tile, this
         keeps Triton 3.6's thread-locality rewrite away from a loop result that later
-        loops read (it asserts the result has one use)."""
-        return tuple(a for a in dims(RA) if a.kind == "loop")
+        loops read (it asserts the result has one use).  Not a sorted loop's: it runs a
+        few tiles (the positions of a value), where lanes would zero and reduce a tile of
+        state in every program for one or two updates."""
+        return tuple(a for a in dims(RA) if a.kind == "loop" and a.id not in self.sorted_axes)
 
     def running(self, prefix: str, field_name: str, tile: Value, RA, start: str, update: str, fn: str,
                 body: Scope, init: list[str], finish: list[str]) -> Value:
