@@ -2,7 +2,7 @@
 integer labels (from logits, and fused with the output projection), a paged KV
 cache's decode.
 
-    python3 scripts/gather_probe.py [OUT_DIR]
+    python3 scripts/gather_probe.py [OUT_DIR [WORD]]      (WORD: only the cases whose name holds it)
 
 Per case (bf16): einfold's program, torch's own ops and torch.compile of them, side
 by side in one process: the forward, and where the case has one, forward + backward
@@ -137,12 +137,12 @@ def case(name, source, reference, make, wrt) -> dict:
     return row
 
 
-def main(out: Path) -> None:
+def main(out: Path, word: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))
     rows = []
     signal.signal(signal.SIGALRM, _alarm)
-    for spec in CASES:
+    for spec in [c for c in CASES if word in c[0]]:
         signal.alarm(LIMIT_S)
         try:
             rows.append(case(*spec))
@@ -168,4 +168,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "gather-probe-out"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "gather-probe-out"), sys.argv[2] if len(sys.argv) > 2 else "")

@@ -213,6 +213,15 @@ def test_sharding_a_windowed_index_is_refused_at_the_read():
         shard(program.factorised, "r")
 
 
+def test_sharding_an_index_that_cuts_a_dimension_read_affinely_elsewhere_is_refused():
+    # X[m] cuts X's one dimension across the ranks; X[t + 1] would read each rank's part at
+    # positions of the whole
+    from compiler.passes.shard import shard
+    program = compiler.compile("L[t] = X[t + 1] * sum[m](X[m] * W[m])", backend="reference")
+    with pytest.raises(ShardError, match=r"'X' is read at an affine subscript of a sharded index or dimension"):
+        shard(program.factorised, "m")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, source, reference, shapes, sizes", CASES, ids=[c[0] for c in CASES])
 def test_matches_torch_on_the_gpu(name, source, reference, shapes, sizes):
