@@ -149,9 +149,14 @@ def cmd_ir(args) -> int:
     if wanted == "specialise":         # not in "all": it needs sizes, dtypes and a GPU
         from . import compile
         compiled = compile(_read_program(args), backend="triton")
-        binding = compiled.binder(_random_inputs(compiled, args))
+        inputs = _random_inputs(compiled, args)
+        unknown = sorted(set(args.int) - {i.name for i in compiled.checked.inputs if i.rank})
+        if unknown:
+            raise _UsageError(f"--int names no tensor input of the program: {', '.join(unknown)}")
+        inputs |= {name: inputs[name].round().long() for name in args.int}
+        typed, binding = compiled._typed(inputs)        # the program typed for integer inputs
         print("# after specialise")          # every tile, loop and split, for these sizes and this GPU
-        print(compiled.backend.specialised_for(binding, **_gpu(args)))
+        print(typed.backend.specialised_for(binding, **_gpu(args)))
     return 0
 
 
@@ -364,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tile, loop and split for --size, --dtype, --sms and --arch) with 'specialise' "
                         f"(passes: {', '.join(name for name, _ in PIPELINE)})")
     _add_inputs(p)
+    p.add_argument("--int", action="append", default=[], metavar="NAME",
+                   help="with --print-after specialise: input NAME is an int64 tensor (ids, labels: a program "
+                        "typed for it, where a fold equal to its values may run over them sorted); repeat for "
+                        "several")
     _add_gpu(p)
     p.add_argument("--shard", metavar="INDEX",
                    help="print the two programs a reduction over INDEX sharded across processes runs "

@@ -11,16 +11,15 @@ last, and OUT_DIR/conv_probe.json keeps the rows."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+import triton
 
 import compiler
+from probing import run_cases, step, timed
 
 LIMIT_S = 150
 
@@ -37,27 +36,6 @@ CASES = [
     ("max pool 2x2/2 B32 C64 112x112", "P[b, c, y, x] = max[p, q](X[b, c, 2*y + p, 2*x + q])",
      lambda X: F.max_pool2d(X, 2), {"X": (32, 64, 112, 112)}, {"p": 2, "q": 2}),
 ]
-
-
-class Timeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise Timeout()
-
-
-def timed(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-
-def step(fn, inputs: dict, upstream: torch.Tensor):
-    def run():
-        for t in inputs.values():
-            if isinstance(t, torch.Tensor):
-                t.grad = None
-        fn(**inputs).backward(upstream)
-    return run
 
 
 def case(name, source, reference, shapes, sizes) -> dict:
@@ -86,20 +64,7 @@ def case(name, source, reference, shapes, sizes) -> dict:
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))
-    rows = []
-    signal.signal(signal.SIGALRM, _alarm)
-    for spec in CASES:
-        signal.alarm(LIMIT_S)
-        try:
-            rows.append(case(*spec))
-        except Timeout:
-            rows.append({"case": spec[0], "failed": f"over {LIMIT_S} s"})
-        except Exception as e:          # a failure is a row of the table, not the end of the run
-            traceback.print_exc()
-            rows.append({"case": spec[0], "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
-        finally:
-            signal.alarm(0)
-        print(rows[-1], flush=True)
+    rows = run_cases(CASES, case, LIMIT_S)
     (out / "conv_probe.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{'case':52s} {'ours fwd':>9s} {'cuDNN':>8s} {'compile':>8s} {'ours f+b':>9s} {'cuDNN':>8s} "
           f"{'compile':>8s} {'vs cuDNN f, f+b':>16s} {'error':>8s} {'torch':>8s}")

@@ -187,10 +187,14 @@ def test_canonical_form_prints_and_parses_back():
 @pytest.mark.parametrize("source, pointed, words", [
     ("Y[t] = X[t * t]", "t * t", "a product needs one integer factor"),
     ("Y[t] = X[t / 2] * Z[t]", "t / 2", "affine combination"),
-    ("Y[t] = X[L[L[t]]]", "L[t]]]", "not another gather"),
     ("Y[t] = X[t + 1.5] * Z[t]", "1.5", "is not an integer"),
+    # gathered subscripts (tests/test_gathers.py) beyond what they take
+    ("Y[t] = X[L[L[t]]]", "L[t]]]", "not another gather"),
+    ("Y[t] = X[L[t] + M[t]]", "L[t] + M[t]", "this one adds 2 tensor reads"),
+    ("Y[t] = X[L[t] * L[t]]", "L[t] * L[t]", "a product needs one integer factor"),
+    ("Y[t] = where(L[t], X[L[t]], 0)", "L[t], X", "read both as a condition and as a subscript"),
 ])
-def test_a_subscript_beyond_affine_is_an_error_at_it(source, pointed, words):
+def test_a_subscript_beyond_affine_or_gathered_is_an_error_at_it(source, pointed, words):
     with pytest.raises(CheckError) as info:
         compiler.compile(source, backend="reference")
     message = str(info.value)

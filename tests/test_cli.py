@@ -44,6 +44,18 @@ def test_specialise_needs_sizes_of_the_program(capsys):
     assert code == 2 and "--size names no index of the program: zz" in err
 
 
+def test_specialise_types_the_inputs_int_names(capsys):
+    # ids as an int64 tensor: the scatter's fold runs over them sorted; a float tensor of ids scans
+    scatter = "dE[s, d] = sum[i](where(T[i] == s, dY[i, d], 0.0))"
+    sizes = ["--size", "i=64", "--size", "s=300", "--size", "d=32"]
+    code, out, err = run_cli(capsys, "ir", "--print-after", "specialise", "-e", scatter, *sizes, "--int", "T")
+    assert code == 0 and "[visits i sorted by T, only the positions where T[i] == s can hold]" in out, out + err
+    code, out, err = run_cli(capsys, "ir", "--print-after", "specialise", "-e", scatter, *sizes)
+    assert code == 0 and "sorted" not in out
+    code, err = usage_error(capsys, "ir", "--print-after", "specialise", "-e", scatter, "--int", "Z")
+    assert code == 2 and "--int names no tensor input of the program: Z" in err
+
+
 def test_parse_expression(capsys):
     code, out, err = run_cli(capsys, "parse", "-e", ATTENTION)
     assert (code, out, err) == (0, ATTENTION_CANONICAL, "")

@@ -4,7 +4,8 @@ lookup, a label's logit (cross-entropy with integer targets and ignore_index) an
 paged KV cache read through a block table match torch forward and backward (the
 gradient is the scatter: a sum over the positions equal to each row,
 deterministic) on the oracle and the Triton backend (the interpreter without a
-GPU; GPU-marked cases on the device); errors point at the subscript."""
+GPU; GPU-marked cases on the device); errors point at the subscript (the unsupported subscripts' carets:
+test_affine_subscripts.py)."""
 import warnings
 
 import pytest
@@ -177,22 +178,6 @@ def test_vmap_batches_the_positions_the_table_or_both():
                                torch.stack([tables[b][T[b]] for b in range(3)]))
     torch.testing.assert_close(torch.vmap(lambda e: program(E=e, T=T[0]))(tables),
                                torch.stack([tables[b][T[0]] for b in range(3)]))
-
-
-@pytest.mark.parametrize("source, pointed, words", [
-    ("Y[t] = X[L[L[t]]]", "L[t]]]", "not another gather"),
-    ("Y[t] = X[L[t] + M[t]]", "L[t] + M[t]", "this one adds 2 tensor reads"),
-    ("Y[t] = X[L[t] * L[t]]", "L[t] * L[t]", "a product needs one integer factor"),
-    ("Y[t] = where(L[t], X[L[t]], 0)", "L[t], X", "read both as a condition and as a subscript"),
-])
-def test_an_unsupported_gather_is_an_error_at_it(source, pointed, words):
-    with pytest.raises(CheckError) as info:
-        compiler.compile(source, backend="reference")
-    message = str(info.value)
-    assert words in message
-    caret_line = message.splitlines()[-1]
-    column = caret_line.index("^")
-    assert source[column - caret_line.index("|") - 2:].startswith(pointed), message
 
 
 def test_a_statement_of_positions_is_an_error_at_its_read():

@@ -57,7 +57,6 @@ from ..ir import (
     Program,
     Reduce,
     Var,
-    affine_access,
     alpha_key,
     bound_indices,
     children,
