@@ -121,6 +121,19 @@ def test_the_scatter_runs_over_sorted_positions_and_skips_those_outside(backend,
     torch.testing.assert_close(dE, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(3, 7), (2, 16), (2, 3, 5)])
+def test_ids_over_several_indices_sort_each_row(shape):
+    # E[T[b, t], d]: the scatter's loop visits t sorted within each row b (the rows one at a time)
+    indices = "abt"[-len(shape):]
+    source = f"X[{', '.join(indices)}, d] = E[T[{', '.join(indices)}], d]"
+    T = torch.tensor([5, -1, 4, 0, 99, 2, 2, 4, 4, -100, 3] * 3)[:torch.Size(shape).numel()].reshape(shape)
+    got, (dE,) = run(source, {"E": randn(6, 3), "T": T}, ("E",), "triton")
+    upstream = randn(*shape, 3, seed=1)
+    inside = (T >= 0) & (T < 6)
+    want = torch.zeros(6, 3, dtype=torch.float64).index_add_(0, T[inside], upstream[inside])
+    torch.testing.assert_close(dE, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
 def test_positions_of_any_integer_dtype(dtype):
     E = randn(7, 4)

@@ -77,6 +77,14 @@ def test_a_gathered_reads_scatter_visits_the_positions_sorted_by_their_values():
     (loop,) = kernel.folds
     assert loop.sorted is not None and loop.sorted.tensor == "T" and (loop.bounds, loop.span) == ((), ())
     assert "[visits i sorted by T, only the positions where T[i] == s_1 can hold]" in str(loop), str(loop)
+    # ids over two indices: each row of b, one at a time, sorted
+    rows = compiler.grad("X[b, t, d] = E[T[b, t], d]", backend="triton")
+    binding = rows.binder({"E": _input((50257, 1024), torch.bfloat16), "dX": _input((8, 2048, 1024), torch.bfloat16),
+                           "T": torch.zeros(8, 2048, dtype=torch.int64)})
+    (kernel,) = rows.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    assert str(kernel.folds[0]).startswith("fold[b, t] of acc: b: one at a time (a row of the sorted values); t/16 "
+                                           "(sorted: the positions a value has) [visits t sorted by T in each row "
+                                           "of b, only the positions where T[b, t] == s_1 can hold]"), str(kernel)
     # a float tensor of ids has no sorted order to run over: the loop scans, skipping dead tiles
     floats = backward.binder({"E": _input((512, 64), torch.float32), "dY": _input((256, 64), torch.float32),
                               "T": _input((256,), torch.float32)})

@@ -168,27 +168,35 @@ def index_bounds(fold: Reduce) -> Mapping[str, tuple[Bound, ...]]:
 
 
 @lru_cache(maxsize=4096)
-def tile_tests(fold: Reduce) -> Mapping[str, tuple[Expr, ...]]:
+def data_tests(fold: Reduce) -> Mapping[str, tuple[Expr, ...]]:
     """Per bound index b of `fold`: the conjuncts of its masking predicates that
     read a tensor and vary over b (data: no bound follows from them before the
     run), such that elements where one fails contribute nothing, as for
-    `index_bounds`.  A tile of b where such a conjunct fails for every element
-    then leaves the state as it was: the loop may skip it.  Only conjuncts that
-    read no tensor the update reads otherwise (a document's ids, a padding
-    mask, beside the keys and values): testing one that reads the update's own
-    data (`where(X > 0, X, 0)`) would load that data to save nothing."""
+    `index_bounds` (a sorted loop's equality: specialise.ir.SortedLoop)."""
     out: dict[str, list[Expr]] = {}
     conjuncts = dict.fromkeys(c for arg in fold.args for w in nodes(arg)
                               if isinstance(w, Call) and w.op == "where" for c in _conjuncts(w.args[0]))
     for c in conjuncts:
-        rest = reads(Call("and", tuple(transform(a, lambda n: Const(True) if n == c else n) for a in fold.args))
-                     if len(fold.args) > 1 else transform(fold.args[0], lambda n: Const(True) if n == c else n))
-        if not reads(c) or reads(c) & rest:
+        if not reads(c):
             continue
         for index in fold.indices:
             if index in free_indices(c) and _contributes_nothing(fold, c):
                 out.setdefault(index, []).append(c)
     return MappingProxyType({index: tuple(tests) for index, tests in out.items()})   # cached: read-only
+
+
+@lru_cache(maxsize=4096)
+def tile_tests(fold: Reduce) -> Mapping[str, tuple[Expr, ...]]:
+    """`data_tests` that read no tensor the update reads otherwise (a document's ids, a
+    padding mask, beside the keys and values).  A tile of b where such a conjunct
+    fails for every element leaves the state as it was: the loop may skip it.
+    Testing one that reads the update's own data (`where(X > 0, X, 0)`) would load
+    that data to save nothing."""
+    def rest(c: Expr) -> set[str]:
+        return reads(Call("and", tuple(transform(a, lambda n: Const(True) if n == c else n) for a in fold.args))
+                     if len(fold.args) > 1 else transform(fold.args[0], lambda n: Const(True) if n == c else n))
+    return MappingProxyType({index: kept for index, tests in data_tests(fold).items()
+                             if (kept := tuple(c for c in tests if not reads(c) & rest(c)))})
 
 
 def _masks(arg: Expr, relation: Expr) -> bool:

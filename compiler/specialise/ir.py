@@ -80,18 +80,22 @@ RANGED = frozenset({"lt", "le", "gt", "ge", "eq"})
 @dataclass(frozen=True)
 class SortedLoop:
     """A loop that visits its index in the order of an integer input's values: the fold
-    sums only where `tensor[index] + offset == by` (a gathered read's scatter,
+    sums only where `tensor[*rows, index] + offset == by` (a gathered read's scatter,
     `sum[i](where(T[i] == s, dY[i, d], 0))`), so each program runs over the positions
     whose value is one of its tile's `by`, which the launcher's stable sort of the
-    tensor and the start of each value in it give.  The comparison stays in the body."""
+    tensor along its last dimension and the start of each value in it give.  Ids over
+    several indices (`T[b, t]`) sort each row: the fold's other indices, `rows`, run
+    one value at a time outside the sorted loop.  The comparison stays in the body."""
     index: str
     tensor: str
     by: str
     offset: int
     conjunct: Expr
+    rows: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return (f"visits {self.index} sorted by {self.tensor}, only the positions where "
+        each = f" in each row of {', '.join(self.rows)}" if self.rows else ""
+        return (f"visits {self.index} sorted by {self.tensor}{each}, only the positions where "
                 f"{format_expr(self.conjunct)} can hold")
 
 

@@ -26,7 +26,7 @@ import torch
 from ..ir import Access, Call, Expr, Index, Reduce, constant, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.chunks import CHUNK_ALIGN, Chunking
-from ..schedule.bounds import index_bounds, tile_tests
+from ..schedule.bounds import data_tests, index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, STREAMED_DEPTH,
                               TUNE_SPLIT_WORK,
@@ -174,9 +174,7 @@ class _Kernel:
     def specialised(self, known: frozenset, shared: frozenset, dtypes: dict) -> ConcreteKernel:
         spec = self.spec
         grid_scope = {g: ("grid", False) for g in spec.grid}
-        ordered = [o for f in spec.program_folds if len(f.indices) == 1
-                   for o in [next(filter(None, (self.sorted_loop(c, f.indices[0], grid_scope)
-                                                for c in tile_tests(f).get(f.indices[0], ()))), None)] if o]
+        ordered = [o for f in spec.program_folds for o in [self.sorted_fold(f, grid_scope)] if o]
         tiling = grid_tiling(spec, self.extent, (ordered[0].by, self.sorted_tile(ordered[0])) if ordered else None)
         blocks = dict(tiling.blocks)
         lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
@@ -359,21 +357,28 @@ class _Kernel:
                 return others <= (one_value if t.index in free(x) else free(fold))
             span = tuple(c for c in tests.get(t.index, ()) if isinstance(c, Call) and c.op in RANGED
                          and all(map(scannable, c.args)))
-            ordered = None if loops.chunked else next(
-                filter(None, (self.sorted_loop(c, t.index, scope) for c in tests.get(t.index, ()))), None)
-            if ordered is not None:
-                # positions in sorted order: no bound, band or span of the index's own order holds there;
-                # a tile of about the positions a value has
-                tile = Tile(t.index, TILED, self.sorted_tile(ordered), why="sorted: the positions a value has")
-                return replace(loops, tiles=(tile,), bounds=(), skips=skips, sorted=ordered)
+        ordered = None if loops.chunked else self.sorted_fold(fold, scope)
+        if ordered is not None:
+            # positions in sorted order: no bound, band or span of the index's own order holds there;
+            # a tile of about the positions a value has, each row of the values one at a time
+            tiles = tuple(Tile(t.index, TILED, self.sorted_tile(ordered), why="sorted: the positions a value has")
+                          if t.index == ordered.index else Tile(t.index, ONE_AT_A_TIME, 0, why="a row of the sorted values")
+                          for t in loops.tiles)
+            return replace(loops, tiles=tiles, shared=(), bounds=(),
+                           skips=tuple((i, cs) for i, cs in skips if i == ordered.index), sorted=ordered)
         return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
 
     def sorted_tile(self, ordered: SortedLoop) -> int:
         return sorted_tile(self.extent(ordered.index), self.extent(ordered.by))
 
-    def sorted_loop(self, c: Expr, index: str, scope) -> SortedLoop | None:
-        """The sorted loop an equality `T[index] + offset == by` gives, where T is an
-        integer input read at the loop's index alone and `by` an index of the grid."""
+    def sorted_fold(self, fold: Reduce, scope) -> SortedLoop | None:
+        """The sorted loop of `fold` where one of its data tests is an equality
+        `T[..., index] + offset == by`: T an integer input read at the fold's indices in
+        order, `index` the last, `by` an index of the grid."""
+        return next(filter(None, (self.sorted_loop(c, fold.indices, scope)
+                                  for c in data_tests(fold).get(fold.indices[-1], ()))), None)
+
+    def sorted_loop(self, c: Expr, indices: tuple[str, ...], scope) -> SortedLoop | None:
         if not (isinstance(c, Call) and c.op == "eq"):
             return None
         for data, other in (c.args, c.args[::-1]):
@@ -385,9 +390,9 @@ class _Kernel:
                 offset, data = (int(k) if data.op == "add" else -int(k)), data.args[0]
             dtype = self.inputs.get(data.tensor) if isinstance(data, Access) else None
             if (isinstance(other, Index) and dtype is not None and not dtype.is_floating_point
-                    and dtype != torch.bool and data.layout is None and data.indices == (index,)
+                    and dtype != torch.bool and data.layout is None and data.indices == indices
                     and scope.get(other.name, ("",))[0] == "grid"):
-                return SortedLoop(index, data.tensor, other.name, offset, c)
+                return SortedLoop(indices[-1], data.tensor, other.name, offset, c, indices[:-1])
         return None
 
     def caps(self, fold: Reduce, scope: dict | None = None) -> list[int]:

@@ -222,10 +222,12 @@ class Arg:
         if self.kind == "order":
             return f"{self.name} sorted", f'torch.sort(t["{self.name}"].long(), stable=True)'
         if self.kind == "starts":
+            # each row's starts (the sort is along the last dimension)
             shift = f" - {self.dim}" if self.dim > 0 else f" + {-self.dim}" if self.dim < 0 else ""
+            values = f't["{self.name} sorted"].values'
             return (f"{self.name} starts of {self.by}{shift}",
-                    f'torch.searchsorted(t["{self.name} sorted"].values, '
-                    f'torch.arange(n["{self.by}"] + 1, device=device){shift})')
+                    f'torch.searchsorted({values}, (torch.arange(n["{self.by}"] + 1, device=device){shift})'
+                    f'.expand(*{values}.shape[:-1], -1).contiguous())')
         return None
 
     def __str__(self) -> str:
@@ -1038,9 +1040,10 @@ class KernelEmitter:
                     # the next positions in the order of the values: a tile of gathered offsets
                     self.sorted_axes.add(ax.id)
                     order = self.prepared_param(Arg("order", ordered.tensor))
+                    row = self.sorted_row(ordered, bound, self.extent_param(ordered.index))
                     body.lines.append(f"rank_{ax.var} = start_{ax.var} + tl.arange(0, {ax.block_name})")
                     body.lines.append(f"{ax.mask} = rank_{ax.var} < hi_{ax.var}")
-                    body.lines.append(f"{ax.offs} = tl.load({order} + rank_{ax.var}, mask={ax.mask}, other=0)")
+                    body.lines.append(f"{ax.offs} = tl.load({order} + {row}rank_{ax.var}, mask={ax.mask}, other=0)")
                     continue
                 if ax.scalar:
                     body.lines.append(f"{ax.offs} = start_{ax.var}")
@@ -1078,7 +1081,9 @@ class KernelEmitter:
                     lo, hi = f"lo_{ax.var}", f"hi_{ax.var}"
                 lo, hi = self.predicate_bounds(ax, relations.get(ax.name, []), env0, lo, hi, T)
                 if ordered is not None and ax.name == ordered.index:
-                    lo, hi = self.sorted_range(ordered, ax, env0, T)
+                    lo, hi, lines = self.sorted_range(ordered, ax, env0, bound)
+                    # inside the loops over the rows, whose starts they are
+                    (T.lines.extend(lines) if p == 0 else headers.extend(indent(lines, depth)))
                 dense = None
                 if span:
                     lo, hi, dense = self.live_span(span, ax, env0, lo, hi, T)
@@ -1327,18 +1332,32 @@ class KernelEmitter:
         self.params.setdefault(p, arg)
         return p
 
-    def sorted_range(self, ordered, ax: Axis, env0, T: Scope) -> tuple[str, str]:
-        """A sorted loop's range: the positions, in the order of the values, whose value is
-        one of the program's tile of `ordered.by` (minus the offset)."""
+    def sorted_range(self, ordered, ax: Axis, env0, bound: list[Axis]) -> tuple[str, str, list[str]]:
+        """A sorted loop's range (lo, hi, the lines that compute them): the positions, in the
+        order of the values of its row, whose value is one of the program's tile of
+        `ordered.by` (minus the offset)."""
         by = env0[ordered.by]
+        n_by = self.extent_param(ordered.by)
         first, past = (by.offs, f"{by.offs} + 1") if by.scalar else (
-            f"tl.min({by.offs}, 0)", f"tl.minimum(tl.max({by.offs}, 0) + 1, {self.extent_param(ordered.by)})")
+            f"tl.min({by.offs}, 0)", f"tl.minimum(tl.max({by.offs}, 0) + 1, {n_by})")
         starts = self.prepared_param(Arg("starts", ordered.tensor, ordered.offset, ordered.by))
-        T.lines.append(f"# {ordered}: the positions whose value is the tile's {ordered.by}, "
-                       f"a range of the sorted order")
-        T.lines.append(f"lo_{ax.var} = tl.load({starts} + {first})")
-        T.lines.append(f"hi_{ax.var} = tl.load({starts} + {past})")
-        return f"lo_{ax.var}", f"hi_{ax.var}"
+        row = self.sorted_row(ordered, bound, f"({n_by} + 1)")
+        lines = [f"# {ordered}: the positions whose value is the tile's {ordered.by}, a range of the sorted order",
+                 f"lo_{ax.var} = tl.load({starts} + {row}{first})",
+                 f"hi_{ax.var} = tl.load({starts} + {row}{past})"]
+        return f"lo_{ax.var}", f"hi_{ax.var}", lines
+
+    def sorted_row(self, ordered, bound: list[Axis], width: str) -> str:
+        """The offset of a sorted loop's current row in a row-major tensor of rows `width`
+        long, as a term ("" without rows): the rows run one value at a time, outside the
+        sorted loop (`start_<row>`)."""
+        if not ordered.rows:
+            return ""
+        axes = {ax.name: ax for ax in bound}
+        flat = f"tl.cast(start_{axes[ordered.rows[0]].var}, tl.int64)"
+        for r in ordered.rows[1:]:
+            flat = f"({flat} * {self.extent_param(r)} + start_{axes[r].var})"
+        return f"{flat} * {width} + "
 
     def predicate_bounds(self, ax: Axis, relations, env0, lo: str, hi: str, T: Scope) -> tuple[str, str]:
         """Tighten a loop's range to the tiles where an index predicate can hold."""
