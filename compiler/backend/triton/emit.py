@@ -909,16 +909,16 @@ class KernelEmitter:
                 continue            # read at one index, which its own mask keeps inside
             terms = [times(c, f"{ax.offs}" if ax.scalar else self.expand(Value(ax.offs, (ax,), "int"), target))
                      for c, ax in zip(coeffs, axes) if c]
-            found, tiled = e.gathered(d), any(not ax.scalar for c, ax in zip(coeffs, axes) if c)
+            found, varies = e.gathered(d), any(not ax.scalar for c, ax in zip(coeffs, axes) if c)
             if found is not None:
                 read, scale = found
                 value = self.load(read, scope)
-                tiled = tiled or bool(dims(value.axes))
+                varies = varies or bool(dims(value.axes))
                 gathered = times(scale, self.expand(value, target) if dims(value.axes) else value.code)
                 shift.append(f"{gathered}.to(tl.int64) * {strides[d]}")
                 terms.insert(0, gathered)
             position = " + ".join(terms + ([str(constant)] if constant else [])) or "0"
-            if dims(target) and not tiled:
+            if dims(target) and not varies:
                 # a tensor beside the tile: Triton's interpreter refuses a scalar test in a tile's mask
                 # (the offsets, not a shape: a transposed load swaps their subscripts)
                 tiled = dims(target)[0]
