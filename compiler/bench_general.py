@@ -72,8 +72,8 @@ def _labels(g: torch.Generator, rows: int, vocab: int, ignored: float = 0.0) -> 
 
 
 def _one_hot(labels: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """Dense one-hot rows of the labels, zero rows where ignored (the language has no integer
-    tensors yet, so an einfold program reads the labels this way)."""
+    """Dense one-hot rows of the labels, zero rows where ignored (the spelling of the labels
+    before integer inputs: the families that read it keep their measured programs)."""
     return F.one_hot(labels.clamp_min(0), vocab).to(dtype) * (labels >= 0)[:, None].to(dtype)
 
 
@@ -145,6 +145,19 @@ MASKED_CROSS_ENTROPY = "L[i] = M[i] * (logsumexp[v](Z[i,v]) - sum[v](Y[i,v] * Z[
 # the label as a float tensor compared with the vocabulary index: no one-hot matrix to read
 LABEL_CROSS_ENTROPY = "L[i] = where(T[i] < 0, 0.0, logsumexp[v](Z[i,v]) - sum[v](where(v == T[i], Z[i,v], 0.0)))"
 MEAN_CROSS_ENTROPY = "L[] = mean[t](logsumexp[v](Z[t,v]) - sum[v](Y[t,v] * Z[t,v]))"
+# integer labels read through a gathered subscript: each row's label logit is one element
+LABELLED_CROSS_ENTROPY = "L[i] = where(labels[i] == -100, 0.0, logsumexp[v](Z[i,v]) - Z[i, labels[i]])"
+LINEAR_LABELLED_CROSS_ENTROPY = "L[i] = logsumexp[v](H[i,k] * W[v,k]) - sum[k](H[i,k] * W[labels[i],k])"
+EMBEDDING = "Y[i,d] = E[ids[i],d]"
+
+
+def torch_embedding(x):
+    return F.embedding(x["ids"], x["E"])
+
+
+def make_embedding(n, dtype, g):
+    return {"E": _randn(g, dtype, n["v"], n["d"]),
+            "ids": torch.randint(0, n["v"], (n["i"],), generator=g, device=g.device)}
 
 
 def torch_logits_cross_entropy(x):
@@ -365,6 +378,16 @@ FAMILIES = [
            libraries={"liger fused linear CE": liger_linear_cross_entropy, "cut cross-entropy": cut_cross_entropy},
            note="einfold reads the labels as a dense one-hot Y here (integer labels would skip it), "
                 "the others as int64; forward only; FLOPs of the logits' matmul"),
+    Family("linear cross-entropy, int labels", LINEAR_LABELLED_CROSS_ENTROPY, bench.torch_cross_entropy,
+           make_linear_cross_entropy,
+           ({"i": 8192, "k": 2048, "v": 32000},), {"i": 2048, "k": 1024, "v": 16000},
+           lambda n, _: 2 * n["i"] * n["k"] * n["v"], "TFLOP/s",
+           libraries={"liger fused linear CE": liger_linear_cross_entropy, "cut cross-entropy": cut_cross_entropy},
+           note="the labels as int64 for all: the label's logit a gathered row W[labels[i], k]; forward only; "
+                "FLOPs of the logits' matmul"),
+    Family("embedding", EMBEDDING, torch_embedding, make_embedding,
+           ({"i": 16384, "v": 50257, "d": 4096},), {"i": 4096, "v": 50257, "d": 2048},
+           _bytes("i*d", "i*d"), "GB/s", note="rows gathered through int64 ids; forward only"),
     Family("sinkhorn step", SINKHORN, torch_sinkhorn, make_sinkhorn,
            ({"i": 4096, "j": 4096},), {"i": 2048, "j": 2048},
            _bytes("i*j", "j", "i"), "GB/s", dtype=torch.float32),
@@ -399,6 +422,11 @@ FAMILIES = [
            lambda n, size: size * n["i"] * n["v"] + 8 * n["i"], "GB/s",
            libraries={"liger cross-entropy": liger_cross_entropy},
            note="the labels as float32 ids T (-100 ignored), exact below 2^24; the result is float32"),
+    Family("labelled cross-entropy", LABELLED_CROSS_ENTROPY, torch_logits_cross_entropy, make_logits("i", 0.1),
+           ({"i": 8192, "v": 32000},), {"i": 2048, "v": 32000},
+           lambda n, size: size * n["i"] * n["v"] + 8 * n["i"], "GB/s",
+           libraries={"liger cross-entropy": liger_cross_entropy},
+           note="10% of rows ignored (-100); int64 labels for all: the label's logit a gathered element"),
     Family("mean cross-entropy", MEAN_CROSS_ENTROPY, torch_mean_cross_entropy, make_logits("t", 0.0),
            ({"t": 8192, "v": 32000},), {"t": 2048, "v": 32000},
            _bytes("t*v", "t*v"), "GB/s",

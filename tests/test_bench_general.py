@@ -24,6 +24,8 @@ TINY = {
     "chamfer": {"b": 2, "i": 5, "m": 7, "k": 3},
     "k-means assign": {"i": 7, "c": 5, "k": 3},
     "linear cross-entropy": {"i": 5, "k": 3, "v": 7},
+    "linear cross-entropy, int labels": {"i": 5, "k": 3, "v": 7},
+    "embedding": {"i": 5, "v": 7, "d": 3},
     "sinkhorn step": {"i": 5, "j": 7},
     "residual + rmsnorm": {"i": 5, "k": 7},
     "rmsnorm": {"i": 5, "k": 7},
@@ -31,6 +33,7 @@ TINY = {
     "groupnorm": {"b": 2, "g": 3, "c": 5, "s": 7},
     "masked cross-entropy": {"i": 40, "v": 7},        # 40 rows: some of them ignored
     "label-id cross-entropy": {"i": 40, "v": 7},
+    "labelled cross-entropy": {"i": 40, "v": 7},
     "mean cross-entropy": {"t": 5, "v": 7},
     "row statistics": {"i": 5, "k": 7},
     "column statistics": {"n": 7, "k": 5},
@@ -92,7 +95,7 @@ def test_the_generated_kernels_compute_the_torch_function(name):
     assert bench._error(bench._inputs_of(program)(x), bench.float64_oracle(family.torch_fn)(x)) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["masked cross-entropy", "label-id cross-entropy"])
+@pytest.mark.parametrize("name", ["masked cross-entropy", "label-id cross-entropy", "labelled cross-entropy"])
 def test_the_masked_losses_are_zero_exactly_on_the_ignored_rows(name):
     family = BY_NAME[name]
     x = tiny_inputs(family)
