@@ -174,7 +174,8 @@ class _Kernel:
     def specialised(self, known: frozenset, shared: frozenset, dtypes: dict) -> ConcreteKernel:
         spec = self.spec
         grid_scope = {g: ("grid", False) for g in spec.grid}
-        ordered = [o for f in spec.program_folds for o in [self.sorted_fold(f, grid_scope)] if o]
+        # a chunked run's kernel sees views of its tensors: the launcher's sort would be of the whole
+        ordered = [] if self.chunked else [o for f in spec.program_folds for o in [self.sorted_fold(f, grid_scope)] if o]
         tiling = grid_tiling(spec, self.extent, (ordered[0].by, self.sorted_tile(ordered[0])) if ordered else None)
         blocks = dict(tiling.blocks)
         lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
@@ -357,7 +358,7 @@ class _Kernel:
                 return others <= (one_value if t.index in free(x) else free(fold))
             span = tuple(c for c in tests.get(t.index, ()) if isinstance(c, Call) and c.op in RANGED
                          and all(map(scannable, c.args)))
-        ordered = None if loops.chunked else self.sorted_fold(fold, scope)
+        ordered = None if loops.chunked or self.chunked else self.sorted_fold(fold, scope)
         if ordered is not None:
             # positions in sorted order: no bound, band or span of the index's own order holds there;
             # a tile of about the positions a value has, each row of the values one at a time
