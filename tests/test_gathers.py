@@ -52,6 +52,12 @@ CASES = [
     ("paged attention", PAGED_ATTENTION, paged_attention,
      lambda: {"Q": randn(2, 3, 4), "K": randn(5, 3, 4, seed=1), "V": randn(5, 3, 2, seed=2),
               "B": torch.tensor([[4, 0], [2, 4]]), "scale": 0.5}, ("Q", "K", "V")),
+    # two gathered dimensions, a negative factor, ids of rank 0
+    ("both dimensions", "Y[i, j] = E[T[i], T[j]]", lambda E, T: E[T][:, T],
+     lambda: {"E": randn(5, 5), "T": torch.tensor([1, 4, 2, 1])}, ("E",)),
+    ("reversed", "Y[i, d] = E[3 - T[i], d]", lambda E, T: E[3 - T],
+     lambda: {"E": randn(5, 3), "T": torch.tensor([0, 3, 1, 1])}, ("E",)),
+    ("one id", "Y[d] = E[T[], d]", lambda E, T: E[T], lambda: {"E": randn(5, 3), "T": torch.tensor(3)}, ("E",)),
     # a statement read through a gather (fuse inlines it there), at a shifted position and a scaled one
     ("statement at shifted positions", "H[v, d] = E[v, d] * S[v]\nY[i, d] = H[T[i], d] + H[2*T[i] - 1, d]",
      lambda E, S, T: _shifted(E * S[:, None], T),
