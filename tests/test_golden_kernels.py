@@ -65,6 +65,11 @@ GOLDEN = {
                                 "L[b,h,i] = logsumexp[m](where(m <= i and i - m < 256, "
                                 "Q[b,h,i,k] * K[b,h,m,k] * scale, -inf))", ["O", "L"],
                                 {n: ((2, 4, 1024, 128), BF16) for n in "QKV"} | {"scale": 0.088}),
+    # a lookup through integer ids (a gathered subscript): the ids loaded, then the rows through them
+    "embedding": ("Y[i,d] = E[T[i],d]", None, {"E": ((50257, 4096), BF16), "T": ((16384,), torch.int64)}),
+    # its gradient, the scatter: each row of dE visits the ids equal to it, sorted per row of b
+    "embedding_scatter": ("dE[s,d] = sum[b,t](where(T[b,t] == s, dX[b,t,d], 0.0))", None,
+                          {"dX": ((8, 2048, 4096), BF16), "T": ((8, 2048), torch.int64), "s": 50257}),
 }
 ARCH = {"hopper_window_attention": 90}     # compute capability of the GPU a golden is generated for
 
@@ -79,8 +84,8 @@ def _input(spec):
 def kernel_source(name: str) -> str:
     source, outputs, inputs = GOLDEN[name]
     program = compiler.compile(source, backend="triton", outputs=outputs)
-    binding = program.binder({k: _input(v) for k, v in inputs.items()})
-    return program.backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2_BYTES, arch=ARCH.get(name))
+    typed, binding = program._typed({k: _input(v) for k, v in inputs.items()})    # typed for integer inputs
+    return typed.backend.source_for(binding, sm_count=H100_SMS, l2_bytes=H100_L2_BYTES, arch=ARCH.get(name))
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))

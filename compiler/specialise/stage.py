@@ -365,8 +365,9 @@ class _Kernel:
             tiles = tuple(Tile(t.index, TILED, self.sorted_tile(ordered), why="sorted: the positions a value has")
                           if t.index == ordered.index else Tile(t.index, ONE_AT_A_TIME, 0, why="a row of the sorted values")
                           for t in loops.tiles)
-            return replace(loops, tiles=tiles, shared=(), bounds=(),
-                           skips=tuple((i, cs) for i, cs in skips if i == ordered.index), sorted=ordered)
+            # with one value of `by` a program, its range holds no tile a test could skip
+            kept = () if scope[ordered.by][1] else tuple((i, cs) for i, cs in skips if i == ordered.index)
+            return replace(loops, tiles=tiles, shared=(), bounds=(), skips=kept, sorted=ordered)
         return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
 
     def sorted_tile(self, ordered: SortedLoop) -> int:

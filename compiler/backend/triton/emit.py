@@ -1342,7 +1342,7 @@ class KernelEmitter:
             f"tl.min({by.offs}, 0)", f"tl.minimum(tl.max({by.offs}, 0) + 1, {n_by})")
         starts = self.prepared_param(Arg("starts", ordered.tensor, ordered.offset, ordered.by))
         row = self.sorted_row(ordered, bound, f"({n_by} + 1)")
-        lines = [f"# {ordered}: the positions whose value is the tile's {ordered.by}, a range of the sorted order",
+        lines = [f"# {ordered}: the range of the sorted order holding the tile's {ordered.by}",
                  f"lo_{ax.var} = tl.load({starts} + {row}{first})",
                  f"hi_{ax.var} = tl.load({starts} + {row}{past})"]
         return f"lo_{ax.var}", f"hi_{ax.var}", lines
