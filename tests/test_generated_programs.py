@@ -8,6 +8,8 @@ meaning as a torch expression, built side by side.  The draws cover:
   logsumexp, softmax, a softmax-weighted sum), over the same index and scores;
 - folds with several rescaled structures: two softmax-weighted sums with
   different scores, a logsumexp beside a softmax, beside a weighted sum;
+- every kind on a score read through a gathered subscript (`X[t,P[e]]`, P a
+  permutation of the columns: integer positions);
 - more statements drawn at random from the rows, on scores drawn from SCORES.
 The inputs hold, besides ordinary rows, a row with a NaN, with +inf, with -inf,
 a row all -inf, rows with +1e30 and -1e30, and rows of ties.
@@ -53,6 +55,8 @@ SCORES = (
     Score("X[t,e] * 0.5", lambda x: x["X"] * 0.5),
     Score("X[t,e] + Y[t,e]", lambda x: x["X"] + x["Y"]),
 )
+# X's columns read through the integer positions P (a gathered subscript)
+GATHERED = Score("X[t,P[e]]", lambda x: x["X"][:, x["P"]])
 
 
 def _variance(s: torch.Tensor) -> torch.Tensor:
@@ -119,6 +123,9 @@ def draw_programs(seed: int = 0, extra: int = 12) -> list[Drawn]:
             _drawn(("logsumexp", x), ("softmax", x)),
             _drawn(("logsumexp", y), ("weighted", y), ("argmax", y)),
             _drawn(("weighted", x), ("weighted", SCORES[3]), ("logsumexp", x), ("argmin", x))]
+    out += [_drawn(*((kind, GATHERED) for kind in kinds))
+            for kinds in (("sum", "max", "min", "argmax"), ("mean", "logsumexp", "softmax"),
+                          ("variance", "weighted", "argmin"))]
     for _ in range(extra):
         out.append(_drawn(*((rng.choice(list(KINDS)), rng.choice(SCORES)) for _ in range(rng.randint(2, 4)))))
     return out
@@ -128,7 +135,8 @@ PROGRAMS = draw_programs()
 
 
 def edge_rows(seed: int) -> Tensors:
-    """X: ordinary rows and the edge rows; Y, V ordinary (Y with ties)."""
+    """X: ordinary rows and the edge rows; Y, V ordinary (Y with ties); P a permutation
+    of X's columns (int64)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(ROWS, LENGTH, generator=g, dtype=torch.float64) * 3
     x[1, 4] = math.nan
@@ -141,7 +149,7 @@ def edge_rows(seed: int) -> Tensors:
     x[8, 3] = x[8, 11] = x[8].max() + 1.0                               # two equal extremes
     y = torch.randint(-3, 4, (ROWS, LENGTH), generator=g).double() * 0.75
     v = torch.randn(LENGTH, VALUES, generator=g, dtype=torch.float64)
-    return {"X": x, "Y": y, "V": v}
+    return {"X": x, "Y": y, "V": v, "P": torch.randperm(LENGTH, generator=g)}
 
 
 def _agrees(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> str | None:
@@ -162,8 +170,8 @@ def _agrees(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> 
 
 
 def _check(program: Drawn, backend: str, dtype: torch.dtype) -> list[str]:
-    inputs = {n: t.to(dtype) for n, t in edge_rows(len(program.source)).items()}
-    want = program.expected({n: t.double() for n, t in inputs.items()})
+    inputs = {n: t.to(dtype) if t.is_floating_point() else t for n, t in edge_rows(len(program.source)).items()}
+    want = program.expected({n: t.double() if t.is_floating_point() else t for n, t in inputs.items()})
     compiled = compiler.compile(program.source, outputs=program.outputs, backend=backend)
     got = compiled(**{i.name: inputs[i.name].to(DEVICE) for i in compiled.checked.inputs})
     got = dict(zip(program.outputs, got if isinstance(got, tuple) else (got,)))
@@ -186,6 +194,7 @@ def test_the_draws_cover_what_they_promise():
         assert all(any({extreme, other} <= k for k in kinds) for other in KINDS if other != extreme)
     assert any(sum(kind.name == "weighted" for _, kind, _ in p.statements) == 2 for p in PROGRAMS)
     assert any({"logsumexp", "softmax"} <= k for k in kinds)
+    assert {kind.name for p in PROGRAMS for _, kind, score in p.statements if score == GATHERED} == set(KINDS)
     assert draw_programs() == PROGRAMS                           # deterministic
     x = edge_rows(0)["X"]
     assert x.isnan().any() and (x == math.inf).any() and (x == -math.inf).all(1).any()
