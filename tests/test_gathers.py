@@ -6,6 +6,7 @@ gradient is the scatter: a sum over the positions equal to each row,
 deterministic) on the oracle and the Triton backend (the interpreter without a
 GPU; GPU-marked cases on the device); errors point at the subscript (the unsupported subscripts' carets:
 test_affine_subscripts.py)."""
+import re
 import warnings
 
 import pytest
@@ -203,6 +204,17 @@ def test_a_statement_of_positions_is_an_error_at_its_read():
     source = "S[i] = X[i]\nY[i, d] = E[S[i], d]"
     with pytest.raises(CheckError, match="a gathered subscript reads an integer input, and 'S' is a statement"):
         compiler.compile(source, backend="reference")
+
+
+@pytest.mark.parametrize("source, words", [
+    ("H[v, w] = A[v + w]\nY[i] = H[T[i], U[i]]", "reading H at T[i], U[i] would gather twice in one subscript"),
+    ("H[v] = A[P[v]]\nY[i] = H[T[i]]", "reading H at T[i] would make a gathered subscript read through another"),
+])
+def test_a_statement_that_cannot_be_read_through_a_gather_is_an_error_at_the_read(source, words):
+    # fuse inlines H into its reader, composing the subscripts: these compositions have no gather
+    with pytest.raises(CheckError, match=re.escape(words)) as info:
+        compiler.compile(source, backend="reference")
+    assert info.value.span is not None and "Y[i] = H[T[i]" in str(info.value)
 
 
 def test_sharding_a_gathered_read_is_refused_at_it():

@@ -136,15 +136,15 @@ def _substituted_subscript(n: Access, d: int, table: dict, read: Access, visit) 
     if found is not None:
         found = (visit(found[0], table), found[1])
         if not isinstance(found[0], Access) or found[0].gathers is not None:
-            raise CheckError(f"reading this at {', '.join(read.subscripts())} would make a gathered subscript read "
-                             f"through another gather; read it at an index", None, read.span)
+            raise CheckError(f"reading {read.tensor} at {', '.join(read.subscripts())} would make a gathered "
+                             f"subscript read through another gather; read it at an index", None, read.span)
     for name, c in n.affine(d)[0].items():
         gathered = table.get(name, (None, None, None))[2]
         if gathered is None:
             continue
         if found is not None:
-            raise CheckError(f"reading this at {', '.join(read.subscripts())} would gather twice in one subscript "
-                             f"({n.tensor}'s dimension {d}); read it at an index", None, read.span)
+            raise CheckError(f"reading {read.tensor} at {', '.join(read.subscripts())} would gather twice in one "
+                             f"subscript ({n.tensor}'s dimension {d}); read it at an index", None, read.span)
         found = (gathered[0], c * gathered[1])
     return terms, constant, found
 
@@ -214,7 +214,10 @@ def fuse(program: Program) -> Program:
     kept = []
     for s in program.statements:
         renamed_before = len(names.origin)
-        expr = transform(s.expr, substitute)
+        try:
+            expr = transform(s.expr, substitute)
+        except CheckError as e:         # a read this pass cannot inline, pointed at in the program's text
+            raise CheckError(e.message, e.source or program.source or None, e.span) from None
         if len(names.origin) != renamed_before:      # fresh names were made: give them back where possible
             expr = transform(expr, names.restore)
         s = replace(s, expr=expr)
