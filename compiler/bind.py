@@ -149,9 +149,9 @@ class Binder:
             if (input_types[name] == BOOL) != (decl.dtype == BOOL):
                 raise BindError(_condition_message(name, decl.dtype, value), src, decl.span)
             if decl.dtype == INT and input_types[name] != INT:
+                given = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else "a number"
                 raise BindError(f"input '{name}' is read as a subscript, so holds integer positions, but the call "
-                                f"passes {f'a {value.dtype} tensor' if isinstance(value, torch.Tensor) else 'a number'}; pass an integer tensor ({name}.long())",
-                                src, decl.span)
+                                f"passes {given}; pass an integer tensor ({name}.long())", src, decl.span)
         if len(devices) > 1:
             raise BindError(f"inputs live on different devices: {', '.join(sorted(map(str, devices)))}")
 

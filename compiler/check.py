@@ -73,7 +73,7 @@ class _Checker:
             raise CheckError("the program has no statements", self.source, Span(0, max(1, len(self.source))))
         self._collect_index_names()
         self.conditions = _condition_reads(statements, self.index_names)
-        self.positions = self._position_reads(statements)
+        self.positions = _position_reads(statements)
         names = [s.name for s in statements]
         defined: dict[str, syn.Statement] = {}
         for st in statements:       # before reading: a reread of a twice-assigned name is no forward read
@@ -250,8 +250,9 @@ class _Checker:
                                  f"positions)", span)
             dtype = BOOL if name in self.conditions else INT if name in self.positions else FLOAT
             self.inputs[name] = Input(name, len(subscripts), node.span, dtype)
+        # (a bare name, read at no subscript, is a syntax Name without subscripts)
         gathers = tuple(self._gather(sub, terms, statement, later)
-                        for sub, (terms, _) in zip(getattr(node, "subscripts", ()), subscripts))
+                        for sub, (terms, _) in zip(node.subscripts if subscripts else (), subscripts))
         subscripts = tuple(({n: c for n, c in terms.items() if isinstance(n, str)}, constant)
                            for terms, constant in subscripts)
         access = affine_access(name, subscripts, node.span, gathers)
@@ -285,17 +286,6 @@ class _Checker:
             raise self.error(f"a gathered subscript's own subscripts are affine combinations of indices, "
                              f"not another gather", nested.span)
         return self._access(inner, subscripts, statement, later), terms[inner]
-
-    def _position_reads(self, statements) -> set[str]:
-        """The tensor names read in a subscript (`T` of `E[T[i], d]`): integer inputs."""
-        found = set()
-        stack = [st.expr for st in statements]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, syn.Access):
-                found |= {read.name for sub in node.subscripts for read in _gathers(sub)}
-            stack.extend(_syntax_children(node))
-        return found
 
     def _call(self, node: syn.Call, rec) -> Expr:
         if node.name == "len":
@@ -533,6 +523,18 @@ def _condition_reads(statements, index_names: set[str]) -> set[str]:
         else:
             conditions = ()
         found |= {c.name for c in conditions if isinstance(c, syn.Access | syn.Name) and c.name not in index_names}
+        stack.extend(_syntax_children(node))
+    return found
+
+
+def _position_reads(statements) -> set[str]:
+    """The tensor names read in a subscript (`T` of `E[T[i], d]`): integer inputs."""
+    found = set()
+    stack = [st.expr for st in statements]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, syn.Access):
+            found |= {read.name for sub in node.subscripts for read in _gathers(sub)}
         stack.extend(_syntax_children(node))
     return found
 

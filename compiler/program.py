@@ -284,10 +284,10 @@ def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram
                         | {s.name for s in ir.statements})
     wide = set(batched)
 
-    def rows(layout, batched: bool) -> tuple:
-        """`layout` over the indices with the batch index first: a column of zeros, and a
-        leading dimension read at it where the tensor is batched."""
-        first = (((1,) + (0,) * len(layout[0][0]), 0),) if batched else ()
+    def rows(layout, width: int, batched: bool) -> tuple:
+        """`layout` (coefficients over `width` indices) over the indices with the batch index
+        first: a column of zeros, and a leading dimension read at it where the tensor is batched."""
+        first = (((1,) + (0,) * width, 0),) if batched else ()
         return (*first, *(((0, *coeffs), c) for coeffs, c in layout))
 
     def widen(e):
@@ -297,8 +297,9 @@ def _with_batch_index(ir: IRProgram, batched: frozenset[str]) -> tuple[IRProgram
             return replace(e, indices=(index, *e.indices))
         gathers = None if e.gathers is None else (
             *((None,) if e.tensor in wide else ()),
-            *(g and replace(g, layout=rows(g.layout, g.tensor in wide)) for g in e.gathers))
-        return replace(e, indices=(index, *e.indices), layout=rows(e.layout, e.tensor in wide), gathers=gathers)
+            *(g and replace(g, layout=rows(g.layout, len(e.indices), g.tensor in wide)) for g in e.gathers))
+        return replace(e, indices=(index, *e.indices), layout=rows(e.layout, len(e.indices), e.tensor in wide),
+                       gathers=gathers)
 
     statements = []
     for st in ir.statements:

@@ -198,6 +198,9 @@ def test_vmap_batches_the_positions_the_table_or_both():
                                torch.stack([tables[b][T[b]] for b in range(3)]))
     torch.testing.assert_close(torch.vmap(lambda e: program(E=e, T=T[0]))(tables),
                                torch.stack([tables[b][T[0]] for b in range(3)]))
+    # ids of rank 0 batched: the gather's layout gains its first dimension
+    one = compiler.compile("Y[d] = E[T[], d]")
+    torch.testing.assert_close(torch.vmap(lambda t: one(E=E, T=t))(T[0]), E[T[0]])
 
 
 def test_a_statement_of_positions_is_an_error_at_its_read():

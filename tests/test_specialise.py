@@ -92,6 +92,22 @@ def test_a_gathered_reads_scatter_visits_the_positions_sorted_by_their_values():
     assert kernel.folds[0].sorted is None and kernel.folds[0].skips
 
 
+@pytest.mark.parametrize("spelling", ["dE[s, d] = sum[i](where(T[i] == s, dY[i, d], 0.0))",
+                                      "dE[s, d] = sum[i](where(s == T[i], dY[i, d], 0.0))",
+                                      "G[v, e] = sum[j](where(T[j] == v, dY[j, e], 0.0))",
+                                      "dE[s, d] = sum[i](where(T[i] + 0 == s, dY[i, d], 0.0))"])
+def test_every_spelling_of_a_scatter_takes_one_sorted_schedule(spelling):
+    # the equality either way round, renamed indices, a zero offset: the same sorted loop and tiles
+    program = compiler.compile(spelling, backend="triton")
+    binding = program.binder({"dY": _input((8192, 1024), torch.bfloat16), "T": torch.zeros(8192, dtype=torch.int64),
+                              program.checked.statements[0].indices[0]: 50257})
+    typed, binding = program._typed(binding.values)
+    (kernel,) = typed.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    (loop,) = kernel.folds
+    assert loop.sorted is not None and loop.sorted.tensor == "T" and loop.sorted.offset == 0
+    assert [(t.how, t.size) for t in (*kernel.grid, *loop.tiles)] == [(ONE_AT_A_TIME, 0), (TILED, 256), (TILED, 16)]
+
+
 def test_hopper_takes_the_warp_specialised_form_at_depth_128():
     source, inputs = SIZES["causal"]
     program = compiler.compile(source, backend="triton")

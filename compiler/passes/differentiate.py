@@ -546,9 +546,7 @@ def _scattered(g: Expr, read: Access, targets: tuple[str, ...], names: _Names) -
             # a gathered position (`E[T[i], d]` read at v): the positions where T[i] == v, summed over
             value = substitute_affine(found[0], {n: v for n, v in solved.items() if v != ({n: 1}, 0)},
                                       names.fresh, read)
-            value = value if found[1] == 1 else Call("mul", (Const(found[1]), value))
-            position = value if not terms and not constant else Call("add", (value, affine_position(terms, constant)))
-            equal.append(Call("eq", (position, Index(targets[d]))))
+            equal.append(Call("eq", (affine_position(terms, constant, (value, found[1])), Index(targets[d]))))
             continue
         pivot = next((n for n, c in terms.items() if abs(c) == 1 and n in unknown), None)
         if pivot is None:

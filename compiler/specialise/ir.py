@@ -124,7 +124,8 @@ class FoldLoops:
     # the index whose loop a split kernel's programs divide among them, one chunk of its
     # tiles each (a split program fold's; "" otherwise)
     chunked: str = ""
-    # a single loop over the positions sorted by the values an equality with data compares
+    # a loop over the positions sorted by the values an equality with data compares (its rows
+    # one value at a time outside it)
     sorted: SortedLoop | None = None
 
     def tile(self, index: str) -> Tile:
