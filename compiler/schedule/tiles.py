@@ -28,6 +28,7 @@ ROW_BLOCK = 1024      # tile of an elementwise grid index
 STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 8192 in one tile, so
                       # that an epilogue re-reading it finds it in cache
 TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
+SCAN_BLOCK = 1024     # the longest tile a scan runs its index through in order (tl.associative_scan)
 COLUMN_BLOCK = 64     # grid tile of an index contiguous in memory under a streamed row index
 COLUMN_TILE = 16384   # elements of a column sum's tile: COLUMN_BLOCK columns by 256 rows a step (H200,
                       # bf16 column mean and variance, 262144 x 256: 0.175 ms at 4096 elements, 0.112 at
@@ -375,14 +376,31 @@ def sorted_tile(positions: int, values: int) -> int:
     return max(16, min(256, np2(-(-positions // max(values, 1)))))
 
 
-def grid_tiling(kernel, extent: Callable[[str], int], ordered: tuple[str, int] | None = None) -> GridTiling:
+def scan_tile(n: int, width: int = 1) -> int:
+    """The tile of a grid index a scan runs through in order (specialise.ir.PrefixLoop):
+    the whole extent up to SCAN_BLOCK, at least 16 (tl's smallest); beside a state
+    `width` values wide for each position (a selective scan's n), within TILE_BUDGET."""
+    return max(16, min(SCAN_BLOCK, np2(n), np2(TILE_BUDGET // width + 1) // 2))
+
+
+def grid_tiling(kernel, extent: Callable[[str], int], ordered: tuple[str, int] | None = None,
+                scanned: tuple[str, int, int] | None = None) -> GridTiling:
     """The tiles of `kernel`'s grid indices for these extents, the last index first.
     `ordered`: (the grid index, the loop tile) of a sorted loop (specialise.ir.SortedLoop):
     that index runs one value at a time, each program the contiguous range of the sorted
     order its value has, and the others share the budget with the loop's tile (the rows
-    it gathers are read whole-line, not a column's stride)."""
+    it gathers are read whole-line, not a column's stride).  `scanned`: (the grid index,
+    its tile, the state's width beside it) of a scan (specialise.ir.PrefixLoop): each
+    program runs through that index in order, and the other grid indices share the
+    budget with its tile (a long scan's rows one a program: more programs)."""
     dot = kernel.dot_indices
     tiled = tiled_grid(kernel, extent)
+    if scanned:
+        blocks = {scanned[0]: scanned[1]}
+        rows = next((g for g in reversed(kernel.grid) if g in tiled and g != scanned[0]), None)
+        if rows is not None and extent(scanned[0]) < SCAN_BLOCK:
+            blocks[rows] = min(np2(extent(rows)), max(1, TILE_BUDGET // (scanned[1] * scanned[2])))
+        return GridTiling(blocks, frozenset(), STREAM_BLOCK)
     streamed = (ordered[1] if ordered else streamed_width(kernel, extent)) if streams(kernel) else 0
     blocks: dict[str, int] = {}
     whole: set[str] = set()

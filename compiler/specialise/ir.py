@@ -100,6 +100,34 @@ class SortedLoop:
 
 
 @dataclass(frozen=True)
+class PrefixLoop:
+    """A fold that is a prefix (or suffix) of another: its one index `index` masked
+    by a single relation to a grid index `over` (`s <= t + offset`; a suffix:
+    `s >= t + offset`), its arguments reading `over` nowhere else.  The value at t is
+    then the fold of the elements at s = t + offset for every t up to it (from it, for
+    a suffix), so the kernel runs `over` in order through each program, tile by tile:
+    within a tile an associative scan of the elements with the summary's combine, and
+    the state of the tiles before carried into it.  `element`: the fold's arguments at
+    s = t + offset, the relation assumed (the condition's other conjuncts stay)."""
+    index: str
+    over: str
+    offset: int
+    reverse: bool          # a suffix: `over` runs from its last tile down
+    conjunct: Expr
+    element: tuple[Expr, ...]
+
+    @property
+    def position(self) -> str:
+        """The position of s that the element at t reads: `t - 1`."""
+        return self.over + (f" + {self.offset}" if self.offset > 0 else f" - {-self.offset}" if self.offset else "")
+
+    def __str__(self) -> str:
+        kind = "suffix" if self.reverse else "prefix"
+        return (f"{kind} scan along {self.over} ({format_expr(self.conjunct)}): the element of {self.over} "
+                f"is {self.index} = {self.position}")
+
+
+@dataclass(frozen=True)
 class FoldLoops:
     """How one fold streams: a Tile per index it reduces, in its order, and the
     bands of its loops (schedule.bounds: each fact read off the fold once, here)."""
@@ -127,6 +155,8 @@ class FoldLoops:
     # a loop over the positions sorted by the values an equality with data compares (its rows
     # one value at a time outside it)
     sorted: SortedLoop | None = None
+    # a prefix (or suffix) of the fold along a grid index the program runs in order: no loop
+    prefix: PrefixLoop | None = None
 
     def tile(self, index: str) -> Tile:
         return next(t for t in self.tiles if t.index == index)
@@ -135,6 +165,8 @@ class FoldLoops:
         where = "nested fold" if self.nested else "fold"
         fields = ", ".join(self.fold.summary.field_names)
         notes = [f"bounds: {', '.join(str(b) for _, bs in self.bounds for b in bs)}"] if self.bounds else []
+        if self.prefix is not None:
+            notes.append(str(self.prefix))
         if self.sorted is not None:
             notes.append(str(self.sorted))
         if self.interior:
@@ -145,8 +177,8 @@ class FoldLoops:
         notes += [f"{index} shares the {where}'s tile" for index, where in self.shared]
         if self.chunked and self.chunked != self.fold.indices[0]:
             notes.append(f"the split divides the tiles of {self.chunked}")
-        return (f"{where}[{', '.join(self.fold.indices)}] of {fields}: "
-                f"{'; '.join(str(t) for t in self.tiles)}" + "".join(f" [{n}]" for n in notes))
+        tiles = "; ".join(str(t) for t in self.tiles) or "no loop"
+        return f"{where}[{', '.join(self.fold.indices)}] of {fields}: {tiles}" + "".join(f" [{n}]" for n in notes)
 
 
 @dataclass(frozen=True)
@@ -184,6 +216,10 @@ class ConcreteKernel:
     # indices, whether they hold more than the GPU's L2 cache); the last read of each streams
     # past the cache (evict_first), an earlier one larger than L2 is kept for it (evict_last)
     past_cache: tuple[tuple[str, tuple[str, ...], bool], ...] = ()
+    # the grid index each program runs through in order, tile after tile, and whether from
+    # its last tile down: its prefix folds' state is carried from tile to tile ("": none)
+    scan: str = ""
+    scan_reverse: bool = False
 
     @property
     def name(self) -> str:
@@ -214,6 +250,9 @@ class ConcreteKernel:
                                           if self.grouped else "")
         grid = f"grid ({', '.join(str(untuned(t)) for t in self.grid)})" if self.grid else "one program"
         lines = [f"kernel {self.name}: {grid}{order}"]
+        if self.scan:
+            lines.append(f"  {self.scan} runs in order through each program{', last tile first' * self.scan_reverse}, "
+                         f"the scans' state carried from tile to tile")
         if self.epilogue:
             # an index held whole is one tile of the kernel's: no loop over it
             looped = any(t.how != WHOLE for t in self.epilogue)

@@ -23,19 +23,21 @@ from dataclasses import replace
 
 import torch
 
-from ..ir import Access, Call, Expr, Index, Reduce, constant, outer_reductions, walk
+from ..errors import CheckError
+from ..ir import Access, Call, Composite, Expr, Index, Reduce, constant, outer_reductions, walk
+from ..passes.fuse import substitute_affine
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.chunks import CHUNK_ALIGN, Chunking
-from ..schedule.bounds import data_tests, index_bounds, tile_tests
+from ..schedule.bounds import assume_relation, data_tests, index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, STREAMED_DEPTH,
                               TUNE_SPLIT_WORK,
                               auto_split, fold_caps, free_tile,
                               grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
-                              one_at_a_time, size_class, sorted_tile, split_tile, uniform_work, whole_tile)
+                              one_at_a_time, scan_tile, size_class, sorted_tile, split_tile, uniform_work, whole_tile)
 from . import forms
 from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
-                 Signature, SortedLoop, Tile)
+                 PrefixLoop, Signature, SortedLoop, Tile)
 
 
 def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
@@ -170,13 +172,27 @@ class _Kernel:
         self.split_work = 0             # the program folds' work at the shape classes (split)
         self.dot = set(spec.dot_indices)
         self.inputs = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
+        self.scan: tuple[str, bool] | None = None     # (the grid index run in order, last tile first)
+        self.prefixes: dict[Reduce, PrefixLoop | None] = {}
+        self.grid_scope = {g: ("grid", False) for g in spec.grid}
 
     def specialised(self, known: frozenset, shared: frozenset, dtypes: dict) -> ConcreteKernel:
         spec = self.spec
-        grid_scope = {g: ("grid", False) for g in spec.grid}
-        # a chunked run's kernel sees views of its tensors: the launcher's sort would be of the whole
-        ordered = [] if self.chunked else [o for f in spec.program_folds for o in [self.sorted_fold(f, grid_scope)] if o]
-        tiling = grid_tiling(spec, self.extent, (ordered[0].by, self.sorted_tile(ordered[0])) if ordered else None)
+        grid_scope = self.grid_scope
+        # a chunked run's kernel sees views of its tensors: the launcher's sort would be of the
+        # whole, and a scan of a chunk would start from nothing
+        prefixes = [] if self.chunked else [(f, p) for f in self.all_folds() for p in [self.prefix_loop(f, grid_scope)]
+                                             if p]
+        self.scan = (prefixes[0][1].over, prefixes[0][1].reverse) if prefixes else None
+        ordered = [] if self.chunked or self.scan else [
+            o for f in spec.program_folds for o in [self.sorted_fold(f, grid_scope)] if o]
+        scanned = None
+        if self.scan:
+            # a scan nested in a fold over n holds a state per value of n beside the tile (held whole)
+            width = max(math.prod(np2(self.extent(i)) for i in free(f) - set(spec.grid)) for f, _ in prefixes)
+            scanned = (self.scan[0], scan_tile(self.extent(self.scan[0]), width), width)
+        tiling = grid_tiling(spec, self.extent, (ordered[0].by, self.sorted_tile(ordered[0])) if ordered else None,
+                             scanned)
         blocks = dict(tiling.blocks)
         lacking = {g for g in spec.grid if any(g not in st.indices for st in spec.statements)}
         for g in lacking:
@@ -190,7 +206,8 @@ class _Kernel:
         # tile (chunk_<v> in the kernel), and its loop tile is capped so that every split has one
         whole = split == 1
         self.split_caps: dict[str, int] = {}
-        grid = tuple(self.grid_tile(g, blocks.get(g, 0), g in tiling.whole) for g in spec.grid)
+        grid = tuple(Tile(g, TILED, scanned[1], why="in order: the scan's tile") if scanned and g == scanned[0]
+                     else self.grid_tile(g, blocks.get(g, 0), g in tiling.whole) for g in spec.grid)
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
         self.epilogue_sizes = {t.index: t.size for t in epilogue}
         # the grid's and the epilogue's whole tiles, which a nested fold's whole tile may share
@@ -200,15 +217,15 @@ class _Kernel:
         tuned_grid = [t for t in grid if t.tuned]
         table, candidates = self.tuning(tuned_grid, folds, whole) if not self.sig.interpret else ("", ())
         form, form_why = None, ""
-        if whole and not self.chunked:      # a split kernel is its partial and merge functions, in tl
+        if whole and not self.chunked and not self.scan:    # a split kernel: its partial and merge functions, in tl
             program = next((f for f in folds if spec.program_folds and f.fold == spec.program_folds[0]), None)
             form, form_why = forms.choose(spec, program, self.sig, self.extent, set(known))
             if not any(f.summary.rescaled for f in spec.program_folds):
                 form_why = ""
-        return ConcreteKernel(spec, grid, self.longest_first(grid) if whole else None,
+        return ConcreteKernel(spec, grid, self.longest_first(grid) if whole and not self.scan else None,
                               whole and len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
                               why, table, candidates, form, form_why,
-                              self.past_cache(grid, shared, dtypes))
+                              self.past_cache(grid, shared, dtypes), *(self.scan or ("", False)))
 
     def past_cache(self, grid: tuple[Tile, ...], shared: frozenset, dtypes: dict):
         """The reads of a kernel that folds without tl.dot (a memory-bound reduction)
@@ -288,6 +305,11 @@ class _Kernel:
             loops = out.get((fold, nested))
             if loops is None:
                 loops = out[fold, nested] = self.fold_loops(fold, nested, split, whole, scope)
+            if loops.prefix is not None:
+                # the elements are evaluated where the scan's tile is: at the grid's indices
+                for a in loops.prefix.element:
+                    self.visit(a, scope, split, whole, out)
+                continue
             inner = {**scope, **{t.index: ("whole" if t.how == WHOLE else "loop", t.scalar) for t in loops.tiles}}
             for a in fold.args:
                 self.visit(a, inner, split, whole, out)
@@ -296,6 +318,11 @@ class _Kernel:
         """The loops of `fold`; `whole`: the kernel is not split (a split program's loop
         runs its chunk of the tiles, with no unmasked interior band)."""
         s = fold.summary
+        if self.scan is not None and not nested:
+            prefix = self.prefix_loop(fold, scope)
+            if prefix is not None and (prefix.over, prefix.reverse) == self.scan:
+                return FoldLoops(fold, nested, (), prefix=prefix)
+        carried = self.scanned_inside(fold)
         singles = one_at_a_time(fold, self.dot, self.extent)
         batch = _batch_indices(fold)
         exact = self.sig.sums_in_order(dot_dtype(fold, self.inputs, self.sig))
@@ -311,6 +338,8 @@ class _Kernel:
                 tiles.append(Tile(b, ONE_AT_A_TIME, 0, why="beside a tl.dot over another index"))
             elif nested and held_whole(n, dot and exact):
                 tiles.append(Tile(b, WHOLE, whole_tile(n, dot)))
+            elif b in carried:
+                tiles.append(Tile(b, WHOLE, whole_tile(n, dot), why="the scan inside carries a state per value"))
             else:
                 block = self.loop_block(fold, p, split, caps)
                 divided = self.split_here(fold, p, split)
@@ -358,7 +387,7 @@ class _Kernel:
                 return others <= (one_value if t.index in free(x) else free(fold))
             span = tuple(c for c in tests.get(t.index, ()) if isinstance(c, Call) and c.op in RANGED
                          and all(map(scannable, c.args)))
-        ordered = None if loops.chunked or self.chunked else self.sorted_fold(fold, scope)
+        ordered = None if loops.chunked or self.chunked or self.scan else self.sorted_fold(fold, scope)
         if ordered is not None:
             # positions in sorted order: no bound, band or span of the index's own order holds there;
             # a tile of about the positions a value has, each row of the values one at a time
@@ -369,6 +398,70 @@ class _Kernel:
             kept = () if scope[ordered.by][1] else tuple((i, cs) for i, cs in skips if i == ordered.index)
             return replace(loops, tiles=tiles, shared=(), bounds=(), skips=kept, sorted=ordered)
         return replace(loops, bounds=bounds, skips=skips, interior=interior, span=span)
+
+    def all_folds(self) -> list[Reduce]:
+        """Every fold of the kernel's statements, outermost first."""
+        return list(dict.fromkeys(n.fold for st in self.spec.statements for n in walk(st.expr)
+                                  if isinstance(n, Reduce)))
+
+    def scanned_inside(self, fold: Reduce) -> set[str]:
+        """The indices of `fold` that a prefix fold of the kernel's scan nested in its
+        arguments varies over, where each can be held whole (a selective scan's state
+        index n under Y[t] = sum[n](C[n, t] * H[n, t])): the scan's carried state holds
+        one value per element of their tile, so each is one tile, not a loop."""
+        if self.scan is None:
+            return set()
+        out: set[str] = set()
+        for n in (n for a in fold.args for n in walk(a) if isinstance(n, Reduce)):
+            p = self.prefix_loop(n.fold, self.grid_scope)
+            if p is not None and (p.over, p.reverse) == self.scan:
+                out |= free(n.fold) & set(fold.indices)
+        return {b for b in out if held_whole(self.extent(b), False)}
+
+    def prefix_loop(self, fold: Reduce, scope) -> PrefixLoop | None:
+        """The prefix (or suffix) scan of `fold` where its one index s is masked by a
+        single relation `s <= t + c` (`s < t + c`; a suffix: `s >= t + c`, `s > t + c`)
+        to a grid index t that its arguments read nowhere else.  A prefix's elements
+        start at s = t + c <= 0, so that the first tile's scan covers every s from 0; a
+        suffix's last element, at the last t, must reach the last s."""
+        if fold not in self.prefixes:
+            self.prefixes[fold] = self.prefix_candidate(fold)
+        p = self.prefixes[fold]
+        return p if p is not None and scope.get(p.over, ("",))[0] == "grid" else None
+
+    def prefix_candidate(self, fold: Reduce) -> PrefixLoop | None:
+        """prefix_loop's, whatever the scope of the index it runs along."""
+        if len(fold.indices) != 1:
+            return None
+        (index,) = fold.indices
+        relations = index_bounds(fold).get(index, ())
+        if len(relations) != 1:
+            return None
+        (b,) = relations
+        c = constant(b.offset)
+        if b.other is None or b.sign != 1 or c is None or c != int(c):
+            return None
+        offset = int(c) + {"le": 0, "lt": -1, "ge": 0, "gt": 1}[b.op]
+        reverse = b.op in ("ge", "gt")
+        if offset > 0 if not reverse else self.extent(b.other) + offset < self.extent(index):
+            return None
+        assumed = assume_relation(fold, b)
+        if b.other in free(assumed) or any(isinstance(n, Composite) and index in n.indices
+                                           for a in assumed.args for n in walk(a)):
+            return None
+        taken = {n.name for a in assumed.args for n in walk(a) if isinstance(n, Index)} | set(fold.indices)
+
+        def fresh(name: str) -> str:
+            k = 1
+            while f"{name}{k}" in taken:
+                k += 1
+            taken.add(f"{name}{k}")
+            return f"{name}{k}"
+        try:
+            element = tuple(substitute_affine(a, {index: ({b.other: 1}, offset)}, fresh, None) for a in assumed.args)
+        except CheckError:
+            return None
+        return PrefixLoop(index, b.other, offset, reverse, b.conjunct, element)
 
     def sorted_tile(self, ordered: SortedLoop) -> int:
         return sorted_tile(self.extent(ordered.index), self.extent(ordered.by))
@@ -431,6 +524,8 @@ class _Kernel:
     # ------------------------------------------------------------ 4. the split
     def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:
         spec = self.spec
+        if self.scan:
+            return 1, "" if self.requested in (None, 1) else f"a scan runs {self.scan[0]} in order in each program"
         if not spec.program_folds:
             return 1, "" if self.requested in (None, 1) else "no fold streams per program; nothing to split"
         if spec.dependent:

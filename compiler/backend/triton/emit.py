@@ -315,11 +315,14 @@ class ModuleContext:
             name = self.fresh_names[name]
         return extents[name]
 
-    def combine_fn(self, summary, fields: tuple[str, ...]) -> str:
-        key = (summary, fields)
+    def combine_fn(self, summary, fields: tuple[str, ...], flipped: bool = False) -> str:
+        """The name of a jit function of the summary's combine on `fields` (a's, then
+        b's); `flipped`: of combine(b, a), for a scan from the last element down
+        (tl.associative_scan(..., reverse=True) passes the later segment first)."""
+        key = (summary, fields, flipped)
         if key not in self.combines:
             guarded = not exact_identity(summary, fields)
-            base = f"combine_{ident(summary.name)}"
+            base = f"combine_{ident(summary.name)}" + "_later_first" * flipped
             taken = self.module_names | self.local_names
             name, k = base, 1
             while name in taken:
@@ -331,10 +334,13 @@ class ModuleContext:
             b = {f: f"b_{ident(f)}" for f in fields}
             names = {f"a.{f}": a[f] for f in fields} | {f"b.{f}": b[f] for f in fields}
             params = ", ".join([a[f] for f in fields] + [b[f] for f in fields])
+            if flipped:
+                names = {f"a.{f}": b[f] for f in fields} | {f"b.{f}": a[f] for f in fields}
             combine = selecting_combine(summary)
             results = [inline_formula(combine[index[f]], names, self.helpers) for f in fields]
             lines = ["@triton.jit", f"def {name}({params}):",
-                     f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})"]
+                     f"    # the combine of summary '{summary.name}' on fields ({', '.join(fields)})"
+                     + (", of b then a" if flipped else "")]
             if guarded:
                 ids = {f: emission.literal(summary.identity[index[f]].value) for f in fields}
                 a_empty, b_empty = "a_empty", "b_empty"
@@ -410,6 +416,10 @@ class KernelEmitter:
         self.tile_of: dict[str, str] = {}            # a load's variable -> the variable of its first tile
         self.loads: dict[str, Load] = {}             # a load's variable -> what its hint depends on
         self.sorted_axes: set[int] = set()           # the ids of loop axes over sorted positions
+        # a scan's loop (ConcreteKernel.scan): where its header goes in the root's lines, and the
+        # carried states' initial lines, which go before it
+        self.scan_at: int | None = None
+        self.scan_init: list[str] = []
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
         self.held: dict[str, tuple] = {}             # a running state's variable -> the axes it holds
         self.root = Scope(None, 0, {}, "root")
@@ -967,7 +977,7 @@ class KernelEmitter:
         # tile's output) is stored once: by the programs of the first tile of the others
         # (an index held whole has one)
         first = [f"pid_{scope.env[g].var} == 0" for g in self.spec.grid
-                 if g not in indices and g not in self.whole_grid]
+                 if g not in indices and g not in self.whole_grid and g != self.kernel.scan]
         if first:
             scope.lines += [f"if {' and '.join(first)}:", f"    {line}"]
         else:
@@ -1022,6 +1032,8 @@ class KernelEmitter:
         loops: list[Axis] = []
         bound: list[Axis] = []
         how = self.kernel.loops_of(fold, nested=T.kind in ("body", "merge"))
+        if how.prefix is not None:
+            return self.prefix_fold(fold, how.prefix, env0, T, k)
         shared = {index for index, _ in how.shared}
         for t in how.tiles:
             ax = self.whole_axis(t, t.index in shared) if t.how == WHOLE else \
@@ -1141,6 +1153,68 @@ class KernelEmitter:
             T.lines.extend(finish)
         else:
             T.lines[mark + 1:mark + 1] = init      # the state exists before the straight-line body
+        return state
+
+    def prefix_fold(self, fold: Reduce, p, env0: dict[str, Axis], T: Scope, k: int) -> dict[str, Value]:
+        """The state of a prefix fold (specialise.ir.PrefixLoop) at every position of the
+        scan's tile: the elements lifted (the identity where s = t + offset is outside
+        s's extent), scanned along the tile with the summary's combine, each combined
+        with the state of the tiles before (after, for a suffix), which then takes the
+        tile's last (first) position's."""
+        s = fold.summary
+        ax = env0[p.over]
+        T.lines.append(f"# fold {k}: {s.name}[{p.index}] as a {'suffix' if p.reverse else 'prefix'} scan along "
+                       f"{p.over}: the element at {p.over} is the fold's at {p.index} = {p.position}")
+        xs = {f"x{j}": self.renamed(self.value(a, T), f"x{j}", T) for j, a in enumerate(p.element)}
+        xs = {x: v if v.kind == "int" else self.as_float(v) for x, v in xs.items()}
+        kinds = self.field_kinds(s, xs)
+        fields = s.field_names
+        ids = {f: self.identity_literal(s, f, kinds[f]) for f in fields}
+        lifted = {f: self.to_kind(self.formula(s.lift[i], xs, T), kinds[f]) for i, f in enumerate(fields)}
+        U = sort_axes([a for v in lifted.values() for a in v.axes] + list(env0.values()))
+        self.tile(U)
+        inside = [self.expand(Value(ax.mask, (ax,), "bool"), U)] if self.ragged(ax) else []
+        position = f"{ax.offs} + {p.offset}" if p.offset > 0 else f"{ax.offs} - {-p.offset}" if p.offset else ax.offs
+        if p.offset < 0:
+            inside.append(self.expand(Value(f"({ax.offs} >= {-p.offset})", (ax,), "bool"), U))
+        if self.ctx.extent(p.over) + p.offset > self.ctx.extent(p.index):
+            inside.append(self.expand(Value(f"({position} < {self.extent_param(p.index)})", (ax,), "bool"), U))
+        tiles = []
+        for f in fields:
+            code = self.expand(lifted[f], U)
+            if inside:
+                code = f"tl.where({' & '.join(inside)}, {code}, {ids[f]})"
+            tiles.append(self.assign(self.broadcast(code, U, self.state_dtype(kinds[f])), U, T,
+                                     stem=f"lift_{ident(f)}").code)
+        pos = dims(U).index(ax)
+        combine = self.ctx.combine_fn(s, fields, flipped=p.reverse and not s.commutative)
+        scans = [self.temp(f"scan_{ident(f)}") for f in fields]
+        operands = tiles[0] if len(fields) == 1 else "(" + ", ".join(tiles) + ",)"
+        T.lines.append(f"{', '.join(scans)} = tl.associative_scan({operands}, {pos}, {combine}"
+                       f"{', reverse=True' * p.reverse})")
+        # the state of the tiles before (after) this one: carried across the scan's loop
+        FA = sort_axes(a for a in U if a is not ax)
+        carry = {}
+        for f in fields:
+            var = self.state_var(f"f{k}", f, f"carry_{ident(f)}")
+            self.scan_init.append(f"{var} = tl.full({self.shape(FA)}, {ids[f]}, {self.state_dtype(kinds[f])})")
+            carry[f] = Value(var, FA, kinds[f])
+        scanned = {f: Value(v, U, kinds[f]) for f, v in zip(fields, scans)}
+        earlier, later = (scanned, carry) if p.reverse else (carry, scanned)
+        env = {f"a.{f}": earlier[f] for f in fields} | {f"b.{f}": later[f] for f in fields}
+        T.lines.append(f"# each position's state: the carried state's and the scan's, by the combine of '{s.name}'")
+        cse: dict = {}
+        rule = selecting_combine(s)
+        new = {f: self.formula(rule[i], env, T, cse) for i, f in enumerate(fields)}
+        new = self.guard_identity(s, fields, earlier, later, new, T)
+        state = {f: self.assign(self.full_shape(self.to_kind(new[f], kinds[f]), U), U, T, kinds[f],
+                                stem=f"{'suffix' if p.reverse else 'prefix'}_{ident(f)}") for f in fields}
+        edge = f"{ax.block_name} - 1" if not p.reverse else "0"
+        at = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {edge})", (ax,), "bool"), U)
+        T.lines.append(f"# carried on: the state at the tile's {'first' if p.reverse else 'last'} position")
+        for f in fields:
+            zero = "0" if kinds[f] == "int" else "0.0"
+            T.lines.append(f"{carry[f].code} = tl.sum(tl.where({at}, {state[f].code}, {zero}), {pos})")
         return state
 
     def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list,
@@ -2073,6 +2147,9 @@ class KernelEmitter:
         # cost 8-14% at S = 1024 on the H100)
         longest_first = self.kernel.longest_first
         grouped = self.grouped_order(order, axes) if self.kernel.grouped else None
+        scan = self.kernel.scan
+        if scan:
+            order.remove(scan)
         for p, g in enumerate(order):
             ax = axes[g]
             n = self.extent_param(g)
@@ -2099,6 +2176,30 @@ class KernelEmitter:
                 wide = ".to(tl.int64)" if self.ctx.extent(g) + ax.block >= 2**31 else ""
                 lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
+        if scan:
+            # one program along it: the rest of the kernel runs in a loop over its tiles
+            # (build places the header here), the scans' state carried from tile to tile
+            ax = axes[scan]
+            self.scan_at = len(lines)
+            lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
+            lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(scan)}")
+
+    def scan_loop(self, lines: list[str]) -> list[str]:
+        """The root's lines with the scan's loop around those after its header's place:
+        over the tiles of the scanned index, in order (from the last, for a suffix)."""
+        if self.scan_at is None:
+            return lines
+        ax = self.root.env[self.kernel.scan]
+        n = self.extent_param(ax.name)
+        if self.kernel.scan_reverse:
+            header = [f"for step_{ax.var} in range(0, tl.cdiv({n}, {ax.block_name})):"]
+            first = [f"start_{ax.var} = (tl.cdiv({n}, {ax.block_name}) - 1 - step_{ax.var}) * {ax.block_name}"]
+        else:
+            header, first = [f"for start_{ax.var} in range(0, {n}, {ax.block_name}):"], []
+        where = "last tile first" if self.kernel.scan_reverse else "in order"
+        return [*lines[:self.scan_at], *self.scan_init,
+                f"# the tiles of {ax.name}, {where}: each carries the scans' state to the next",
+                *header, *indent(first + lines[self.scan_at:])]
 
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
 
@@ -2131,7 +2232,7 @@ class KernelEmitter:
         parts = []
         for g in self.spec.grid:
             ax = self.root.env[g]
-            parts.append(g if ax.scalar else f"{g}/{ax.block}")
+            parts.append(g if ax.scalar else f"{g}/{ax.block}" + " in order" * (g == self.kernel.scan))
         return f"grid ({', '.join(parts)})" if parts else "one program"
 
     def split_prologue(self, lines: list[str]) -> None:
@@ -2191,7 +2292,7 @@ class KernelEmitter:
         params = list(self.params)
         signature = ", ".join(params + [f"{c}: tl.constexpr" for c in self.constexprs])
         body = with_eviction_hints(drop_unread(inline_single_uses(one_per_tile(
-            with_role_names(root.lines, self.role_names), set(self.tile_of.values())))), self.loads)
+            with_role_names(self.scan_loop(root.lines), self.role_names), set(self.tile_of.values())))), self.loads)
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(body)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs),
                           self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
