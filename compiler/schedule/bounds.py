@@ -22,7 +22,7 @@ import sympy
 
 from ..algebra.formula import to_sympy
 from ..ir import (Call, Const, Expr, Index, Reduce, Var, children, constant, format_expr, free_indices, linear_form,
-                  nodes, reads, transform)
+                  nodes, reads, substitute, transform)
 from ..ops import OPS, PREDICATES
 
 
@@ -257,15 +257,18 @@ def assume_relation(fold: Reduce, relation: Bound) -> Reduce:
     """`fold` on the tiles where `relation` holds for every element: that
     conjunct of the masking predicates is true there, and a predicate left with
     no conjunct selects its value outright (interior tiles pay for no mask).
-    A fold nested in the arguments that binds an index of the same name binds
+    A fold nested in the arguments that binds an index the relation names binds
     another variable: its masks stay (dQ's sum over m recomputes the softmax
-    statistics of its row over every m, causal mask and all)."""
+    statistics of its row over every m, causal mask and all; cummax's gradient
+    at s, summed over t >= s, recomputes max[s](where(s <= t, X[s], -inf)), whose
+    s is its own)."""
     # the outermost such folds are set aside as opaque names while the masks are rewritten
+    named = {relation.index} | ({relation.other} if relation.other else set())
     shadowing: dict[Expr, Var] = {}
     stack = list(fold.args)
     while stack:
         n = stack.pop()
-        if isinstance(n, Reduce) and relation.index in n.indices:
+        if isinstance(n, Reduce) and named & set(n.indices):
             shadowing.setdefault(n, Var(f"\0shadow{len(shadowing)}"))
         else:
             stack.extend(children(n))
@@ -283,6 +286,7 @@ def assume_relation(fold: Reduce, relation: Bound) -> Reduce:
         for c in kept[1:]:
             condition = Call("and", (condition, c))
         return Call("where", (condition, arg.args[1], arg.args[2]))
-    args = [transform(a, lambda n: shadowing.get(n, n)) for a in fold.args] if shadowing else fold.args
+    # top-down: a shadowed fold's own subtree (which may hold another) is not searched
+    args = [substitute(a, shadowing) for a in fold.args]
     args = [transform(a, rewrite) for a in args]
-    return replace(fold, args=tuple(transform(a, lambda n: restore.get(n, n)) if shadowing else a for a in args))
+    return replace(fold, args=tuple(substitute(a, restore) for a in args))

@@ -377,8 +377,9 @@ def inline_formula(e: Expr, names: dict[str, str], helpers: set[str]) -> str:
 # ---------------------------------------------------------------- the kernel emitter
 # values named after their role in a fold (see temp)
 ROLE_STEMS = frozenset({"r_new", "r_use", "r_old", "a", "r2", "alpha", "w", "p", "a_empty", "b_empty", "term", "acc_new"})
-ROLE_PREFIXES = ("lift_", "tile_", "scan_", "sum_")     # a generic fold's tiles: lift_<field>, ...; a
-                                                         # tile formula's sums: sum_<name>
+# a generic fold's tiles: lift_<field>, ...; a tile formula's sums: sum_<name>; a scan's state
+# at each position of its tile: prefix_<field> (suffix_<field>)
+ROLE_PREFIXES = ("lift_", "tile_", "scan_", "sum_", "prefix_", "suffix_")
 
 
 class KernelEmitter:
