@@ -43,6 +43,10 @@ class Family:
     # hand-written libraries a user would call instead (imported on the first call)
     libraries: dict[str, Callable[[Inputs], Result]] = field(default_factory=dict)
     note: str = ""
+    summaries: tuple = ()                           # user summaries the source names
+    # the torch.compile baseline, where compiling torch_fn whole is not what a user would do
+    # (a loop over thousands of steps, which dynamo unrolls): None compiles torch_fn
+    compiled: Callable[[Inputs], Result] | None = None
 
 
 def _randn(g: torch.Generator, dtype: torch.dtype, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -343,6 +347,69 @@ def make_gaussian_mixture(n, dtype, g):
     return {"X": _randn(g, dtype, n["n"], d), "Mu": _randn(g, dtype, c, d), "P": P.to(dtype), "A": A.to(dtype)}
 
 
+CUMSUM = "C[b,t] = sum[s](where(s <= t, X[b,s], 0.0))"
+LOGCUMSUMEXP = "C[b,t] = logsumexp[s](where(s <= t, X[b,s], -inf))"
+# Mamba's selective scan: h[t] = exp(D[t] A) h[t-1] + D[t] B[t] x[t] per channel d and state n,
+# y[t] = C[t] . h[t]; the recurrence is the prefix of the affine maps h -> a h + b
+SELECTIVE_SCAN = ("H[b,d,n,t] = affine[s](where(s <= t, exp(D[b,d,s] * A[d,n]), 1.0), "
+                  "where(s <= t, D[b,d,s] * Bm[b,n,s] * X[b,d,s], 0.0))\n"
+                  "Y[b,d,t] = sum[n](C[b,n,t] * H[b,d,n,t])")
+
+
+@functools.cache
+def affine_summary():
+    """The composition of affine maps h -> A h + B, in order: a linear recurrence's summary."""
+    import compiler
+    return compiler.summary("affine", fields=("A", "B"), identity=(1.0, 0.0), lift=lambda a, b: (a, b),
+                            combine=lambda l, r: (r.A * l.A, r.A * l.B + r.B), finalize=lambda s: s.B)
+
+
+def make_sequence(n, dtype, g):
+    return {"X": _randn(g, dtype, n["b"], n["t"]), "t": n["t"]}
+
+
+def torch_cumsum(x):
+    return x["X"].cumsum(-1)
+
+
+def torch_logcumsumexp(x):
+    return x["X"].logcumsumexp(-1)
+
+
+def _selective_step(h, d, a, b, c, x):
+    h = torch.exp(d[..., None] * a) * h + d[..., None] * b[:, None, :] * x[..., None]
+    return h, (h * c[:, None, :]).sum(-1)
+
+
+def torch_selective_scan(x, step=_selective_step):
+    """The recurrence step by step, as Mamba's reference (selective_scan_ref) runs it, in
+    float32 (or float64)."""
+    D, A, Bm, C, X = (_at_least_float32(x[k]) for k in ("D", "A", "Bm", "C", "X"))
+    h = torch.zeros(*D.shape[:2], A.shape[1], device=D.device, dtype=D.dtype)
+    ys = []
+    for t in range(D.shape[-1]):
+        h, y = step(h, D[..., t], A, Bm[..., t], C[..., t], X[..., t])
+        ys.append(y)
+    return torch.stack(ys, -1)
+
+
+@functools.cache
+def _compiled_selective_step():
+    return torch.compile(_selective_step, dynamic=False)
+
+
+def compiled_selective_scan(x):
+    """The loop around a torch.compile'd step (compiling the whole loop unrolls every step)."""
+    return torch_selective_scan(x, _compiled_selective_step())
+
+
+def make_selective_scan(n, dtype, g):
+    b, d, s, t = n["b"], n["d"], n["n"], n["t"]
+    return {"D": (F.softplus(_randn(g, torch.float32, b, d, t) - 3)).to(dtype),   # Mamba's delta, softplus'd
+            "A": (-torch.exp(_randn(g, torch.float32, d, s, scale=0.5))).to(dtype),
+            "Bm": _randn(g, dtype, b, s, t), "C": _randn(g, dtype, b, s, t), "X": _randn(g, dtype, b, d, t)}
+
+
 # ---------------------------------------------------------------- the families
 def _bytes(*counts: str):
     """GB/s work: each named extent product (e.g. "i*k") read or written once."""
@@ -456,6 +523,17 @@ FAMILIES = [
            ({"b": 4, "h": 16, "i": 4096, "m": 4096, "k": 128, "j": 128},),
            {"b": 2, "h": 16, "i": 2048, "m": 2048, "k": 128, "j": 128},
            _bytes("b*h*i*k", "b*h*m*k", "b*h*m*j", "b*h*i*j"), "GB/s"),
+    Family("cumsum", CUMSUM, torch_cumsum, make_sequence,
+           ({"b": 4096, "t": 4096}, {"b": 16, "t": 262144}), {"b": 1024, "t": 4096},
+           _bytes("b*t", "b*t"), "GB/s", note="a prefix scan: t in order through each program"),
+    Family("logcumsumexp", LOGCUMSUMEXP, torch_logcumsumexp, make_sequence,
+           ({"b": 4096, "t": 4096},), {"b": 1024, "t": 4096},
+           _bytes("b*t", "b*t"), "GB/s"),
+    Family("selective scan", SELECTIVE_SCAN, torch_selective_scan, make_selective_scan,
+           ({"b": 4, "d": 1536, "n": 16, "t": 2048},), {"b": 2, "d": 768, "n": 16, "t": 1024},
+           _bytes("b*d*t", "b*n*t", "b*n*t", "b*d*t", "b*d*t"), "GB/s", outputs=("Y",),
+           summaries=(affine_summary,), compiled=compiled_selective_scan,
+           note="Mamba's recurrence, state n held whole; torch steps through t (a compiled step)"),
 ]
 
 
@@ -473,8 +551,9 @@ def general_cases(compile_, quick: bool) -> list[bench.Case]:
         # compiled on the first call, so that a program the compiler rejects is a FAILED row
         # of its case, not the end of the group; one program for all sizes
         program = functools.cache(lambda family=family: bench._inputs_of(
-            compile_(family.source, outputs=family.outputs)))
-        baselines = {"torch.compile": torch.compile(family.torch_fn, dynamic=False), "torch eager": family.torch_fn}
+            compile_(family.source, outputs=family.outputs, summaries=[make() for make in family.summaries])))
+        baselines = {"torch.compile": family.compiled or torch.compile(family.torch_fn, dynamic=False),
+                     "torch eager": family.torch_fn}
         for name, fn in family.spellings.items():
             baselines |= {f"torch.compile, {name}": torch.compile(fn, dynamic=False), f"torch eager, {name}": fn}
         baselines |= family.libraries

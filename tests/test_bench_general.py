@@ -41,6 +41,9 @@ TINY = {
     "gaussian mixture": {"n": 5, "c": 7, "d": 3},
     "mla decode": {"b": 2, "h": 3, "m": 7, "c": 5},
     "linear attention": {"b": 2, "h": 3, "i": 5, "m": 7, "k": 3, "j": 4},
+    "cumsum": {"b": 3, "t": 7},
+    "logcumsumexp": {"b": 3, "t": 7},
+    "selective scan": {"b": 2, "d": 3, "n": 5, "t": 7},
 }
 BY_NAME = {family.name: family for family in FAMILIES}
 # the Triton backend runs CUDA tensors, or CPU tensors under its interpreter where there is no GPU
@@ -80,10 +83,13 @@ def test_the_source_computes_the_torch_function(name):
     family = BY_NAME[name]
     x = tiny_inputs(family)
     want = family.torch_fn(x)
-    program = compiler.compile(family.source, backend="reference", outputs=family.outputs)
+    program = compiler.compile(family.source, backend="reference", outputs=family.outputs,
+                               summaries=[make() for make in family.summaries])
     assert_same(bench._inputs_of(program)(x), want)
     for spelling in family.spellings.values():
         assert_same(spelling(x), want)
+    if family.compiled is not None:         # a baseline of its own (a compiled step in a loop)
+        assert_same(family.compiled(x), want)
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -91,7 +97,8 @@ def test_the_generated_kernels_compute_the_torch_function(name):
     """The Triton backend in float32 against the torch function in float64."""
     family = BY_NAME[name]
     x = tiny_inputs(family, torch.float32, DEVICE)
-    program = compiler.compile(family.source, backend="triton", outputs=family.outputs)
+    program = compiler.compile(family.source, backend="triton", outputs=family.outputs,
+                               summaries=[make() for make in family.summaries])
     assert bench._error(bench._inputs_of(program)(x), bench.float64_oracle(family.torch_fn)(x)) < 1e-6
 
 
