@@ -20,8 +20,16 @@ class Loop:
     inner: tuple["Loop", ...] = ()
     bounds: tuple[str, ...] = ()    # relations from index predicates that bound it (`m <= i`)
     skips: tuple[str, ...] = ()     # predicates on data tested per tile (`D[i] == D[m]`)
+    # a grid index run in order through each program, its folds the prefixes (scans) the
+    # relations `s <= t` make of them (specialise.ir.PrefixLoop); "last tile first": suffixes
+    scans: tuple[str, ...] = ()
+    reverse: bool = False
 
     def __str__(self) -> str:
+        if self.scans:
+            nested = f" {{ {'; '.join(str(loop) for loop in self.inner)} }}" if self.inner else ""
+            return (f"loop {', '.join(self.indices)} in order{', last tile first' * self.reverse}, "
+                    f"scanning {', '.join(self.folds)} [{', '.join(self.scans)}]{nested}")
         over = ", ".join(self.indices) if self.indices else "partial states"
         bounded = f" [bounds: {', '.join(self.bounds)}]" if self.bounds else ""
         bounded += f" [skips tiles where {' and '.join(self.skips)} fails]" if self.skips else ""

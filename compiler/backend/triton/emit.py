@@ -2296,9 +2296,19 @@ class KernelEmitter:
             with_role_names(self.scan_loop(root.lines), self.role_names), set(self.tile_of.values())))), self.loads)
         source = "\n".join(["@triton.jit", f"def {self.name}({signature}):", *indent(body)]) + "\n"
         return KernelCode(self.name, source, list(self.params.items()), dict(self.constexprs),
-                          self.chunked, f"{spec.why} [{self.tiling_note()}]", tuple(writes), self.buffers,
+                          self.chunked, f"{self.why()} [{self.tiling_note()}]", tuple(writes), self.buffers,
                           dict(self.tunable), list(self.grid_blocks), frozenset(self.tiles), self.optional,
                           functions, zeroed, tuple(dict.fromkeys(self.accumulates)))
+
+    def why(self) -> str:
+        """What the kernel does, in a line: the schedule's words, or a scan's."""
+        if not self.kernel.scan:
+            return self.spec.why
+        rows = [g for g in self.spec.grid if g != self.kernel.scan]
+        folds = ", ".join(dict.fromkeys(f"{f.fold.summary.name}[{f.prefix.index}]" for f in self.kernel.folds
+                                        if f.prefix is not None))
+        return (f"one program per ({', '.join(rows)}) tile" if rows else "one program") + \
+            f", running {self.kernel.scan} in order: the prefixes of {folds}, scanned tile by tile"
 
     def finish(self, root: Scope) -> tuple[tuple, frozenset]:
         """Lines after the results are stored: none for a whole kernel.  Returns (the jit

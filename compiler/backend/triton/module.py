@@ -13,10 +13,11 @@ split policy, compiler.schedule.tiles.auto_split, at the call's sizes); this
 module builds what it decided."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ...ir import format_expr
 from ...schedule import Kernel, KernelSchedule, Loop, Plan
 from ...specialise import ConcreteKernel, ConcreteSchedule
 from . import hopper
@@ -76,6 +77,25 @@ def program_count(code: KernelCode, block_of) -> str:
     factors = [tile_count(index, None if block is None else block_of(block), index in code.optional)
                for index, block in code.grid_blocks]
     return " * ".join(factors) or "1"
+
+
+def scanned_loops(kernel: ConcreteKernel) -> tuple[Loop, ...]:
+    """The kernel's loops for its plan: a scan kernel's are one loop over the index it
+    runs in order, scanning its prefix folds, around the loops of its other folds (the
+    prefix folds' own loops gone: no loop streams them)."""
+    spec = kernel.schedule
+    prefixes = [f for f in kernel.folds if f.prefix is not None]
+    if not kernel.scan or not prefixes:
+        return spec.loops
+    relations = {format_expr(f.prefix.conjunct) for f in prefixes}
+
+    def kept(loop: Loop) -> Loop | None:
+        if set(loop.bounds) & relations and loop.indices in {(f.prefix.index,) for f in prefixes}:
+            return None
+        return replace(loop, inner=tuple(filter(None, map(kept, loop.inner))))
+    names = tuple(dict.fromkeys(f.fold.summary.name for f in prefixes))
+    return (Loop((kernel.scan,), names, tuple(filter(None, map(kept, spec.loops))),
+                 scans=tuple(sorted(relations)), reverse=kernel.scan_reverse),)
 
 
 class ModuleBuilder:
@@ -145,7 +165,7 @@ class ModuleBuilder:
                 form = self._hopper_form(kernel)
                 if form is None:
                     plan_kernels.append(Kernel(code.name, code.writes, code.why + (f" ({why})" if why else ""),
-                                               spec.loops))
+                                               scanned_loops(kernel)))
                 else:
                     plan_kernels.append(Kernel(form.name, code.writes, f"{form.why} (the tl kernel {code.name} "
                                                f"where TMA cannot read the operands)", spec.loops))
