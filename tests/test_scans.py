@@ -131,12 +131,12 @@ def test_nan_and_infinities_as_torch():
         torch.testing.assert_close(got, reference, equal_nan=True, msg=lambda m, s=source: f"{s}: {m}")
 
 
-def specialised(source, **sizes):
+def specialised(source, sms=None, **sizes):
     from compiler.cli import main
     import contextlib
     import io
     out = io.StringIO()
-    args = ["ir", "-e", source, "--print-after", "specialise"]
+    args = ["ir", "-e", source, "--print-after", "specialise"] + (["--sms", str(sms)] if sms else [])
     for k, v in sizes.items():
         args += ["--size", f"{k}={v}"]
     with contextlib.redirect_stdout(out):
@@ -226,3 +226,42 @@ def test_matches_torch_on_the_gpu(name, source, reference, make, wrt):
     scale = want.abs().max().clamp_min(1).item()
     torch.testing.assert_close(got.double().cpu() / scale, want / scale, rtol=1e-4, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("name", ["cumsum", "exclusive cumsum", "reversed cumsum", "logcumsumexp", "recurrence",
+                                  "recurrence from each step on", "selective scan"])
+def test_chunks_across_programs_start_from_the_totals_before_them(name):
+    # split=3: t cut into chunks of whole tiles, each reduced by a kernel of its own, then scanned from
+    # the totals of the chunks before it (after it, backward), combined in order (the recurrence's
+    # combine is not commutative); 2100 positions: three chunks of one tile, the last one ragged
+    _, source, reference, make, _ = next(c for c in CASES if c[0] == name)
+    inputs = make(2100)
+    program = compiler.compile(source, backend="triton", summaries=[AFFINE], split=3)
+    torch.testing.assert_close(program(**inputs), reference(**inputs), rtol=1e-10, atol=1e-10)
+    plan = str(program.plan(**inputs))
+    assert plan.startswith("backend triton: 2 kernel(s)") and "_totals: writes" in plan
+
+
+def test_few_long_rows_are_cut_into_chunks_for_the_gpus_sms():
+    text = specialised("C[b, t] = sum[s](where(s >= t, X[b, s], 0.0))", sms=132, b=16, s=262144, t=262144)
+    assert ("t in 17 chunks across programs (16 programs of rows for 132 SMs and 256 tiles): a kernel reduces "
+            "each chunk first, then each program scans its chunk from the chunks after it") in text
+    # as many rows as SMs: no chunks
+    assert "chunks" not in specialised("C[b, t] = sum[s](where(s >= t, X[b, s], 0.0))", sms=132,
+                                       b=4096, s=4096, t=4096)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cumsum", "reversed cumsum", "logcumsumexp", "recurrence from each step on"])
+def test_few_long_rows_on_the_gpu_run_in_chunks(name):
+    # 3 rows of 100003 positions: chunks across programs, chosen for the GPU's SMs
+    _, source, reference, make, _ = next(c for c in CASES if c[0] == name)
+    inputs = make(100003)
+    cuda = {k: v.cuda().float() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    program = compiler.compile(source, summaries=[AFFINE])
+    got = program(**cuda)
+    assert "_totals: writes" in str(program.plan(**cuda))
+    want = reference(**inputs)
+    scale = want.abs().max().clamp_min(1).item()
+    torch.testing.assert_close(got.double().cpu() / scale, want / scale, rtol=1e-4, atol=1e-4)

@@ -29,6 +29,7 @@ STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 
                       # that an epilogue re-reading it finds it in cache
 TILE_BUDGET = 4096    # elements of a two-dimensional non-dot tile
 SCAN_BLOCK = 1024     # the longest tile a scan runs its index through in order (tl.associative_scan)
+SCAN_CHUNK_TILES = 4  # the fewest tiles a chunk of a scan across programs takes
 COLUMN_BLOCK = 64     # grid tile of an index contiguous in memory under a streamed row index
 COLUMN_TILE = 16384   # elements of a column sum's tile: COLUMN_BLOCK columns by 256 rows a step (H200,
                       # bf16 column mean and variance, 262144 x 256: 0.175 ms at 4096 elements, 0.112 at

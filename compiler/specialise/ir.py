@@ -220,6 +220,11 @@ class ConcreteKernel:
     # its last tile down: its prefix folds' state is carried from tile to tile ("": none)
     scan: str = ""
     scan_reverse: bool = False
+    # chunks of the scanned index across programs (1: each program runs the whole index): a
+    # kernel of its own first reduces each chunk, then each program scans its chunk from the
+    # combined totals of the chunks before it (after it, for a suffix); and why
+    scan_chunks: int = 1
+    scan_chunks_why: str = ""
 
     @property
     def name(self) -> str:
@@ -253,6 +258,10 @@ class ConcreteKernel:
         if self.scan:
             lines.append(f"  {self.scan} runs in order through each program{', last tile first' * self.scan_reverse}, "
                          f"the scans' state carried from tile to tile")
+            if self.scan_chunks > 1:
+                lines.append(f"  {self.scan} in {self.scan_chunks} chunks across programs ({self.scan_chunks_why}): "
+                             f"a kernel reduces each chunk first, then each program scans its chunk from the "
+                             f"chunks {'after' if self.scan_reverse else 'before'} it")
         if self.epilogue:
             # an index held whole is one tile of the kernel's: no loop over it
             looped = any(t.how != WHOLE for t in self.epilogue)

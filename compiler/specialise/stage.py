@@ -30,7 +30,8 @@ from ..schedule import KernelSchedule, Schedule
 from ..schedule.chunks import CHUNK_ALIGN, Chunking
 from ..schedule.bounds import assume_relation, data_tests, index_bounds, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
-from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SPLIT_FLOOR, STREAMED, STREAMED_DEPTH,
+from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SCAN_CHUNK_TILES, SPLIT_FLOOR,
+                              SPLIT_MAX, STREAMED, STREAMED_DEPTH,
                               TUNE_SPLIT_WORK,
                               auto_split, fold_caps, free_tile,
                               grid_tiling, held_whole, held_whole_in_epilogue, loop_tile, nested_steps, np2,
@@ -225,7 +226,8 @@ class _Kernel:
         return ConcreteKernel(spec, grid, self.longest_first(grid) if whole and not self.scan else None,
                               whole and len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
                               why, table, candidates, form, form_why,
-                              self.past_cache(grid, shared, dtypes), *(self.scan or ("", False)))
+                              self.past_cache(grid, shared, dtypes), *(self.scan or ("", False)),
+                              *self.scan_chunks(grid))
 
     def past_cache(self, grid: tuple[Tile, ...], shared: frozenset, dtypes: dict):
         """The reads of a kernel that folds without tl.dot (a memory-bound reduction)
@@ -418,6 +420,28 @@ class _Kernel:
                 out |= free(n.fold) & set(fold.indices)
         return {b for b in out if held_whole(self.extent(b), False)}
 
+    def scan_chunks(self, grid: tuple[Tile, ...]) -> tuple[int, str]:
+        """(chunks of the scanned index across programs, why): where a scan's rows make
+        fewer programs than the GPU has SMs, the index is cut into chunks of at least
+        SCAN_CHUNK_TILES tiles, enough for two programs an SM (up to SPLIT_MAX); `split=N`
+        asks for N.  16 rows of a 262144-long cumsum ran 16 programs, 256 tiles each, at
+        0.15x torch.compile (H200)."""
+        if not self.scan:
+            return 1, ""
+        t = next(g for g in grid if g.index == self.scan[0])
+        tiles = math.ceil(self.extent(t.index) / t.size)
+        if self.requested:
+            n = max(1, min(self.requested, tiles))
+            return n, f"{self.requested} asked for" + (f", capped at its {tiles} tiles" if n < self.requested else "")
+        if not self.sig.sm_count:
+            return 1, ""
+        rows = math.prod(1 if g.how == WHOLE else self.extent(g.index) if g.scalar else
+                         math.ceil(self.extent(g.index) / g.size) for g in grid if g.index != t.index)
+        n = min(SPLIT_MAX, math.ceil(2 * self.sig.sm_count / max(rows, 1)), tiles // SCAN_CHUNK_TILES)
+        if rows >= self.sig.sm_count or n < 2:
+            return 1, ""
+        return n, f"{rows} programs of rows for {self.sig.sm_count} SMs and {tiles} tiles"
+
     def prefix_loop(self, fold: Reduce, scope) -> PrefixLoop | None:
         """The prefix (or suffix) scan of `fold` where its one index s is masked by a
         single relation `s <= t + c` (`s < t + c`; a suffix: `s >= t + c`, `s > t + c`)
@@ -525,7 +549,7 @@ class _Kernel:
     def split(self, blocks: dict[str, int], hint: int) -> tuple[int, str]:
         spec = self.spec
         if self.scan:
-            return 1, "" if self.requested in (None, 1) else f"a scan runs {self.scan[0]} in order in each program"
+            return 1, ""            # a split asked for cuts the scanned index instead (scan_chunks)
         if not spec.program_folds:
             return 1, "" if self.requested in (None, 1) else "no fold streams per program; nothing to split"
         if spec.dependent:

@@ -290,6 +290,9 @@ class ModuleContext:
         self.helpers: set[str] = set()
         self.combines: dict[tuple, tuple[str, str]] = {}      # (summary, fields) -> (name, source)
         self.split_layouts: dict = {}
+        # (kernel, prefix fold) -> {field: (buffer, its indices after the chunk, kind)}: a chunked
+        # scan's totals, which ScanTotalsEmitter stores and the scan's kernel reads
+        self.scan_totals: dict = {}
         self.chunking = None                     # the schedule's chunked run (schedule/chunks.py), if any
         self.chunked_kernels: frozenset[str] = frozenset()
         # names of the module's globals (kernels, combine functions, helpers), every kernel-local
@@ -389,6 +392,7 @@ class KernelEmitter:
     suffix = ""
     chunked = False         # each program folds one chunk of its folds' tiles (PartialEmitter)
     launched = True         # a kernel the launcher launches (not a function another kernel calls)
+    totals = False          # a chunked scan's totals (ScanTotalsEmitter): each chunk from the identity
 
     def __init__(self, ctx: ModuleContext, kernel: ConcreteKernel):
         self.ctx = ctx
@@ -421,6 +425,10 @@ class KernelEmitter:
         # carried states' initial lines, which go before it
         self.scan_at: int | None = None
         self.scan_init: list[str] = []
+        self.scan_after: list[str] = []              # lines after the scan's loop (ScanTotalsEmitter's stores)
+        self.carried: dict[Reduce, tuple] = {}        # a prefix fold -> (its carried state, the state's axes)
+        if kernel.scan_chunks > 1:
+            self.chunked = True          # a second grid dimension: each program's chunk of the scanned index
         self.pending: dict[int, list[str]] = {}      # loop axis id -> tiles of addresses not yet written
         self.held: dict[str, tuple] = {}             # a running state's variable -> the axes it holds
         self.root = Scope(None, 0, {}, "root")
@@ -1200,6 +1208,8 @@ class KernelEmitter:
             var = self.state_var(f"f{k}", f, f"carry_{ident(f)}")
             self.scan_init.append(f"{var} = tl.full({self.shape(FA)}, {ids[f]}, {self.state_dtype(kinds[f])})")
             carry[f] = Value(var, FA, kinds[f])
+        if self.kernel.scan_chunks > 1 and not self.totals:
+            self.chunk_carry(fold, carry, FA, ids, p.reverse)
         scanned = {f: Value(v, U, kinds[f]) for f, v in zip(fields, scans)}
         earlier, later = (scanned, carry) if p.reverse else (carry, scanned)
         env = {f"a.{f}": earlier[f] for f in fields} | {f"b.{f}": later[f] for f in fields}
@@ -1210,6 +1220,7 @@ class KernelEmitter:
         new = self.guard_identity(s, fields, earlier, later, new, T)
         state = {f: self.assign(self.full_shape(self.to_kind(new[f], kinds[f]), U), U, T, kinds[f],
                                 stem=f"{'suffix' if p.reverse else 'prefix'}_{ident(f)}") for f in fields}
+        self.carried[fold] = (carry, FA)
         edge = f"{ax.block_name} - 1" if not p.reverse else "0"
         at = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {edge})", (ax,), "bool"), U)
         T.lines.append(f"# carried on: the state at the tile's {'first' if p.reverse else 'last'} position")
@@ -1217,6 +1228,31 @@ class KernelEmitter:
             zero = "0" if kinds[f] == "int" else "0.0"
             T.lines.append(f"{carry[f].code} = tl.sum(tl.where({at}, {state[f].code}, {zero}), {pos})")
         return state
+
+    def chunk_carry(self, fold: Reduce, carry: dict[str, Value], FA, ids: dict[str, str], reverse: bool) -> None:
+        """A scan across chunks: the state this program's chunk starts from, the totals of
+        the chunks before it (after it, for a suffix) that the totals kernel stored,
+        combined in order (ScanTotalsEmitter: it registers the buffers, and stores them)."""
+        layout = self.ctx.scan_totals[self.spec.name, fold]
+        fields = tuple(carry)
+        names = {f: self.local(f"total_{ident(f)}") for f in fields}
+        axes = [a for a in FA]
+        target = sort_axes(axes)
+        mask = self.mask_code(target, target)
+        lines = []
+        for f in fields:
+            buf, indices, _ = layout[f]
+            ptr, strides = self.tensor_params(buf, 1 + len(indices))
+            by_name = {a.name: a for a in axes}
+            offsets = self.offsets([by_name[i] for i in indices], strides[1:], target)
+            address = f"{ptr} + c * {strides[0]}" + (f" + {offsets}" if offsets else "")
+            lines.append(f"{names[f]} = tl.load({address}" + (f", mask={mask}, other={ids[f]})" if mask else ")"))
+        combine = self.ctx.combine_fn(fold.summary, fields)
+        lines.append(f"{', '.join(carry[f].code for f in fields)} = "
+                     f"{combine}({', '.join(carry[f].code for f in fields)}, {', '.join(names.values())})")
+        chunks = "range(chunk_id + 1, n_chunks)" if reverse else "range(0, chunk_id)"
+        self.scan_init += [f"# the totals of the chunks {'after' if reverse else 'before'} this one, in order",
+                           f"for c in {chunks}:", *indent(lines)]
 
     def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list,
                    finish: list) -> dict[str, Value]:
@@ -1528,8 +1564,12 @@ class KernelEmitter:
         key = (t.index, held)
         if key not in self.whole:
             ax = self.new_axis(t.index, 0, "whole", t.size)
-            self.root.lines.append(f"{ax.offs} = tl.arange(0, {ax.block_name})")
-            self.root.lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(t.index)}")
+            lines = [f"{ax.offs} = tl.arange(0, {ax.block_name})", f"{ax.mask} = {ax.offs} < {self.extent_param(t.index)}"]
+            if self.scan_at is None:
+                self.root.lines.extend(lines)
+            else:           # before a scan's loop: the same every tile, and the carried state's axis
+                self.root.lines[self.scan_at:self.scan_at] = lines
+                self.scan_at += len(lines)
             self.whole[key] = ax
         return self.whole[key]
 
@@ -2178,9 +2218,15 @@ class KernelEmitter:
                 lines.append(f"{ax.offs} = {coord}{wide} * {ax.block_name} + tl.arange(0, {ax.block_name})")
                 lines.append(f"{ax.mask} = {ax.offs} < {n}")
         if scan:
-            # one program along it: the rest of the kernel runs in a loop over its tiles
-            # (build places the header here), the scans' state carried from tile to tile
+            # one program along it (or one a chunk): the rest of the kernel runs in a loop over its
+            # tiles (build places the header here), the scans' state carried from tile to tile
             ax = axes[scan]
+            if self.kernel.scan_chunks > 1:
+                n = self.extent_param(scan)
+                lines += [f"# this program's chunk of {scan}: a whole number of tiles",
+                          f"chunk_{ax.var} = tl.cdiv(tl.cdiv({n}, {ax.block_name}), n_chunks) * {ax.block_name}",
+                          f"lo_{ax.var} = chunk_id * chunk_{ax.var}",
+                          f"hi_{ax.var} = tl.minimum(lo_{ax.var} + chunk_{ax.var}, {n})"]
             self.scan_at = len(lines)
             lines.append(f"{ax.offs} = start_{ax.var} + tl.arange(0, {ax.block_name})")
             lines.append(f"{ax.mask} = {ax.offs} < {self.extent_param(scan)}")
@@ -2191,16 +2237,17 @@ class KernelEmitter:
         if self.scan_at is None:
             return lines
         ax = self.root.env[self.kernel.scan]
-        n = self.extent_param(ax.name)
+        lo, hi = ("0", self.extent_param(ax.name)) if self.kernel.scan_chunks == 1 else (f"lo_{ax.var}", f"hi_{ax.var}")
         if self.kernel.scan_reverse:
-            header = [f"for step_{ax.var} in range(0, tl.cdiv({n}, {ax.block_name})):"]
-            first = [f"start_{ax.var} = (tl.cdiv({n}, {ax.block_name}) - 1 - step_{ax.var}) * {ax.block_name}"]
+            count = f"tl.cdiv({hi}{f' - {lo}' if lo != '0' else ''}, {ax.block_name})"
+            header = [f"for step_{ax.var} in range(0, {count}):"]
+            first = [f"start_{ax.var} = {f'{lo} + ' if lo != '0' else ''}({count} - 1 - step_{ax.var}) * {ax.block_name}"]
         else:
-            header, first = [f"for start_{ax.var} in range(0, {n}, {ax.block_name}):"], []
+            header, first = [f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):"], []
         where = "last tile first" if self.kernel.scan_reverse else "in order"
         return [*lines[:self.scan_at], *self.scan_init,
                 f"# the tiles of {ax.name}, {where}: each carries the scans' state to the next",
-                *header, *indent(first + lines[self.scan_at:])]
+                *header, *indent(first + lines[self.scan_at:]), *self.scan_after]
 
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
 
@@ -2237,7 +2284,10 @@ class KernelEmitter:
         return f"grid ({', '.join(parts)})" if parts else "one program"
 
     def split_prologue(self, lines: list[str]) -> None:
-        """Lines before the program coordinates (a split kernel's split index)."""
+        """Lines before the program coordinates (a split kernel's split index; a scan's chunk)."""
+        if self.kernel.scan_chunks > 1:
+            lines.append("chunk_id = tl.program_id(1)")
+            self.params.setdefault("n_chunks", SPLIT)
 
     def result(self, st, scope: Scope) -> Value:
         """A statement's value, named after it."""
@@ -2560,6 +2610,51 @@ class PartialEmitter(KernelEmitter):
                        "(the launcher keeps the counters)",
                        f"    tl.store({ptr} + tl.program_id(0) * {stride}, 0)"]
         return (merge,), frozenset({counter})
+
+
+class ScanTotalsEmitter(KernelEmitter):
+    """A scan across chunks' first kernel: program (rows, chunk_id) runs its chunk of the
+    scanned index as the scan's kernel does, computing the prefix folds alone (nothing
+    else is stored), and stores the state it carries out of the chunk: the chunk's total,
+    one buffer per field, [chunk, the fold's other indices]."""
+    suffix = "_totals"
+    totals = True
+
+    def store_results(self, root: Scope) -> list[str]:
+        writes: list[str] = []
+        for k, how in enumerate(f for f in self.kernel.folds if f.prefix is not None and not f.nested):
+            fold = how.fold
+            for index in sorted(free(fold) - set(root.env)):
+                # an index a fold around it holds whole (a selective scan's state n)
+                tile = next(t for f in self.kernel.folds for t in f.tiles if t.index == index and t.how == WHOLE)
+                root.env[index] = self.whole_axis(tile)
+            self.fold_state(fold, root)
+            carry, FA = self.carried[fold]
+            layout = {}
+            for fname, v in carry.items():
+                names = tuple(a.name for a in FA)
+                buf = self.ctx.buffer_name(f"{self.spec.name}_total{k}_{ident(fname)}")
+                layout[fname] = (buf, names, v.kind)
+                dtype = torch.int64 if v.kind == "int" else torch.float64 if self.ctx.cdt == "tl.float64" \
+                    else torch.float32
+                self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), dtype)
+                self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(dtype)))
+                ptr, strides = self.tensor_params(buf, 1 + len(names))
+                target = sort_axes(FA)
+                address = f"{ptr} + chunk_id.to(tl.int64) * {strides[0]}"
+                if FA:
+                    address += " + " + self.offsets(list(FA), strides[1:], target)
+                mask = self.mask_code(target, target)
+                self.scan_after.append(f"tl.store({address}, {self.full_shape(v, target)}"
+                                       + (f", mask={mask})" if mask else ")"))
+                writes.append(buf)
+            self.scan_after.insert(0, f"# the total of this chunk of {self.kernel.scan}: the state carried out of it")
+            self.ctx.scan_totals[self.spec.name, fold] = layout
+        return writes
+
+    def why(self) -> str:
+        return (f"the totals of each chunk of {self.kernel.scan} for the scan after it "
+                f"({self.spec.name}: {super().why()})")
 
 
 class MergeEmitter(KernelEmitter):

@@ -21,7 +21,8 @@ from ...ir import format_expr
 from ...schedule import Kernel, KernelSchedule, Loop, Plan
 from ...specialise import ConcreteKernel, ConcreteSchedule
 from . import hopper
-from .emit import PROGRAMS, Arg, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, TensorInfo
+from .emit import (PROGRAMS, Arg, KernelCode, KernelEmitter, ModuleContext, PartialEmitter, ScanTotalsEmitter,
+                   TensorInfo)
 from .ops import HELPERS
 from .tuning import TIMING, binding, candidates, decorator
 
@@ -156,10 +157,20 @@ class ModuleBuilder:
                                             *(loop for loop in streamed if not loop.folds))))
                 buffers += [b for b, _, _ in partial.buffers]
             else:
+                if kernel.scan_chunks > 1:
+                    # the chunks' totals first (a kernel of its own), then the scan from them
+                    totals = ScanTotalsEmitter(self.ctx, kernel).build()
+                    self.kernels.append((totals, kernel.scan_chunks))
+                    if kernel.candidates:
+                        self.tuned[totals.name] = decorator(totals, candidates(totals, kernel.candidates))
+                    plan_kernels.append(Kernel(totals.name, totals.writes, f"{totals.why} "
+                                               f"({kernel.scan_chunks} chunks: {kernel.scan_chunks_why})",
+                                               scanned_loops(kernel)))
+                    buffers += [b for b, _, _ in totals.buffers]
                 code = KernelEmitter(self.ctx, kernel).build()
                 if why:
                     self.notes.append(f"{spec.name}: {why}")
-                self.kernels.append((code, 1))
+                self.kernels.append((code, kernel.scan_chunks))
                 if kernel.candidates:
                     self.tuned[code.name] = decorator(code, candidates(code, kernel.candidates))
                 form = self._hopper_form(kernel)
