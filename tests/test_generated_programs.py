@@ -10,6 +10,8 @@ meaning as a torch expression, built side by side.  The draws cover:
   different scores, a logsumexp beside a softmax, beside a weighted sum;
 - every kind on a score read through a gathered subscript (`X[t,P[e]]`, P a
   permutation of the columns: integer positions);
+- prefix results (scans along u over e <= u, a suffix over e >= u) beside folds
+  over the whole of e, on plain and gathered scores;
 - more statements drawn at random from the rows, on scores drawn from SCORES.
 The inputs hold, besides ordinary rows, a row with a NaN, with +inf, with -inf,
 a row all -inf, rows with +1e30 and -1e30, and rows of ties.
@@ -86,6 +88,21 @@ KINDS = {k.name: k for k in (
     Kind("argmax", lambda o, s: [f"{o}[t] = argmax[e]({s}, e)"], lambda s, x: s.argmax(1)),
     Kind("argmin", lambda o, s: [f"{o}[t] = argmin[e]({s}, e)"], lambda s, x: s.argmin(1)),
 )}
+# prefix results over e at every position u (a scan), and a suffix; u's extent is a size input
+PREFIX_KINDS = {k.name: k for k in (
+    Kind("cumsum", lambda o, s: [f"{o}[t,u] = sum[e](where(e <= u, {s}, 0.0))"], lambda s, x: s.cumsum(1)),
+    Kind("cummax", lambda o, s: [f"{o}[t,u] = max[e](where(e <= u, {s}, -inf))"], lambda s, x: _cummax(s)),
+    Kind("logcumsumexp", lambda o, s: [f"{o}[t,u] = logsumexp[e](where(e <= u, {s}, -inf))"],
+         lambda s, x: s.logcumsumexp(1)),
+    Kind("suffix sum", lambda o, s: [f"{o}[t,u] = sum[e](where(e >= u, {s}, 0.0))"],
+         lambda s, x: s.flip(1).cumsum(1).flip(1)),
+)}
+
+
+def _cummax(s: torch.Tensor) -> torch.Tensor:
+    """The running max with NaN propagated from where it first occurs (einfold's max, as
+    torch.amax; torch.cummax keeps NaN too)."""
+    return torch.stack([s[:, :u + 1].amax(1) for u in range(s.shape[1])], 1)
 
 
 @dataclass(frozen=True)
@@ -109,7 +126,8 @@ class Drawn:
 
 
 def _drawn(*parts: tuple[str, Score]) -> Drawn:
-    return Drawn(tuple((f"{kind.upper()[:1]}{k}", KINDS[kind], score) for k, (kind, score) in enumerate(parts)))
+    kinds = KINDS | PREFIX_KINDS
+    return Drawn(tuple((f"{kind.upper()[:1]}{k}", kinds[kind], score) for k, (kind, score) in enumerate(parts)))
 
 
 def draw_programs(seed: int = 0, extra: int = 12) -> list[Drawn]:
@@ -126,6 +144,10 @@ def draw_programs(seed: int = 0, extra: int = 12) -> list[Drawn]:
     out += [_drawn(*((kind, GATHERED) for kind in kinds))
             for kinds in (("sum", "max", "min", "argmax"), ("mean", "logsumexp", "softmax"),
                           ("variance", "weighted", "argmin"))]
+    out += [_drawn(("cumsum", x), ("logcumsumexp", x), ("max", x)),
+            _drawn(("cummax", y), ("suffix sum", y), ("argmax", y)),
+            _drawn(("logcumsumexp", GATHERED), ("cumsum", SCORES[3]), ("softmax", GATHERED)),
+            _drawn(("suffix sum", GATHERED), ("cummax", x), ("variance", x))]
     for _ in range(extra):
         out.append(_drawn(*((rng.choice(list(KINDS)), rng.choice(SCORES)) for _ in range(rng.randint(2, 4)))))
     return out
@@ -173,7 +195,9 @@ def _check(program: Drawn, backend: str, dtype: torch.dtype) -> list[str]:
     inputs = {n: t.to(dtype) if t.is_floating_point() else t for n, t in edge_rows(len(program.source)).items()}
     want = program.expected({n: t.double() if t.is_floating_point() else t for n, t in inputs.items()})
     compiled = compiler.compile(program.source, outputs=program.outputs, backend=backend)
-    got = compiled(**{i.name: inputs[i.name].to(DEVICE) for i in compiled.checked.inputs})
+    inputs["u"] = LENGTH                      # a prefix's positions: as many as e's
+    got = compiled(**{i.name: inputs[i.name].to(DEVICE) if isinstance(inputs[i.name], torch.Tensor) else inputs[i.name]
+                      for i in compiled.checked.inputs})
     got = dict(zip(program.outputs, got if isinstance(got, tuple) else (got,)))
     if dtype == torch.float64:
         rtol, atol = 1e-9, 1e-12
@@ -194,7 +218,8 @@ def test_the_draws_cover_what_they_promise():
         assert all(any({extreme, other} <= k for k in kinds) for other in KINDS if other != extreme)
     assert any(sum(kind.name == "weighted" for _, kind, _ in p.statements) == 2 for p in PROGRAMS)
     assert any({"logsumexp", "softmax"} <= k for k in kinds)
-    assert {kind.name for p in PROGRAMS for _, kind, score in p.statements if score == GATHERED} == set(KINDS)
+    assert {kind.name for p in PROGRAMS for _, kind, score in p.statements if score == GATHERED} >= set(KINDS)
+    assert {kind.name for p in PROGRAMS for _, kind, _ in p.statements} >= set(PREFIX_KINDS)
     assert draw_programs() == PROGRAMS                           # deterministic
     x = edge_rows(0)["X"]
     assert x.isnan().any() and (x == math.inf).any() and (x == -math.inf).all(1).any()

@@ -186,6 +186,14 @@ CORPUS = {
     "labelled_cross_entropy": ("L[i] = where(Y[i] == -100, 0, logsumexp[c](X[i,c]) - X[i,Y[i]])",
                                lambda X, Y: torch.nn.functional.cross_entropy(X, Y, reduction="none"),
                                lambda: {"X": randn(5, 7), "Y": torch.tensor([0, 6, -100, 3, 3])}, ("X",)),
+    # prefix results (scans): their gradients are suffixes
+    "cumsum": ("C[b,t] = sum[s](where(s <= t, X[b,s], 0.0))", lambda X, t: X.cumsum(1),
+               lambda: {"X": randn(3, 9), "t": 9}, ("X",)),
+    "weighted_exclusive_cumsum": ("C[b,t] = sum[s](where(s < t, X[b,s], 0.0)) * W[b,t]",
+                                  lambda X, W: (X.cumsum(1) - X) * W,
+                                  lambda: {"X": randn(3, 9), "W": randn(3, 9)}, ("X", "W")),
+    "logcumsumexp": ("L[b,t] = logsumexp[s](where(s <= t, X[b,s], -inf))", lambda X, t: X.logcumsumexp(1),
+                     lambda: {"X": randn(3, 9), "t": 9}, ("X",)),
 }
 
 

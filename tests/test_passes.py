@@ -48,6 +48,9 @@ PROGRAMS = {
     # gathered subscripts: an embedding row's projection, a label's logit
     "embedding_projection": "Y[i,d] = sum[k](E[T[i],k] * W[d,k])",
     "labelled_cross_entropy": "L[i] = logsumexp[c](X[i,c]) - X[i,Y[i]]",
+    # prefix results: scans along t (a suffix too), beside a fold over the whole row
+    "cumsum_share": "C[b,t] = sum[s](where(s <= t, X[b,s], 0.0)) / sum[s](X[b,s] ** 2)",
+    "logcumsumexp_suffix": "L[b,t] = logsumexp[s](where(s >= t, X[b,s], -inf))",
 }
 
 

@@ -183,6 +183,19 @@ def test_a_relation_that_is_no_prefix_runs_the_masked_loop():
         torch.testing.assert_close(got, reference(X), rtol=1e-10, atol=1e-10)
 
 
+def test_a_suffix_at_fewer_positions_than_it_sums_evaluates_its_mask_on_every_tile():
+    # t's 5 positions cannot reach the last of s's 300 from the last t: no scan, the masked loop.
+    # Without the mask the element reads b alone where the state is per (b, t): no interior band
+    # (its running max and sum were combined with the state's tiles in the wrong shape)
+    source = "L[b, t] = logsumexp[s](where(s >= t, X[b, s], -inf))"
+    text = specialised(source, b=4, s=300, t=5)
+    assert "scan" not in text and "interior" not in text and "[bounds: s >= t]" in text
+    X = randn(4, 300)
+    got = compiler.compile(source, backend="triton")(X=X, t=5)
+    want = torch.stack([X[:, t:].logsumexp(1) for t in range(5)], 1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_a_selective_scan_holds_its_state_whole_in_one_kernel():
     program = compiler.compile(SELECTIVE_SCAN, summaries=[AFFINE], backend="triton")
     inputs = CASES[-1][3](37)

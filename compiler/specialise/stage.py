@@ -381,6 +381,14 @@ class _Kernel:
             (t,) = streamed
             if whole:
                 interior = tuple(b for b in relations.get(t.index, ()) if b.other is None or b.other in free(fold))
+                assumed = fold
+                for b in interior:
+                    assumed = assume_relation(assumed, b)
+                if free(assumed) != free(fold):
+                    # without its mask the element reads fewer indices than the state varies over
+                    # (a suffix sum at fewer positions than it sums: its state is per position,
+                    # its element not): every tile evaluates the mask
+                    interior = ()
             one_value = {i for i in free(fold) if scope[i][1]}
 
             def scannable(x) -> bool:
