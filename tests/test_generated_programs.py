@@ -144,6 +144,9 @@ def draw_programs(seed: int = 0, extra: int = 12) -> list[Drawn]:
     out += [_drawn(*((kind, GATHERED) for kind in kinds))
             for kinds in (("sum", "max", "min", "argmax"), ("mean", "logsumexp", "softmax"),
                           ("variance", "weighted", "argmin"))]
+    # a mean beside a variance of one score: one moments summary, whose merge met inf - inf on
+    # the rows holding an infinity (NaN where torch's mean is inf)
+    out += [_drawn(("mean", x), ("variance", x)), _drawn(("variance", GATHERED), ("mean", GATHERED), ("sum", x))]
     out += [_drawn(("cumsum", x), ("logcumsumexp", x), ("max", x)),
             _drawn(("cummax", y), ("suffix sum", y), ("argmax", y)),
             _drawn(("logcumsumexp", GATHERED), ("cumsum", SCORES[3]), ("softmax", GATHERED)),

@@ -14,7 +14,8 @@ as user summaries, so the formulas read as the paper does.
 
 The mean is compensated: the state carries it as an unevaluated sum mean + err,
 err holding the rounding error the merges left in mean (Kahan's compensation;
-Fast2Sum's error term).  Each merge rounds the updated mean to the precision of
+Fast2Sum's error term; 0 where a side's mean is not finite, whose merge is then
+the weighted average, inf as torch's mean).  Each merge rounds the updated mean to the precision of
 the mean itself, so with rows far from zero (mean 1e3, spread 3, float32) the
 uncompensated mean drifts by about sqrt(n) ulp over a sequential fold, and every
 later d = mean_b - mean_a carries that drift into the moments.  With err:
@@ -78,6 +79,11 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
     weight_b = fn.where(empty, 0.0, b[n] / count)
     weight_a = fn.where(empty, 0.0, 1.0 - weight_b)
 
+    # an infinite (or NaN) mean on either side: mean_a + (mean_b - mean_a) n_b / n would be
+    # inf - inf; the weighted average is the sum's mean, as torch's (inf beside finite values,
+    # NaN beside -inf), and err, the rounding of finite means, is 0
+    finite = (abs(a[mean]) < fn.inf) & (abs(b[mean]) < fn.inf)
+
     def merged(k: int):
         if k == 2:      # the general tail, d^2 n_a n_b (n_a + n_b) / n^2, with n cancelled
             tail = delta * delta * a[n] * weight_b
@@ -86,11 +92,14 @@ def centred_moments(prefix: str, element: Expr, degree: int = 2):
         for j in range(1, k - 1):
             tail = tail + comb(k, j) * power(delta, j) * (power(-b[n] / count, j) * moment(a, k - j)
                                                           + power(a[n] / count, j) * moment(b, k - j))
-        return moment(a, k) + moment(b, k) + fn.where(one_empty, 0.0, tail)
+        # beside a side whose mean is not finite the deviations are inf - inf: NaN, as torch's
+        # variance, which mean - mean is there (and 0 for a finite mean)
+        undefined = (a[mean] - a[mean]) + (b[mean] - b[mean])
+        return moment(a, k) + moment(b, k) + fn.where(finite, fn.where(one_empty, 0.0, tail), undefined)
 
     rise = step * weight_b
-    new_mean = a[mean] + rise
-    new_err = ((a[mean] - new_mean) + rise) + (a[err] * weight_a + b[err] * weight_b)
+    new_mean = fn.where(finite, a[mean] + rise, a[mean] * weight_a + b[mean] * weight_b)
+    new_err = fn.where(finite, ((a[mean] - new_mean) + rise) + (a[err] * weight_a + b[err] * weight_b), 0.0)
     combine = (count, new_mean, new_err, *(merged(k) for k in range(2, degree + 1)))
     lift = (Const(1.0), element, Const(0.0), *(Const(0.0) for _ in moments))
     return ([Field(f) for f in names], [Const(0.0)] * len(names), list(lift), [lift_value(c) for c in combine])
@@ -104,7 +113,9 @@ def tile_sums(prefix: str, element: Expr, degree: int = 2) -> Block:
     empty = s["count"] == 0.0
     mean = fn.where(empty, 0.0, s["total"] / s["count"])
     d = x - mean
-    err = fn.where(empty, 0.0, s["dev1"] / s["count"])
+    # an infinite mean (the tile's sum overflows or holds inf) has no rounding to correct:
+    # sum (x - mean) would be inf - inf
+    err = fn.where(empty | (abs(mean) >= fn.inf), 0.0, s["dev1"] / s["count"])
     powers = {0: s["count"], 1: s["dev1"], **{j: s[f"dev{j}"] for j in range(2, degree + 1)}}
 
     def moment(k: int):

@@ -44,24 +44,27 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
         t7 = (x_X3 - t6[:, None])
         sum_dev1 = tl.sum(t7, 1)
         sum_dev2 = tl.sum((t7 * t7), 1)
-        t10 = tl.where(t4, 0.0, (sum_dev1 / sum_count))
-        t18 = ((sum_dev2 - (2 * (t10 * sum_dev1))) + ((t10 * t10) * sum_count))
+        t13 = tl.where(((t4 != 0) | (tl.abs(t6) >= float("inf"))), 0.0, (sum_dev1 / sum_count))
+        t21 = ((sum_dev2 - (2 * (t13 * sum_dev1))) + ((t13 * t13) * sum_count))
         # merge the tile into the running state with the combine of 'fold1_s1_n_s1_mean_s1_err_s1_m2'
-        t20 = (s1_n + sum_count)
-        t21 = (t6 - s1_mean)
-        t22 = (t20 == 0.0)
-        t24 = tl.where(t22, 0.0, (sum_count / t20))
-        t25 = (t21 * t24)
-        t26 = (s1_mean + t25)
-        t34 = (((s1_mean - t26) + t25) + ((s1_err * tl.where(t22, 0.0, (1.0 - t24))) + (t10 * t24)))
-        t35 = (s1_m2 + tl.where((tl.abs(sum_dev2) < float("inf")), t18, sum_dev2))
-        t40 = (t21 + (t10 - s1_err))
-        t44 = tl.where(((s1_n == 0.0) | ((sum_count == 0.0) != 0)), 0.0, (((t40 * t40) * s1_n) * t24))
-        s1_n = t20
-        s1_mean = t26
-        s1_err = t34
-        s1_m2 = (t35 + t44)
-    t51 = tl.rsqrt((1e-05 + (s1_m2 / (n_j * 1.0))))
+        t23 = (s1_n + sum_count)
+        t28 = ((tl.abs(s1_mean) < float("inf")) & (tl.abs(t6) < float("inf")))
+        t29 = (t6 - s1_mean)
+        t30 = (t23 == 0.0)
+        t32 = tl.where(t30, 0.0, (sum_count / t23))
+        t33 = (t29 * t32)
+        t36 = tl.where(t30, 0.0, (1.0 - t32))
+        t40 = tl.where(t28, (s1_mean + t33), ((s1_mean * t36) + (t6 * t32)))
+        t47 = tl.where(t28, (((s1_mean - t40) + t33) + ((s1_err * t36) + (t13 * t32))), 0.0)
+        t48 = (s1_m2 + tl.where((tl.abs(sum_dev2) < float("inf")), t21, sum_dev2))
+        t53 = (t29 + (t13 - s1_err))
+        t57 = tl.where(((s1_n == 0.0) | ((sum_count == 0.0) != 0)), 0.0, (((t53 * t53) * s1_n) * t32))
+        t62 = (t48 + tl.where(t28, t57, ((s1_mean - s1_mean) + (t6 - t6))))
+        s1_n = t23
+        s1_mean = t40
+        s1_err = t47
+        s1_m2 = t62
+    t68 = tl.rsqrt((1e-05 + (s1_m2 / (n_j * 1.0))))
     B_tile = B_ptr + tl.arange(0, BLOCK_j).to(tl.int64) * B_s0
     W_tile = W_ptr + tl.arange(0, BLOCK_j).to(tl.int64) * W_s0
     X_tile = X_ptr + offs_i[:, None].to(tl.int64) * X_s0 + tl.arange(0, BLOCK_j)[None, :].to(tl.int64) * X_s1
@@ -72,8 +75,8 @@ def einfold_Y(n_i, n_j, B_ptr, B_s0, W_ptr, W_s0, X_ptr, X_s0, X_s1, Y_ptr, Y_s0
         x_W1 = tl.load(W_tile + tl.cast(start_j, tl.int64) * W_s0)
         # no other program reads these elements of X: read past the cache (evict_first)
         x_X2 = tl.load(X_tile + tl.cast(start_j, tl.int64) * X_s1, eviction_policy="evict_first")
-        t48 = (x_W1[None, :] * ((x_X2 - s1_mean[:, None]) - s1_err[:, None]))
-        Y = (x_B0[None, :] + (t48 * t51[:, None]))
+        t65 = (x_W1[None, :] * ((x_X2 - s1_mean[:, None]) - s1_err[:, None]))
+        Y = (x_B0[None, :] + (t65 * t68[:, None]))
         # Y[i, j]
         tl.store(Y_tile + tl.cast(start_j, tl.int64) * Y_s1, tl.cast(Y, Y_ptr.dtype.element_ty))
 
