@@ -3,7 +3,7 @@ relation to an output index t (`s <= t`, `s < t`; a suffix: `s >= t`, `s > t`),
 and that reads t nowhere else, is the fold of every prefix of its elements.  The
 Triton backend runs t in order through each program, tile by tile: the elements
 scanned within a tile by the summary's combine, the state of the tiles before
-carried in (specialise.ir.PrefixLoop).  cumsum, an exclusive and a reversed cumsum,
+carried in (schedule.bounds.Prefix).  cumsum, an exclusive and a reversed cumsum,
 cummax, cummin, cumprod, logcumsumexp, an ordered user summary's recurrence forward
 and backward, and a selective scan (Mamba's, its state held whole beside the tile)
 match float64 torch or a sequential loop, with gradients; extents 0, 1, primes and

@@ -21,9 +21,11 @@ from types import MappingProxyType
 import sympy
 
 from ..algebra.formula import to_sympy
-from ..ir import (Call, Const, Expr, Index, Reduce, Var, children, constant, format_expr, free_indices, linear_form,
-                  nodes, reads, substitute, transform)
+from ..errors import CheckError
+from ..ir import (Call, Composite, Const, Expr, Index, Reduce, Var, children, constant, format_expr, free_indices,
+                  linear_form, nodes, reads, substitute, transform, walk)
 from ..ops import OPS, PREDICATES
+from ..passes.fuse import substitute_affine
 
 
 _FLIP = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}
@@ -290,3 +292,70 @@ def assume_relation(fold: Reduce, relation: Bound) -> Reduce:
     args = [substitute(a, shadowing) for a in fold.args]
     args = [transform(a, rewrite) for a in args]
     return replace(fold, args=tuple(substitute(a, restore) for a in args))
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """A fold that is the prefix (or suffix) of another along an index `over`: its one
+    index `index` masked by a single relation to `over` (`s <= t + offset`; a suffix,
+    `reverse`: `s >= t + offset`), its arguments reading `over` nowhere else.  The value
+    at t is the fold of the elements at s = t + offset for every t up to it (from it),
+    so a kernel may run `over` in order and scan (specialise.ir.FoldLoops.prefix: where
+    `over` is a grid index, and a suffix's last element reaches the last s).
+    `element`: the fold's arguments at s = t + offset, the relation assumed (the
+    condition's other conjuncts stay)."""
+    index: str
+    over: str
+    offset: int
+    reverse: bool
+    conjunct: Expr
+    element: tuple[Expr, ...]
+
+    @property
+    def position(self) -> str:
+        """The position of s that the element at t reads: `t - 1`."""
+        return self.over + (f" + {self.offset}" if self.offset > 0 else f" - {-self.offset}" if self.offset else "")
+
+    def __str__(self) -> str:
+        kind = "suffix" if self.reverse else "prefix"
+        return (f"{kind} scan along {self.over} ({format_expr(self.conjunct)}): the element of {self.over} "
+                f"is {self.index} = {self.position}")
+
+
+@lru_cache(maxsize=4096)
+def prefix_of(fold: Reduce) -> Prefix | None:
+    """The prefix `fold` is, where its one index s is masked by a single relation
+    `s <= t + c` (`s < t + c`; a suffix: `s >= t + c`, `s > t + c`), c an integer, to an
+    index t that its arguments read nowhere else.  A prefix's elements start at
+    s = t + c <= 0, so that a scan from t's first position covers every s from 0."""
+    if len(fold.indices) != 1:
+        return None
+    (index,) = fold.indices
+    relations = index_bounds(fold).get(index, ())
+    if len(relations) != 1:
+        return None
+    (b,) = relations
+    c = constant(b.offset)
+    if b.other is None or b.sign != 1 or c is None or c != int(c):
+        return None
+    offset = int(c) + {"le": 0, "lt": -1, "ge": 0, "gt": 1}[b.op]
+    reverse = b.op in ("ge", "gt")
+    if offset > 0 and not reverse:
+        return None
+    assumed = assume_relation(fold, b)
+    if any(b.other in free_indices(a) for a in assumed.args) or any(
+            isinstance(n, Composite) and index in n.indices for a in assumed.args for n in walk(a)):
+        return None
+    taken = {n.name for a in assumed.args for n in walk(a) if isinstance(n, Index)} | set(fold.indices)
+
+    def fresh(name: str) -> str:
+        k = 1
+        while f"{name}{k}" in taken:
+            k += 1
+        taken.add(f"{name}{k}")
+        return f"{name}{k}"
+    try:
+        element = tuple(substitute_affine(a, {index: ({b.other: 1}, offset)}, fresh, None) for a in assumed.args)
+    except CheckError:
+        return None
+    return Prefix(index, b.other, offset, reverse, b.conjunct, element)

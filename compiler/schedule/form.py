@@ -33,7 +33,7 @@ from ..ir import (Access, Assign, Composite, Expr, Program, Reduce, Var, alpha_k
                   nodes, outer_reductions, reads, substitute, transform, with_children)
 from ..passes.lower import lower
 from ..passes.stabilise import product
-from .bounds import index_bounds, tile_tests
+from .bounds import index_bounds, prefix_of, tile_tests
 from .folds import (
     contraction_names,
     contractions,
@@ -823,7 +823,10 @@ def _fold_loops(folds: tuple[Reduce, ...], made: dict[tuple[Reduce, ...], tuple[
                                      for b in relations))
         skips = tuple(dict.fromkeys(format_expr(c) for f in group for tests in tile_tests(f).values()
                                     for c in tests))
-        out.append(Loop(indices, names, _fold_loops(inner, made), bounds, skips))
+        prefixes = {prefix_of(f) for f in group}
+        along = next(iter(prefixes)) if len(prefixes) == 1 else None
+        prefix = f"{'suffix' if along.reverse else 'prefix'} along {along.over}" if along else ""
+        out.append(Loop(indices, names, _fold_loops(inner, made), bounds, skips, prefix=prefix))
     made[folds] = tuple(out)
     return made[folds]
 

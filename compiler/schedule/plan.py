@@ -21,9 +21,12 @@ class Loop:
     bounds: tuple[str, ...] = ()    # relations from index predicates that bound it (`m <= i`)
     skips: tuple[str, ...] = ()     # predicates on data tested per tile (`D[i] == D[m]`)
     # a grid index run in order through each program, its folds the prefixes (scans) the
-    # relations `s <= t` make of them (specialise.ir.PrefixLoop); "last tile first": suffixes
+    # relations `s <= t` make of them (schedule.bounds.Prefix); "last tile first": suffixes
     scans: tuple[str, ...] = ()
     reverse: bool = False
+    # for any sizes: the index its folds are prefixes (suffixes) along (schedule.bounds.prefix_of),
+    # which a kernel scans where that index is a grid index
+    prefix: str = ""
 
     def __str__(self) -> str:
         if self.scans:
@@ -33,6 +36,7 @@ class Loop:
         over = ", ".join(self.indices) if self.indices else "partial states"
         bounded = f" [bounds: {', '.join(self.bounds)}]" if self.bounds else ""
         bounded += f" [skips tiles where {' and '.join(self.skips)} fails]" if self.skips else ""
+        bounded += f" [{self.prefix}]" if self.prefix else ""
         carries = f": {', '.join(self.folds)}" if self.folds else " (epilogue)"
         nested = f" {{ {'; '.join(str(loop) for loop in self.inner)} }}" if self.inner else ""
         return f"loop {over}{bounded}{carries}{nested}"

@@ -378,7 +378,7 @@ def sorted_tile(positions: int, values: int) -> int:
 
 
 def scan_tile(n: int, width: int = 1) -> int:
-    """The tile of a grid index a scan runs through in order (specialise.ir.PrefixLoop):
+    """The tile of a grid index a scan runs through in order (schedule.bounds.Prefix):
     the whole extent up to SCAN_BLOCK, at least 16 (tl's smallest); beside a state
     `width` values wide for each position (a selective scan's n), within TILE_BUDGET."""
     return max(16, min(SCAN_BLOCK, np2(n), np2(TILE_BUDGET // width + 1) // 2))
@@ -391,7 +391,7 @@ def grid_tiling(kernel, extent: Callable[[str], int], ordered: tuple[str, int] |
     that index runs one value at a time, each program the contiguous range of the sorted
     order its value has, and the others share the budget with the loop's tile (the rows
     it gathers are read whole-line, not a column's stride).  `scanned`: (the grid index,
-    its tile, the state's width beside it) of a scan (specialise.ir.PrefixLoop): each
+    its tile, the state's width beside it) of a scan (schedule.bounds.Prefix): each
     program runs through that index in order, and the other grid indices share the
     budget with its tile (a long scan's rows one a program: more programs)."""
     dot = kernel.dot_indices

@@ -14,7 +14,7 @@ import torch
 
 from ..ir import Expr, Reduce, format_expr
 from ..schedule import KernelSchedule, Schedule
-from ..schedule.bounds import Bound
+from ..schedule.bounds import Bound, Prefix
 
 POSITIVE = "positive"
 
@@ -100,34 +100,6 @@ class SortedLoop:
 
 
 @dataclass(frozen=True)
-class PrefixLoop:
-    """A fold that is a prefix (or suffix) of another: its one index `index` masked
-    by a single relation to a grid index `over` (`s <= t + offset`; a suffix:
-    `s >= t + offset`), its arguments reading `over` nowhere else.  The value at t is
-    then the fold of the elements at s = t + offset for every t up to it (from it, for
-    a suffix), so the kernel runs `over` in order through each program, tile by tile:
-    within a tile an associative scan of the elements with the summary's combine, and
-    the state of the tiles before carried into it.  `element`: the fold's arguments at
-    s = t + offset, the relation assumed (the condition's other conjuncts stay)."""
-    index: str
-    over: str
-    offset: int
-    reverse: bool          # a suffix: `over` runs from its last tile down
-    conjunct: Expr
-    element: tuple[Expr, ...]
-
-    @property
-    def position(self) -> str:
-        """The position of s that the element at t reads: `t - 1`."""
-        return self.over + (f" + {self.offset}" if self.offset > 0 else f" - {-self.offset}" if self.offset else "")
-
-    def __str__(self) -> str:
-        kind = "suffix" if self.reverse else "prefix"
-        return (f"{kind} scan along {self.over} ({format_expr(self.conjunct)}): the element of {self.over} "
-                f"is {self.index} = {self.position}")
-
-
-@dataclass(frozen=True)
 class FoldLoops:
     """How one fold streams: a Tile per index it reduces, in its order, and the
     bands of its loops (schedule.bounds: each fact read off the fold once, here)."""
@@ -156,7 +128,7 @@ class FoldLoops:
     # one value at a time outside it)
     sorted: SortedLoop | None = None
     # a prefix (or suffix) of the fold along a grid index the program runs in order: no loop
-    prefix: PrefixLoop | None = None
+    prefix: Prefix | None = None
 
     def tile(self, index: str) -> Tile:
         return next(t for t in self.tiles if t.index == index)

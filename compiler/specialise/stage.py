@@ -23,12 +23,10 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import CheckError
-from ..ir import Access, Call, Composite, Expr, Index, Reduce, constant, outer_reductions, walk
-from ..passes.fuse import substitute_affine
+from ..ir import Access, Call, Expr, Index, Reduce, constant, outer_reductions, walk
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.chunks import CHUNK_ALIGN, Chunking
-from ..schedule.bounds import assume_relation, data_tests, index_bounds, tile_tests
+from ..schedule.bounds import Prefix, assume_relation, data_tests, index_bounds, prefix_of, tile_tests
 from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SCAN_CHUNK_TILES, SPLIT_FLOOR,
                               SPLIT_MAX, STREAMED, STREAMED_DEPTH,
@@ -38,7 +36,7 @@ from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SC
                               one_at_a_time, scan_tile, size_class, sorted_tile, split_tile, uniform_work, whole_tile)
 from . import forms
 from .ir import (ONE_AT_A_TIME, RANGED, TILED, WHOLE, Candidate, ConcreteKernel, ConcreteSchedule, FoldLoops,
-                 PrefixLoop, Signature, SortedLoop, Tile)
+                 Signature, SortedLoop, Tile)
 
 
 def specialise(schedule: Schedule, signature: Signature) -> ConcreteSchedule:
@@ -174,7 +172,6 @@ class _Kernel:
         self.dot = set(spec.dot_indices)
         self.inputs = {name: dtype for name, kind, _, dtype in sig.inputs if kind == "tensor"}
         self.scan: tuple[str, bool] | None = None     # (the grid index run in order, last tile first)
-        self.prefixes: dict[Reduce, PrefixLoop | None] = {}
         self.grid_scope = {g: ("grid", False) for g in spec.grid}
 
     def specialised(self, known: frozenset, shared: frozenset, dtypes: dict) -> ConcreteKernel:
@@ -450,50 +447,14 @@ class _Kernel:
             return 1, ""
         return n, f"{rows} programs of rows for {self.sig.sm_count} SMs and {tiles} tiles"
 
-    def prefix_loop(self, fold: Reduce, scope) -> PrefixLoop | None:
-        """The prefix (or suffix) scan of `fold` where its one index s is masked by a
-        single relation `s <= t + c` (`s < t + c`; a suffix: `s >= t + c`, `s > t + c`)
-        to a grid index t that its arguments read nowhere else.  A prefix's elements
-        start at s = t + c <= 0, so that the first tile's scan covers every s from 0; a
-        suffix's last element, at the last t, must reach the last s."""
-        if fold not in self.prefixes:
-            self.prefixes[fold] = self.prefix_candidate(fold)
-        p = self.prefixes[fold]
-        return p if p is not None and scope.get(p.over, ("",))[0] == "grid" else None
-
-    def prefix_candidate(self, fold: Reduce) -> PrefixLoop | None:
-        """prefix_loop's, whatever the scope of the index it runs along."""
-        if len(fold.indices) != 1:
+    def prefix_loop(self, fold: Reduce, scope) -> Prefix | None:
+        """The prefix `fold` is (schedule.bounds.prefix_of) where the index it runs
+        along is a grid index of the kernel, and, for a suffix, its last element (at the
+        last t) reaches the last s."""
+        p = prefix_of(fold)
+        if p is None or scope.get(p.over, ("",))[0] != "grid":
             return None
-        (index,) = fold.indices
-        relations = index_bounds(fold).get(index, ())
-        if len(relations) != 1:
-            return None
-        (b,) = relations
-        c = constant(b.offset)
-        if b.other is None or b.sign != 1 or c is None or c != int(c):
-            return None
-        offset = int(c) + {"le": 0, "lt": -1, "ge": 0, "gt": 1}[b.op]
-        reverse = b.op in ("ge", "gt")
-        if offset > 0 if not reverse else self.extent(b.other) + offset < self.extent(index):
-            return None
-        assumed = assume_relation(fold, b)
-        if b.other in free(assumed) or any(isinstance(n, Composite) and index in n.indices
-                                           for a in assumed.args for n in walk(a)):
-            return None
-        taken = {n.name for a in assumed.args for n in walk(a) if isinstance(n, Index)} | set(fold.indices)
-
-        def fresh(name: str) -> str:
-            k = 1
-            while f"{name}{k}" in taken:
-                k += 1
-            taken.add(f"{name}{k}")
-            return f"{name}{k}"
-        try:
-            element = tuple(substitute_affine(a, {index: ({b.other: 1}, offset)}, fresh, None) for a in assumed.args)
-        except CheckError:
-            return None
-        return PrefixLoop(index, b.other, offset, reverse, b.conjunct, element)
+        return None if p.reverse and self.extent(p.over) + p.offset < self.extent(p.index) else p
 
     def sorted_tile(self, ordered: SortedLoop) -> int:
         return sorted_tile(self.extent(ordered.index), self.extent(ordered.by))

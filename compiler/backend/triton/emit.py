@@ -1165,7 +1165,7 @@ class KernelEmitter:
         return state
 
     def prefix_fold(self, fold: Reduce, p, env0: dict[str, Axis], T: Scope, k: int) -> dict[str, Value]:
-        """The state of a prefix fold (specialise.ir.PrefixLoop) at every position of the
+        """The state of a prefix fold (schedule.bounds.Prefix) at every position of the
         scan's tile: the elements lifted (the identity where s = t + offset is outside
         s's extent), scanned along the tile with the summary's combine, each combined
         with the state of the tiles before (after, for a suffix), which then takes the
