@@ -15,7 +15,8 @@ from .arguments import checked_wrt
 from .errors import CheckError
 from .ir import Program
 from .ops import FLOAT
-from .passes.differentiate import Statistics, differentiate, read_outputs, read_saved, statistics
+from .passes.differentiate import (Statistics, anchor_extents, differentiate, read_outputs, read_saved,
+                                  statistics)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def derive(forward, wrt: tuple[str, ...], outputs: tuple[str, ...], saved: bool)
         return backward, Statistics((), ())
     found = statistics(forward, backward)
     backward, _ = read_outputs(backward, forward)      # before the softmaxes become exp(x - L)
-    return read_saved(backward, found.saved), found
+    return anchor_extents(read_saved(backward, found.saved), forward), found
 
 
 def saving_forward(forward) -> Statistics:

@@ -278,3 +278,34 @@ def test_few_long_rows_on_the_gpu_run_in_chunks(name):
     want = reference(**inputs)
     scale = want.abs().max().clamp_min(1).item()
     torch.testing.assert_close(got.double().cpu() / scale, want / scale, rtol=1e-4, atol=1e-4)
+
+
+CDF = "F[b, t] = sum[s](where(s <= t, P[b, s], 0.0)) / sum[s](P[b, s])"
+
+
+@pytest.mark.parametrize("source, reference", [
+    (CDF, lambda P: P.cumsum(1) / P.sum(1, keepdim=True)),
+    ("F[b, t] = sum[s](where(s >= t, P[b, s], 0.0)) / sum[s](P[b, s])",
+     lambda P: P.flip(1).cumsum(1).flip(1) / P.sum(1, keepdim=True)),
+    ("F[b, t] = logsumexp[s](where(s <= t, P[b, s], -inf)) - logsumexp[s](P[b, s])",
+     lambda P: P.logcumsumexp(1) - P.logsumexp(1, keepdim=True))], ids=["cdf", "survival", "log cdf"])
+@pytest.mark.parametrize("n", [1, 13, 2100])
+def test_a_prefix_after_the_rows_folds_scans_in_the_epilogue(source, reference, n):
+    P = randn(3, n).abs() + 0.1
+    program = compiler.compile(source, backend="triton")
+    torch.testing.assert_close(program(P=P, t=n), reference(P), rtol=1e-10, atol=1e-10)
+    lines = str(program.plan(P=P, t=n)).splitlines()
+    # the row's folds first (their loop without the prefix's bounds), then the epilogue's scan
+    assert lines[2].strip().startswith("loop s: ") and "bounds" not in lines[2]
+    assert lines[3].strip().startswith("loop t in order")
+
+
+def test_the_epilogue_scan_is_specialised_and_the_cdf_has_its_gradient():
+    text = specialised(CDF, b=4, s=1000, t=1000)
+    assert "the epilogue's loop runs t in order through each program" in text
+    assert "fold[s] of acc: no loop [prefix scan along t (s <= t): the element of t is s = t]" in text
+    inputs = {"P": randn(3, 40).abs() + 0.1, "t": 40}
+    got, (dP,) = run(CDF, inputs, ("P",), "triton")
+    want, (wanted,) = torch_run(lambda P, t: P.cumsum(1) / P.sum(1, keepdim=True), inputs, ("P",))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dP, wanted, rtol=1e-10, atol=1e-10)

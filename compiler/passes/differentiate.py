@@ -670,14 +670,32 @@ def _anchor_unmeasured(program: Program, forward: Program, names: _Names) -> Pro
     statements = list(program.statements)
     for ix in missing:
         read, d = by_symbol[symbols[ix]]
-        indices = tuple(ix if k == d else names.fresh(other)
-                        for k, other in enumerate(_dimension_names(read, names, dimensions)))
+        # the read's other dimensions at the indices of the statement that gets the anchor, where
+        # one has their extent (dP[b, s] reads P[b, s] ** 0), else summed over (a fresh index)
+        home = next((st.indices for st in statements if ix in st.indices), ())
+        spare = [i for i in home if i != ix]
+        indices = []
+        for k, other in enumerate(_dimension_names(read, names, dimensions)):
+            same = next((i for i in spare if symbols.get(i) == symbols.get(other)), None) if k != d else None
+            if same is not None:
+                spare.remove(same)
+            indices.append(ix if k == d else same if same is not None else names.fresh(other))
+        indices = tuple(indices)
         ones: Expr = Call("pow", (Access(read.tensor, indices), Const(0)))
-        others = tuple(i for i in indices if i != ix)
+        others = tuple(i for i in indices if i != ix and i not in home)
         if others:
             ones = Reduce(BUILTINS["prod"], others, (ones,))
         statements = _place_anchor(statements, ix, ones)
     return replace(program, statements=tuple(statements), extents=tuple(sorted(names.extents.items())))
+
+
+def anchor_extents(program: Program, forward: Program) -> Program:
+    """`program` (a gradient program of `forward`) with every index it uses given an
+    extent again (_anchor_unmeasured): read_saved may replace the only read that
+    measured one (a CDF's gradient at s, `sum[t](where(s <= t, dF[b, t] / sum[s](P[b, s]), 0))`,
+    reads the saved row sum instead of P)."""
+    taken = {i for i, _ in program.extents} | {i.name for i in program.inputs} | {s.name for s in program.statements}
+    return _anchor_unmeasured(program, forward, _Names(taken, dict(program.extents)))
 
 
 def _place_anchor(statements: list[Assign], ix: str, ones: Expr) -> list[Assign]:

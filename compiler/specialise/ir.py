@@ -197,6 +197,7 @@ class ConcreteKernel:
     # combined totals of the chunks before it (after it, for a suffix); and why
     scan_chunks: int = 1
     scan_chunks_why: str = ""
+    scan_epilogue: bool = False     # the scanned index is the epilogue's (its loop runs in order)
 
     @property
     def name(self) -> str:
@@ -228,7 +229,8 @@ class ConcreteKernel:
         grid = f"grid ({', '.join(str(untuned(t)) for t in self.grid)})" if self.grid else "one program"
         lines = [f"kernel {self.name}: {grid}{order}"]
         if self.scan:
-            lines.append(f"  {self.scan} runs in order through each program{', last tile first' * self.scan_reverse}, "
+            runs = f"the epilogue's loop runs {self.scan}" if self.scan_epilogue else f"{self.scan} runs"
+            lines.append(f"  {runs} in order through each program{', last tile first' * self.scan_reverse}, "
                          f"the scans' state carried from tile to tile")
             if self.scan_chunks > 1:
                 lines.append(f"  {self.scan} in {self.scan_chunks} chunks across programs ({self.scan_chunks_why}): "

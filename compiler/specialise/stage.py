@@ -206,6 +206,8 @@ class _Kernel:
         self.split_caps: dict[str, int] = {}
         grid = tuple(Tile(g, TILED, scanned[1], why="in order: the scan's tile") if scanned and g == scanned[0]
                      else self.grid_tile(g, blocks.get(g, 0), g in tiling.whole) for g in spec.grid)
+        if self.scan is None and not self.chunked:
+            self.scan = self.epilogue_scan()
         epilogue = tuple(self.epilogue_tile(e) for e in spec.epilogue)
         self.epilogue_sizes = {t.index: t.size for t in epilogue}
         # the grid's and the epilogue's whole tiles, which a nested fold's whole tile may share
@@ -224,7 +226,7 @@ class _Kernel:
                               whole and len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
                               why, table, candidates, form, form_why,
                               self.past_cache(grid, shared, dtypes), *(self.scan or ("", False)),
-                              *self.scan_chunks(grid))
+                              *self.scan_chunks(grid), scan_epilogue=bool(self.scan) and self.scan[0] in spec.epilogue)
 
     def past_cache(self, grid: tuple[Tile, ...], shared: frozenset, dtypes: dict):
         """The reads of a kernel that folds without tl.dot (a memory-bound reduction)
@@ -431,8 +433,8 @@ class _Kernel:
         SCAN_CHUNK_TILES tiles, enough for two programs an SM (up to SPLIT_MAX); `split=N`
         asks for N.  16 rows of a 262144-long cumsum ran 16 programs, 256 tiles each, at
         0.15x torch.compile (H200)."""
-        if not self.scan:
-            return 1, ""
+        if not self.scan or self.scan[0] not in self.spec.grid:
+            return 1, ""            # an epilogue's scan runs after its program's folds: in one program
         t = next(g for g in grid if g.index == self.scan[0])
         tiles = math.ceil(self.extent(t.index) / t.size)
         if self.requested:
@@ -447,12 +449,24 @@ class _Kernel:
             return 1, ""
         return n, f"{rows} programs of rows for {self.sig.sm_count} SMs and {tiles} tiles"
 
+    def epilogue_scan(self) -> tuple[str, bool] | None:
+        """(the epilogue's index, a suffix) where the epilogue loops over one index t and a
+        fold of a statement there is a prefix along it: the epilogue's loop runs t's
+        tiles in order in each program already, after the program folds (a CDF's
+        `sum[s](where(s <= t, P[b, s], 0)) / sum[s](P[b, s])`: the row's total first)."""
+        if len(self.spec.epilogue) != 1:
+            return None
+        (t,) = self.spec.epilogue
+        scope = {**self.grid_scope, t: ("epilogue", False)}
+        found = next((p for f in self.all_folds() for p in [self.prefix_loop(f, scope)] if p and p.over == t), None)
+        return (t, found.reverse) if found else None
+
     def prefix_loop(self, fold: Reduce, scope) -> Prefix | None:
         """The prefix `fold` is (schedule.bounds.prefix_of) where the index it runs
-        along is a grid index of the kernel, and, for a suffix, its last element (at the
-        last t) reaches the last s."""
+        along is a grid index of the kernel or the epilogue's, and, for a suffix, its
+        last element (at the last t) reaches the last s."""
         p = prefix_of(fold)
-        if p is None or scope.get(p.over, ("",))[0] != "grid":
+        if p is None or scope.get(p.over, ("",))[0] not in ("grid", "epilogue"):
             return None
         return None if p.reverse and self.extent(p.over) + p.offset < self.extent(p.index) else p
 

@@ -2188,7 +2188,7 @@ class KernelEmitter:
         # cost 8-14% at S = 1024 on the H100)
         longest_first = self.kernel.longest_first
         grouped = self.grouped_order(order, axes) if self.kernel.grouped else None
-        scan = self.kernel.scan
+        scan = self.kernel.scan if self.kernel.scan in spec.grid else ""
         if scan:
             order.remove(scan)
         for p, g in enumerate(order):
@@ -2319,11 +2319,20 @@ class KernelEmitter:
                     self.store(st.name, st.indices, self.result(st, epi), epi)
                     writes.append(st.name)
             self.flush_tiles(root, loops)
+            if self.kernel.scan_epilogue:
+                # the scans' carried state starts before the loop, which runs their index in order
+                root.lines += self.scan_init
             if loops:
                 root.lines.append(f"# epilogue: loop over tiles of {', '.join(ax.name for ax in loops)}")
             for depth, ax in enumerate(loops):
-                root.lines += indent([f"for start_{ax.var} in range(0, {self.extent_param(ax.name)}, "
-                                      f"{ax.block_name}):"], depth)
+                n = self.extent_param(ax.name)
+                if self.kernel.scan_epilogue and self.kernel.scan_reverse and ax.name == self.kernel.scan:
+                    count = f"tl.cdiv({n}, {ax.block_name})"
+                    root.lines += indent([f"for step_{ax.var} in range(0, {count}):",
+                                          f"    start_{ax.var} = ({count} - 1 - step_{ax.var}) * {ax.block_name}"],
+                                         depth)
+                    continue
+                root.lines += indent([f"for start_{ax.var} in range(0, {n}, {ax.block_name}):"], depth)
             root.lines.extend(indent(epi.lines, len(loops)))
         return writes
 

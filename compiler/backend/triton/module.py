@@ -81,22 +81,27 @@ def program_count(code: KernelCode, block_of) -> str:
 
 
 def scanned_loops(kernel: ConcreteKernel) -> tuple[Loop, ...]:
-    """The kernel's loops for its plan: a scan kernel's are one loop over the index it
-    runs in order, scanning its prefix folds, around the loops of its other folds (the
-    prefix folds' own loops gone: no loop streams them)."""
+    """The kernel's loops for its plan: a scan kernel's prefix folds stream no loop of
+    their own (those whose loop folds nothing else go); the loop over the index it runs
+    in order scans them, around the others' loops (a grid index) or as the epilogue's
+    loop, after them."""
     spec = kernel.schedule
     prefixes = [f for f in kernel.folds if f.prefix is not None]
     if not kernel.scan or not prefixes:
         return spec.loops
-    relations = {format_expr(f.prefix.conjunct) for f in prefixes}
+
+    relations = tuple(dict.fromkeys(format_expr(f.prefix.conjunct) for f in prefixes))
 
     def kept(loop: Loop) -> Loop | None:
-        if set(loop.bounds) & relations and loop.indices in {(f.prefix.index,) for f in prefixes}:
+        if loop.prefix and loop.indices in {(f.prefix.index,) for f in prefixes}:
             return None
-        return replace(loop, inner=tuple(filter(None, map(kept, loop.inner))))
+        # a loop the prefix folds shared with others: its bounds were theirs
+        return replace(loop, inner=tuple(filter(None, map(kept, loop.inner))),
+                       bounds=tuple(b for b in loop.bounds if b not in relations))
     names = tuple(dict.fromkeys(f.fold.summary.name for f in prefixes))
-    return (Loop((kernel.scan,), names, tuple(filter(None, map(kept, spec.loops))),
-                 scans=tuple(sorted(relations)), reverse=kernel.scan_reverse),)
+    others = tuple(filter(None, map(kept, (loop for loop in spec.loops if loop.folds))))
+    scan = Loop((kernel.scan,), names, scans=relations, reverse=kernel.scan_reverse)
+    return (*others, scan) if kernel.scan_epilogue else (replace(scan, inner=others),)
 
 
 class ModuleBuilder:
