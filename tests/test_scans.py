@@ -183,6 +183,19 @@ def test_a_relation_that_is_no_prefix_runs_the_masked_loop():
         torch.testing.assert_close(got, reference(X), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("source", ["C[b, t] = sum[s](where(s <= t, X[b, s], 0.0))",
+                                    "C[b, t] = sum[s](where(s >= t, X[b, s], 0.0))"])
+def test_more_positions_than_elements_keep_the_masked_loop_and_read_nothing_outside(source):
+    # t's 9 positions past s's 5: a scan's element at s = t would read X past its last column (the
+    # differential corpus's sizes crashed the interpreter so); the masked loop reads within X
+    assert "scan" not in specialised(source, b=3, s=5, t=9)
+    X = randn(3, 5)
+    got = compiler.compile(source, backend="triton")(X=X, t=9)
+    t, s = torch.arange(9)[:, None], torch.arange(5)[None, :]
+    mask = (s <= t) if "<=" in source else (s >= t)
+    torch.testing.assert_close(got, (X[:, None, :] * mask).sum(-1), rtol=1e-12, atol=1e-12)
+
+
 def test_a_suffix_at_fewer_positions_than_it_sums_evaluates_its_mask_on_every_tile():
     # t's 5 positions cannot reach the last of s's 300 from the last t: no scan, the masked loop.
     # Without the mask the element reads b alone where the state is per (b, t): no interior band

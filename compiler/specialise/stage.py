@@ -463,12 +463,15 @@ class _Kernel:
 
     def prefix_loop(self, fold: Reduce, scope) -> Prefix | None:
         """The prefix `fold` is (schedule.bounds.prefix_of) where the index it runs
-        along is a grid index of the kernel or the epilogue's, and, for a suffix, its
-        last element (at the last t) reaches the last s."""
+        along is a grid index of the kernel or the epilogue's, and its elements stay
+        inside s's extent: the last t's element, at s = t + offset, is at most the last
+        s (a read at s = t is of a dimension of s's extent), and for a suffix it is the
+        last s, which every suffix holds."""
         p = prefix_of(fold)
         if p is None or scope.get(p.over, ("",))[0] not in ("grid", "epilogue"):
             return None
-        return None if p.reverse and self.extent(p.over) + p.offset < self.extent(p.index) else p
+        last = self.extent(p.over) + p.offset
+        return p if last == self.extent(p.index) or last < self.extent(p.index) and not p.reverse else None
 
     def sorted_tile(self, ordered: SortedLoop) -> int:
         return sorted_tile(self.extent(ordered.index), self.extent(ordered.by))

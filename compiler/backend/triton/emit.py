@@ -1166,8 +1166,8 @@ class KernelEmitter:
 
     def prefix_fold(self, fold: Reduce, p, env0: dict[str, Axis], T: Scope, k: int) -> dict[str, Value]:
         """The state of a prefix fold (schedule.bounds.Prefix) at every position of the
-        scan's tile: the elements lifted (the identity where s = t + offset is outside
-        s's extent), scanned along the tile with the summary's combine, each combined
+        scan's tile: the elements lifted (the identity where s = t + offset is before s's
+        first position; the specialisation stage keeps it within the last), scanned along the tile with the summary's combine, each combined
         with the state of the tiles before (after, for a suffix), which then takes the
         tile's last (first) position's."""
         s = fold.summary
@@ -1183,11 +1183,8 @@ class KernelEmitter:
         U = sort_axes([a for v in lifted.values() for a in v.axes] + list(env0.values()))
         self.tile(U)
         inside = [self.expand(Value(ax.mask, (ax,), "bool"), U)] if self.ragged(ax) else []
-        position = f"{ax.offs} + {p.offset}" if p.offset > 0 else f"{ax.offs} - {-p.offset}" if p.offset else ax.offs
         if p.offset < 0:
             inside.append(self.expand(Value(f"({ax.offs} >= {-p.offset})", (ax,), "bool"), U))
-        if self.ctx.extent(p.over) + p.offset > self.ctx.extent(p.index):
-            inside.append(self.expand(Value(f"({position} < {self.extent_param(p.index)})", (ax,), "bool"), U))
         tiles = []
         for f in fields:
             code = self.expand(lifted[f], U)
