@@ -349,6 +349,7 @@ def make_gaussian_mixture(n, dtype, g):
 
 CUMSUM = "C[b,t] = sum[s](where(s <= t, X[b,s], 0.0))"
 LOGCUMSUMEXP = "C[b,t] = logsumexp[s](where(s <= t, X[b,s], -inf))"
+CDF = "F[b,t] = sum[s](where(s <= t, P[b,s], 0.0)) / sum[s](P[b,s])"
 # Mamba's selective scan: h[t] = exp(D[t] A) h[t-1] + D[t] B[t] x[t] per channel d and state n,
 # y[t] = C[t] . h[t]; the recurrence is the prefix of the affine maps h -> a h + b
 SELECTIVE_SCAN = ("H[b,d,n,t] = affine[s](where(s <= t, exp(D[b,d,s] * A[d,n]), 1.0), "
@@ -370,6 +371,16 @@ def make_sequence(n, dtype, g):
 
 def torch_cumsum(x):
     return x["X"].cumsum(-1)
+
+
+def make_weights(n, dtype, g):
+    return {"P": torch.rand(n["b"], n["t"], generator=g, device=g.device, dtype=torch.float32).to(dtype),
+            "t": n["t"]}
+
+
+def torch_cdf(x):
+    p = _at_least_float32(x["P"])
+    return p.cumsum(-1) / p.sum(-1, keepdim=True)
 
 
 def torch_logcumsumexp(x):
@@ -526,6 +537,9 @@ FAMILIES = [
     Family("cumsum", CUMSUM, torch_cumsum, make_sequence,
            ({"b": 4096, "t": 4096}, {"b": 16, "t": 262144}), {"b": 1024, "t": 4096},
            _bytes("b*t", "b*t"), "GB/s", note="a prefix scan: t in order through each program"),
+    Family("cdf", CDF, torch_cdf, make_weights,
+           ({"b": 4096, "t": 4096},), {"b": 1024, "t": 4096},
+           _bytes("b*t", "b*t"), "GB/s", note="the row's total, then the prefix scanned in the epilogue loop"),
     Family("logcumsumexp", LOGCUMSUMEXP, torch_logcumsumexp, make_sequence,
            ({"b": 4096, "t": 4096},), {"b": 1024, "t": 4096},
            _bytes("b*t", "b*t"), "GB/s"),

@@ -43,6 +43,7 @@ TINY = {
     "linear attention": {"b": 2, "h": 3, "i": 5, "m": 7, "k": 3, "j": 4},
     "cumsum": {"b": 3, "t": 7},
     "logcumsumexp": {"b": 3, "t": 7},
+    "cdf": {"b": 3, "t": 7},
     "selective scan": {"b": 2, "d": 3, "n": 5, "t": 7},
 }
 BY_NAME = {family.name: family for family in FAMILIES}
