@@ -70,6 +70,11 @@ GOLDEN = {
     # its gradient, the scatter: each row of dE visits the ids equal to it, sorted per row of b
     "embedding_scatter": ("dE[s,d] = sum[b,t](where(T[b,t] == s, dX[b,t,d], 0.0))", None,
                           {"dX": ((8, 2048, 4096), BF16), "T": ((8, 2048), torch.int64), "s": 50257}),
+    # a prefix result: t in order through each program, each tile scanned and the state carried on
+    "logcumsumexp": ("L[b,t] = logsumexp[s](where(s <= t, X[b,s], -inf))", None,
+                     {"X": ((4096, 4096), BF16), "t": 4096}),
+    # few long rows: the chunks' totals first, then each chunk scanned from those before it
+    "chunked_cumsum": ("C[b,t] = sum[s](where(s <= t, X[b,s], 0.0))", None, {"X": ((16, 262144), BF16), "t": 262144}),
 }
 ARCH = {"hopper_window_attention": 90}     # compute capability of the GPU a golden is generated for
 

@@ -1190,8 +1190,9 @@ class KernelEmitter:
             code = self.expand(lifted[f], U)
             if inside:
                 code = f"tl.where({' & '.join(inside)}, {code}, {ids[f]})"
-            tiles.append(self.assign(self.broadcast(code, U, self.state_dtype(kinds[f])), U, T,
-                                     stem=f"lift_{ident(f)}").code)
+            if lifted[f].const is not None or dims(lifted[f].axes) != dims(U):
+                code = self.broadcast(code, U, self.state_dtype(kinds[f]))     # a scan's operands are whole tiles
+            tiles.append(self.assign(code, U, T, stem=f"lift_{ident(f)}").code)
         pos = dims(U).index(ax)
         combine = self.ctx.combine_fn(s, fields, flipped=p.reverse and not s.commutative)
         scans = [self.temp(f"scan_{ident(f)}") for f in fields]
@@ -1215,8 +1216,12 @@ class KernelEmitter:
         rule = selecting_combine(s)
         new = {f: self.formula(rule[i], env, T, cse) for i, f in enumerate(fields)}
         new = self.guard_identity(s, fields, earlier, later, new, T)
-        state = {f: self.assign(self.full_shape(self.to_kind(new[f], kinds[f]), U), U, T, kinds[f],
-                                stem=f"{'suffix' if p.reverse else 'prefix'}_{ident(f)}") for f in fields}
+        state = {}
+        for f in fields:
+            stem = f"{'suffix' if p.reverse else 'prefix'}_{ident(f)}"
+            v = self.to_kind(new[f], kinds[f])
+            state[f] = (self.renamed(v, stem, T) if self._numbered(v) and dims(v.axes) == dims(U)
+                        else self.assign(self.full_shape(v, U), U, T, kinds[f], stem=stem))
         self.carried[fold] = (carry, FA)
         edge = f"{ax.block_name} - 1" if not p.reverse else "0"
         at = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {edge})", (ax,), "bool"), U)
