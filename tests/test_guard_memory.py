@@ -16,7 +16,8 @@ Programs, in float32: the differential corpus (test_differential.CORPUS) at its 
 size sets (every extent 1, distinct primes, a streamed loop of two ragged tiles,
 each extent 0 in turn); launch grids of several factors with one program per value
 of an index after tiled ones (where a product of unparenthesised ceil-divisions
-counted too many programs); forced splits (scratch states, arrival counters);
+counted too many programs); forced splits (scratch states, arrival counters); scans, in chunks (their
+totals in scratch) and in an epilogue;
 intermediate buffers; and programs drawn by test_fuzz's generator at small ragged
 sizes (EINFOLD_GUARD_EXAMPLES, default 40, derandomized).  On the CPU the kernels
 run under Triton's interpreter, whose stores are raw writes to the tensors' memory
@@ -181,6 +182,26 @@ def test_split_kernels_write_only_their_outputs_and_scratch(name):
     program = compiler.compile(source, backend="triton", split=split)
     check(program, extents)
     assert "_partial" in program.backend.source       # the split ran: scratch was placed too
+
+
+# scans (schedule.bounds.Prefix): t run in order through each program, a ragged last tile; across
+# chunks (split=): the chunks' totals in scratch, read back by the scan; in the epilogue after a row's total
+SCANS = {
+    "a cumsum in chunks": ("C[b,t] = sum[s](where(s <= t, X[b,s], 0.0))", 3, {"b": 3, "s": 2100, "t": 2100}),
+    "a suffix logcumsumexp in chunks": ("L[b,t] = logsumexp[s](where(s >= t, X[b,s], -inf))", 3,
+                                        {"b": 2, "s": 2100, "t": 2100}),
+    "a CDF in the epilogue": ("F[b,t] = sum[s](where(s <= t, P[b,s], 0.0)) / sum[s](P[b,s])", None,
+                              {"b": 5, "s": 1037, "t": 1037}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCANS))
+def test_scans_write_only_their_outputs_and_scratch(name):
+    source, split, extents = SCANS[name]
+    program = compiler.compile(source, backend="triton", split=split)
+    check(program, extents)
+    assert "tl.associative_scan" in program.backend.source           # it ran as a scan
+    assert ("_totals" in program.backend.source) == bool(split)       # in chunks where asked
 
 
 BUFFERS = {

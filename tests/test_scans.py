@@ -165,6 +165,7 @@ def test_every_spelling_of_a_prefix_takes_one_schedule():
     kernels = {specialised(s, b=4, t=50, **{"u" if "[u]" in s else "s": 50}).split("kernel ", 1)[1]
                .split("  fold")[0] for s in spellings}
     assert len(kernels) == 1, kernels
+    assert "t runs in order through each program" in next(iter(kernels))
 
 
 def test_a_relation_that_is_no_prefix_runs_the_masked_loop():

@@ -1167,9 +1167,9 @@ class KernelEmitter:
     def prefix_fold(self, fold: Reduce, p, env0: dict[str, Axis], T: Scope, k: int) -> dict[str, Value]:
         """The state of a prefix fold (schedule.bounds.Prefix) at every position of the
         scan's tile: the elements lifted (the identity where s = t + offset is before s's
-        first position; the specialisation stage keeps it within the last), scanned along the tile with the summary's combine, each combined
-        with the state of the tiles before (after, for a suffix), which then takes the
-        tile's last (first) position's."""
+        first position; the specialisation stage keeps it within the last), scanned along
+        the tile with the summary's combine, each combined with the state of the tiles
+        before (after, for a suffix), which then takes the tile's last (first) position's."""
         s = fold.summary
         ax = env0[p.over]
         T.lines.append(f"# fold {k}: {s.name}[{p.index}] as a {'suffix' if p.reverse else 'prefix'} scan along "
@@ -1223,13 +1223,17 @@ class KernelEmitter:
             state[f] = (self.renamed(v, stem, T) if self._numbered(v) and dims(v.axes) == dims(U)
                         else self.assign(self.full_shape(v, U), U, T, kinds[f], stem=stem))
         self.carried[fold] = (carry, FA)
-        edge = f"{ax.block_name} - 1" if not p.reverse else "0"
-        at = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {edge})", (ax,), "bool"), U)
         T.lines.append(f"# carried on: the state at the tile's {'first' if p.reverse else 'last'} position")
         for f in fields:
-            zero = "0" if kinds[f] == "int" else "0.0"
-            T.lines.append(f"{carry[f].code} = tl.sum(tl.where({at}, {state[f].code}, {zero}), {pos})")
+            T.lines.append(f"{carry[f].code} = {self.at_edge(state[f].code, ax, U, kinds[f], first=p.reverse)}")
         return state
+
+    def at_edge(self, code: str, ax: Axis, axes, kind: str, first: bool = False) -> str:
+        """The element of the tile `code` (over `axes`) at the last (`first`: the first)
+        position of `ax`, dropping that axis: a scan's total."""
+        edge = "0" if first else f"{ax.block_name} - 1"
+        at = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {edge})", (ax,), "bool"), axes)
+        return f"tl.sum(tl.where({at}, {code}, {'0' if kind == 'int' else '0.0'}), {list(dims(axes)).index(ax)})"
 
     def chunk_carry(self, fold: Reduce, carry: dict[str, Value], FA, ids: dict[str, str], reverse: bool) -> None:
         """A scan across chunks: the state this program's chunk starts from, the totals of
@@ -1238,15 +1242,13 @@ class KernelEmitter:
         layout = self.ctx.scan_totals[self.spec.name, fold]
         fields = tuple(carry)
         names = {f: self.local(f"total_{ident(f)}") for f in fields}
-        axes = [a for a in FA]
-        target = sort_axes(axes)
-        mask = self.mask_code(target, target)
+        mask = self.mask_code(FA, FA)
+        by_name = {a.name: a for a in FA}
         lines = []
         for f in fields:
             buf, indices, _ = layout[f]
             ptr, strides = self.tensor_params(buf, 1 + len(indices))
-            by_name = {a.name: a for a in axes}
-            offsets = self.offsets([by_name[i] for i in indices], strides[1:], target)
+            offsets = self.offsets([by_name[i] for i in indices], strides[1:], FA)
             address = f"{ptr} + c * {strides[0]}" + (f" + {offsets}" if offsets else "")
             lines.append(f"{names[f]} = tl.load({address}" + (f", mask={mask}, other={ids[f]})" if mask else ")"))
         combine = self.ctx.combine_fn(fold.summary, fields)
@@ -1255,6 +1257,22 @@ class KernelEmitter:
         chunks = "range(chunk_id + 1, n_chunks)" if reverse else "range(0, chunk_id)"
         self.scan_init += [f"# the totals of the chunks {'after' if reverse else 'before'} this one, in order",
                            f"for c in {chunks}:", *indent(lines)]
+
+    def store_state(self, buf: str, v: Value, axes: list[Axis], row: str) -> str:
+        """The line that stores a state field `v` (over `axes`) in row `row` of the buffer
+        `buf`, [n_split, the axes' indices], which it declares: a split's partial state, a
+        scan's chunk total."""
+        names = tuple(a.name for a in axes)
+        dtype = torch.int64 if v.kind == "int" else torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
+        self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), dtype)
+        self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(dtype)))
+        ptr, strides = self.tensor_params(buf, 1 + len(names))
+        target = sort_axes(axes)
+        address = f"{ptr} + {row}.to(tl.int64) * {strides[0]}"
+        if axes:
+            address += " + " + self.offsets(axes, strides[1:], target)
+        mask = self.mask_code(target, target)
+        return f"tl.store({address}, {self.full_shape(v, target)}" + (f", mask={mask})" if mask else ")")
 
     def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list,
                    finish: list) -> dict[str, Value]:
@@ -2091,12 +2109,8 @@ class KernelEmitter:
                 # tl.reduce may reorder operands; a scan keeps order and its last element is the fold
                 scans = [self.temp(f"scan_{ident(f)}") for f in folded]
                 body.lines.append(f"{', '.join(scans)} = tl.associative_scan({tuple_in}, {pos}, {combine})")
-                last_axes = [a for a in current]
-                last = self.expand(Value(f"(tl.arange(0, {ax.block_name}) == {ax.block_name} - 1)", (ax,), "bool"),
-                                   last_axes)
                 for f, o, sc in zip(folded, outs, scans):
-                    zero = "0" if kinds[f] == "int" else "0.0"
-                    body.lines.append(f"{o} = tl.sum(tl.where({last}, {sc}, {zero}), {pos})")
+                    body.lines.append(f"{o} = {self.at_edge(sc, ax, current, kinds[f])}")
             names = dict(zip(folded, outs))
             current.remove(ax)
         FA = sort_axes(a for a in U if a not in RA)
@@ -2240,16 +2254,21 @@ class KernelEmitter:
             return lines
         ax = self.root.env[self.kernel.scan]
         lo, hi = ("0", self.extent_param(ax.name)) if self.kernel.scan_chunks == 1 else (f"lo_{ax.var}", f"hi_{ax.var}")
-        if self.kernel.scan_reverse:
-            count = f"tl.cdiv({hi}{f' - {lo}' if lo != '0' else ''}, {ax.block_name})"
-            header = [f"for step_{ax.var} in range(0, {count}):"]
-            first = [f"start_{ax.var} = {f'{lo} + ' if lo != '0' else ''}({count} - 1 - step_{ax.var}) * {ax.block_name}"]
-        else:
-            header, first = [f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):"], []
+        header, first = self.tiles_loop(ax, lo, hi, self.kernel.scan_reverse)
         where = "last tile first" if self.kernel.scan_reverse else "in order"
         return [*lines[:self.scan_at], *self.scan_init,
                 f"# the tiles of {ax.name}, {where}: each carries the scans' state to the next",
-                *header, *indent(first + lines[self.scan_at:]), *self.scan_after]
+                header, *indent(first + lines[self.scan_at:]), *self.scan_after]
+
+    @staticmethod
+    def tiles_loop(ax: Axis, lo: str, hi: str, reverse: bool) -> tuple[str, list[str]]:
+        """(the header of a loop over the tiles of `ax` from `lo` to `hi`, the lines that
+        begin its body): in order, or (`reverse`) from the last tile down."""
+        if not reverse:
+            return f"for start_{ax.var} in range({lo}, {hi}, {ax.block_name}):", []
+        count = f"tl.cdiv({hi}{f' - {lo}' if lo != '0' else ''}, {ax.block_name})"
+        return (f"for step_{ax.var} in range(0, {count}):",
+                [f"start_{ax.var} = {f'{lo} + ' if lo != '0' else ''}({count} - 1 - step_{ax.var}) * {ax.block_name}"])
 
     GROUP = 8    # output tile rows that consecutive programs share (L2 reuse of their operands)
 
@@ -2327,14 +2346,9 @@ class KernelEmitter:
             if loops:
                 root.lines.append(f"# epilogue: loop over tiles of {', '.join(ax.name for ax in loops)}")
             for depth, ax in enumerate(loops):
-                n = self.extent_param(ax.name)
-                if self.kernel.scan_epilogue and self.kernel.scan_reverse and ax.name == self.kernel.scan:
-                    count = f"tl.cdiv({n}, {ax.block_name})"
-                    root.lines += indent([f"for step_{ax.var} in range(0, {count}):",
-                                          f"    start_{ax.var} = ({count} - 1 - step_{ax.var}) * {ax.block_name}"],
-                                         depth)
-                    continue
-                root.lines += indent([f"for start_{ax.var} in range(0, {n}, {ax.block_name}):"], depth)
+                reverse = self.kernel.scan_epilogue and self.kernel.scan_reverse and ax.name == self.kernel.scan
+                header, first = self.tiles_loop(ax, "0", self.extent_param(ax.name), reverse)
+                root.lines += indent([header, *indent(first)], depth)
             root.lines.extend(indent(epi.lines, len(loops)))
         return writes
 
@@ -2571,23 +2585,10 @@ class PartialEmitter(KernelEmitter):
             state, _, _ = self.fold_state(f, root)
             layout = {}
             for fname, v in state.items():
-                names = tuple(a.name for a in v.axes)
                 buf = self.ctx.buffer_name(f"{spec.name}_state{list(spec.program_folds).index(f)}_"
                                            f"{ident(fname)}")
-                layout[fname] = (buf, names, v.kind)
-                state_dtype = torch.int64 if v.kind == "int" else \
-                    torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
-                self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), state_dtype)
-                self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(state_dtype)))
-                ptr, strides = self.tensor_params(buf, 1 + len(names))
-                axes = [root.env[n] for n in names]
-                target = sort_axes(axes)
-                address = f"{ptr} + split_id.to(tl.int64) * {strides[0]}"
-                if axes:
-                    address += " + " + self.offsets(axes, strides[1:], target)
-                mask = self.mask_code(target, target)
-                root.lines.append(f"tl.store({address}, {self.full_shape(v, target)}"
-                                  + (f", mask={mask})" if mask else ")"))
+                layout[fname] = (buf, tuple(a.name for a in v.axes), v.kind)
+                root.lines.append(self.store_state(buf, v, [root.env[a.name] for a in v.axes], "split_id"))
             self.ctx.split_layouts[(spec.name, f)] = layout
             writes += [b for b, _, _ in layout.values()]
         return writes
@@ -2643,21 +2644,9 @@ class ScanTotalsEmitter(KernelEmitter):
             carry, FA = self.carried[fold]
             layout = {}
             for fname, v in carry.items():
-                names = tuple(a.name for a in FA)
                 buf = self.ctx.buffer_name(f"{self.spec.name}_total{k}_{ident(fname)}")
-                layout[fname] = (buf, names, v.kind)
-                dtype = torch.int64 if v.kind == "int" else torch.float64 if self.ctx.cdt == "tl.float64" \
-                    else torch.float32
-                self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), dtype)
-                self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(dtype)))
-                ptr, strides = self.tensor_params(buf, 1 + len(names))
-                target = sort_axes(FA)
-                address = f"{ptr} + chunk_id.to(tl.int64) * {strides[0]}"
-                if FA:
-                    address += " + " + self.offsets(list(FA), strides[1:], target)
-                mask = self.mask_code(target, target)
-                self.scan_after.append(f"tl.store({address}, {self.full_shape(v, target)}"
-                                       + (f", mask={mask})" if mask else ")"))
+                layout[fname] = (buf, tuple(a.name for a in FA), v.kind)
+                self.scan_after.append(self.store_state(buf, v, list(FA), "chunk_id"))
                 writes.append(buf)
             self.scan_after.insert(0, f"# the total of this chunk of {self.kernel.scan}: the state carried out of it")
             self.ctx.scan_totals[self.spec.name, fold] = layout
