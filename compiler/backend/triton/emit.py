@@ -1242,14 +1242,11 @@ class KernelEmitter:
         layout = self.ctx.scan_totals[self.spec.name, fold]
         fields = tuple(carry)
         names = {f: self.local(f"total_{ident(f)}") for f in fields}
-        mask = self.mask_code(FA, FA)
         by_name = {a.name: a for a in FA}
         lines = []
         for f in fields:
             buf, indices, _ = layout[f]
-            ptr, strides = self.tensor_params(buf, 1 + len(indices))
-            offsets = self.offsets([by_name[i] for i in indices], strides[1:], FA)
-            address = f"{ptr} + c * {strides[0]}" + (f" + {offsets}" if offsets else "")
+            address, mask = self.state_address(buf, [by_name[i] for i in indices], "c")
             lines.append(f"{names[f]} = tl.load({address}" + (f", mask={mask}, other={ids[f]})" if mask else ")"))
         combine = self.ctx.combine_fn(fold.summary, fields)
         lines.append(f"{', '.join(carry[f].code for f in fields)} = "
@@ -1266,13 +1263,18 @@ class KernelEmitter:
         dtype = torch.int64 if v.kind == "int" else torch.float64 if self.ctx.cdt == "tl.float64" else torch.float32
         self.ctx.tensors[buf] = TensorInfo("tensor", 1 + len(names), dtype)
         self.buffers.append((buf, ["n_split"] + [f'n["{n}"]' for n in names], str(dtype)))
-        ptr, strides = self.tensor_params(buf, 1 + len(names))
+        address, mask = self.state_address(buf, axes, f"{row}.to(tl.int64)")
+        return f"tl.store({address}, {self.full_shape(v, sort_axes(axes))}" + (f", mask={mask})" if mask else ")")
+
+    def state_address(self, buf: str, axes: list[Axis], row: str) -> tuple[str, str | None]:
+        """(the addresses of row `row` of a state buffer [n_split, the axes' indices] over the
+        tile of `axes`, the tile's mask)."""
+        ptr, strides = self.tensor_params(buf, 1 + len(axes))
         target = sort_axes(axes)
-        address = f"{ptr} + {row}.to(tl.int64) * {strides[0]}"
+        address = f"{ptr} + {row} * {strides[0]}"
         if axes:
             address += " + " + self.offsets(axes, strides[1:], target)
-        mask = self.mask_code(target, target)
-        return f"tl.store({address}, {self.full_shape(v, target)}" + (f", mask={mask})" if mask else ")")
+        return address, self.mask_code(target, target)
 
     def fold_tiles(self, fold: Reduce, prefix: str, body: Scope, RA, looped: bool, init: list,
                    finish: list) -> dict[str, Value]:
@@ -2693,12 +2695,8 @@ class MergeEmitter(KernelEmitter):
         for f in s.field_names:
             buf, names, kind = layout[f]
             axes = [env0[n] for n in names]
-            ptr, strides = self.tensor_params(buf, 1 + len(names))
             target = sort_axes(axes)
-            address = f"{ptr} + tl.cast(split, tl.int64) * {strides[0]}"
-            if axes:
-                address += " + " + self.offsets(axes, strides[1:], target)
-            mask = self.mask_code(target, target)
+            address, mask = self.state_address(buf, axes, "tl.cast(split, tl.int64)")
             ident_lit = self.identity_literal(s, f, kind)
             # stored by other programs of the launch: read from L2, past this SM's L1
             load = (f"tl.load({address}, mask={mask}, other={ident_lit}, cache_modifier=\".cg\")" if mask
