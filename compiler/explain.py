@@ -74,11 +74,12 @@ def explain(program) -> str:
     out = ["source:", *_indent(program.text.strip()), ""]
     out += ["checked (every reduction explicit):", *_indent(format_program(program.checked)), ""]
     for (_, before), (name, after) in zip(program.trace, program.trace[1:]):
+        said = after.notes[len(before.notes):]      # what the pass says of what it did (or left)
         if name not in ("factorise", "base2") and format_program(after) != format_program(before):
-            out += [f"after {name}:", *_indent(format_program(after)), ""]
+            out += [f"after {name}:", *_indent(format_program(after)), *_indent("\n".join(said)), ""]
+        elif said:
+            out += [f"{name}:", *_indent("\n".join(said)), ""]
     folds = _folds(program.factorised)
-    if program.factorised.notes:
-        out += ["factorise:", *_indent("\n".join(program.factorised.notes)), ""]
     if folds:
         out.append("after factorise: each group of reductions over one index is one pass")
         for fold in folds:

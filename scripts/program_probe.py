@@ -39,6 +39,26 @@ CASES = {
     "k-means expanded 256k x 1024 x 64": ("A[i] = argmin[c](sum[k](M[c,k] * M[c,k]) - 2 * sum[k](X[i,k] * M[c,k]), c)",
                                           {"i": 262144, "c": 1024, "k": 64}, "float32",
                                           "lambda x: torch.cdist(x['X'], x['M']).argmin(-1).double()"),
+    "chamfer d64 4 x 8k bf16": ("C[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))",
+                                {"b": 4, "i": 8192, "m": 8192, "k": 64}, "bfloat16",
+                                "lambda x: (x['X'].float().square().sum(-1)[..., None] - 2 * (x['X'] @ x['Y'].mT).float()"
+                                " + x['Y'].float().square().sum(-1)[..., None, :]).amin(-1)"),
+    "k-means 256k x 1024 x 64 fp32": ("A[i] = argmin[c](sum[k]((X[i,k] - M[c,k]) ** 2), c)",
+                                      {"i": 262144, "c": 1024, "k": 64}, "float32",
+                                      "lambda x: torch.cdist(x['X'], x['M']).argmin(-1).double()"),
+    "k-means 256k x 1024 x 64 bf16": ("A[i] = argmin[c](sum[k]((X[i,k] - M[c,k]) ** 2), c)",
+                                      {"i": 262144, "c": 1024, "k": 64}, "bfloat16",
+                                      "lambda x: (x['M'].float().square().sum(1) - 2 * (x['X'] @ x['M'].T).float())"
+                                      ".argmin(1).double()"),
+    # float32 contractions, shallow and deep, for the tl.dot input precision
+    "matmul 4096^3 fp32": ("C[i,j] = sum[k](A[i,k] * B[k,j])", {"i": 4096, "j": 4096, "k": 4096}, "float32",
+                           "lambda x: x['A'] @ x['B']"),
+    "products 8k x 8k x 64 fp32": ("C[i,m] = sum[k](X[i,k] * Y[m,k])", {"i": 8192, "m": 8192, "k": 64}, "float32",
+                                   "lambda x: x['X'] @ x['Y'].T"),
+    "products 8k x 8k x 256 fp32": ("C[i,m] = sum[k](X[i,k] * Y[m,k])", {"i": 8192, "m": 8192, "k": 256}, "float32",
+                                   "lambda x: x['X'] @ x['Y'].T"),
+    "products 8k x 8k x 1024 fp32": ("C[i,m] = sum[k](X[i,k] * Y[m,k])", {"i": 8192, "m": 8192, "k": 1024}, "float32",
+                                   "lambda x: x['X'] @ x['Y'].T"),
 }
 SPLITS = (None, 128, 256)
 

@@ -11,7 +11,7 @@ from compiler.cli import main
 from compiler.ir import Access, nodes
 from compiler.specialise import ConcreteSchedule, specialise
 from compiler.schedule.tiles import STREAM_BLOCK
-from compiler.specialise.ir import ONE_AT_A_TIME, RANGED, TILED, WHOLE
+from compiler.specialise.ir import DOT_PRECISIONS, ONE_AT_A_TIME, RANGED, TILED, WHOLE
 from test_triton_backend import LAYERNORM
 
 H100_SMS = 132
@@ -438,9 +438,9 @@ def test_a_fold_inside_the_epilogue_loop_shares_the_streamed_budget_with_the_epi
     binding = program.binder({k: _input(v, torch.float32) for k, v in shapes.items()})
     (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
     (epilogue,) = kernel.epilogue
-    assert (epilogue.index, epilogue.size) == ("k", 128)
+    assert epilogue.index == "k" and epilogue.size >= 64
     tiles = [t.size for f in kernel.folds if not f.nested for t in f.tiles if t.index == "m"]
-    assert tiles and all(size * 128 <= STREAM_BLOCK for size in tiles), str(kernel)
+    assert tiles and all(size * epilogue.size <= STREAM_BLOCK for size in tiles), str(kernel)
 
 
 @pytest.mark.parametrize("window_first", [False, True])
@@ -500,3 +500,23 @@ def test_a_convolutions_spellings_get_one_specialised_schedule():
 
     (first, *rest) = [roles(source, names) for source, names in spellings.items()]
     assert all(r == first for r in rest), (first, rest)
+
+
+@pytest.mark.parametrize("depth, dtype, precision", [
+    (16, torch.float32, "ieee"), (64, torch.float32, "tf32x3"), (1024, torch.float32, "tf32x3"),
+    (4096, torch.float32, "ieee"), (64, torch.bfloat16, ""),
+])
+def test_a_float32_contractions_precision_follows_its_depth(depth, dtype, precision):
+    """Without TF32, a float32 tl.dot of contractions 64 to 1024 deep multiplies as
+    three TF32 products (float32's accuracy there, and the faster), a shallower or a
+    deeper one in IEEE float32; a bfloat16 kernel has nothing to decide. The decision
+    is printed and the kernel is built as printed."""
+    program = compiler.compile("C[i,m] = sum[k](X[i,k] * Y[m,k])", backend="triton")
+    binding = program.binder({"X": _input((512, depth), dtype), "Y": (_input((256, depth), dtype))})
+    (kernel,) = program.backend.specialised_for(binding, sm_count=H100_SMS, arch=90).kernels
+    assert kernel.dot_precision == precision
+    assert ("float32 tl.dot: " in str(kernel)) == bool(precision)
+    assert not precision or "float32 tl.dot: " + DOT_PRECISIONS[precision] in str(kernel)
+    if precision:
+        source = program.backend.source_for(program.binder({"X": torch.zeros(2, depth), "Y": torch.zeros(3, depth)}))
+        assert f'input_precision="{precision}"' in source

@@ -7,6 +7,7 @@ from typing import Callable
 from ..ir import Program
 from .base2 import use_base2
 from .canonicalise import canonicalise
+from .contract import contract
 from .factorise import factorise
 from .fuse import fuse
 from .lower import lower
@@ -18,6 +19,7 @@ PIPELINE: tuple[tuple[str, Pass], ...] = (
     ("lower", lower),
     ("fuse", fuse),
     ("canonicalise", canonicalise),
+    ("contract", contract),
     ("stabilise", stabilise),
     ("factorise", factorise),
     ("base2", use_base2),

@@ -24,6 +24,13 @@ DOT_BLOCK = 64        # the untuned tile of an index that takes part in tl.dot
 WHOLE_MAX = 256       # a value or contraction index up to this (padded) size is held whole
 EXACT_DOT_WHOLE_MAX = 64  # ... but a float32 contraction without TF32 only up to this: tl.dot sums its
                           # products in order, so longer ones stream tiles summed with compensation
+# A float32 contraction (without TF32) of a depth in [TF32X3_DEPTH_MIN, TF32X3_DEPTH_MAX] multiplies as
+# three TF32 products.  Each product then rounds at about 2^-21 where IEEE's does at 2^-24, which the
+# float32 accumulation's own error (sqrt(depth) * 2^-24, typically) matches from depth 64; on the H200
+# it ran 2.3x-3.3x IEEE tl.dot's speed at depths 64-1024 (1.1x-1.45x cuBLAS's float32), and IEEE was
+# the faster at 4096 (docs/performance.md)
+TF32X3_DEPTH_MIN = 64
+TF32X3_DEPTH_MAX = 1024
 ROW_BLOCK = 1024      # tile of an elementwise grid index
 STREAM_BLOCK = 8192   # tile of a streamed index without tl.dot: a row of up to 8192 in one tile, so
                       # that an epilogue re-reading it finds it in cache

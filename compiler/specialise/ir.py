@@ -45,6 +45,13 @@ class Signature:
                 f"{device}" + ("; TF32" if self.tf32 else ""))
 
 
+# how a float32 tl.dot multiplies, as printed
+DOT_PRECISIONS = {
+    "tf32": "TF32 (torch's float32 matmul precision allows it)",
+    "tf32x3": "three TF32 products (tf32x3: float32's accuracy at its contractions' depth, and the faster)",
+    "ieee": "IEEE float32 (a contraction too shallow for tf32x3's rounding, or deeper than it pays for)",
+}
+
 # how a loop or program axis covers its index
 TILED = "tiled"            # tiles of `size` values
 WHOLE = "whole"            # one tile of `size` values holds the whole extent (no loop)
@@ -198,6 +205,9 @@ class ConcreteKernel:
     scan_chunks: int = 1
     scan_chunks_why: str = ""
     scan_epilogue: bool = False     # the scanned index is the epilogue's (its loop runs in order)
+    # how a float32 tl.dot multiplies ("": the kernel has none): "tf32" where torch's matmuls may,
+    # "tf32x3" (three TF32 products) for contractions 64 to 1024 deep, else "ieee"
+    dot_precision: str = ""
 
     @property
     def name(self) -> str:
@@ -249,6 +259,8 @@ class ConcreteKernel:
             lines.append("  read past the cache: " + ", ".join(
                 f"{t}[{', '.join(ix)}]" + (" (larger than L2: kept for a second read)" if big else "")
                 for t, ix, big in self.past_cache))
+        if self.dot_precision:
+            lines.append(f"  float32 tl.dot: {DOT_PRECISIONS[self.dot_precision]}")
         if self.form is not None:
             lines.append(f"  form: {self.form}")
         elif self.form_why:

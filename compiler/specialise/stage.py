@@ -27,8 +27,9 @@ from ..ir import Access, Call, Expr, Index, Reduce, constant, outer_reductions, 
 from ..schedule import KernelSchedule, Schedule
 from ..schedule.chunks import CHUNK_ALIGN, Chunking
 from ..schedule.bounds import Prefix, assume_relation, data_tests, index_bounds, prefix_of, tile_tests
-from ..schedule.folds import contraction_names, dot_batch_names, free, restrict
+from ..schedule.folds import contraction_names, contractions, dot_batch_names, free, restrict
 from ..schedule.tiles import (LAUNCH, MATMUL, MATMUL_PROGRAMS_PER_SM, PAIRED, SCAN_CHUNK_TILES, SPLIT_FLOOR,
+                              TF32X3_DEPTH_MAX, TF32X3_DEPTH_MIN,
                               SPLIT_MAX, STREAMED, STREAMED_DEPTH,
                               TUNE_SPLIT_WORK,
                               auto_split, fold_caps, free_tile,
@@ -226,7 +227,25 @@ class _Kernel:
                               whole and len(grid) == 2 and len(tuned_grid) == 2, epilogue, folds, self.loop_cap, split,
                               why, table, candidates, form, form_why,
                               self.past_cache(grid, shared, dtypes), *(self.scan or ("", False)),
-                              *self.scan_chunks(grid), scan_epilogue=bool(self.scan) and self.scan[0] in spec.epilogue)
+                              *self.scan_chunks(grid), scan_epilogue=bool(self.scan) and self.scan[0] in spec.epilogue,
+                              dot_precision=self.dot_precision())
+
+    def dot_precision(self) -> str:
+        """How the kernel's float32 tl.dot multiplies ("" where it has none): TF32 where
+        torch's float32 matmuls may use it; three TF32 products where every contraction
+        is TF32X3_DEPTH_MIN to TF32X3_DEPTH_MAX deep (float32's accuracy there, and the
+        faster); IEEE float32 otherwise."""
+        # (Triton's interpreter multiplies bfloat16 tiles as float32: emit.operand_dtype)
+        multiplied_as_float32 = {torch.float32, torch.bfloat16} if self.sig.interpret else {torch.float32}
+        if not any(set(f.indices) & self.dot and dot_dtype(f, self.inputs, self.sig) in multiplied_as_float32
+                   for f in self.all_folds()):
+            return ""
+        if self.sig.tf32:
+            return "tf32"
+        depths = [math.prod(self.extent(i) for i in c.reduced) for st in self.spec.statements
+                  for c in contractions(st.expr)]
+        shallow = depths and all(TF32X3_DEPTH_MIN <= d <= TF32X3_DEPTH_MAX for d in depths)
+        return "tf32x3" if shallow else "ieee"
 
     def past_cache(self, grid: tuple[Tile, ...], shared: frozenset, dtypes: dict):
         """The reads of a kernel that folds without tl.dot (a memory-bound reduction)

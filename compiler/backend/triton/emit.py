@@ -1811,9 +1811,9 @@ class KernelEmitter:
         """tl.dot of the operands; `into`: the accumulator it adds to in place (no outer factors)."""
         left = self.dot_operand(A, a, c, c, dtype, body)
         right = self.dot_operand(B, c, b, c, dtype, body)
-        # float32 operands: TF32 tensor cores only where torch's matmuls may use them
-        precision = f', input_precision="{"tf32" if self.ctx.sig.tf32 else "ieee"}"' \
-            if dtype == torch.float32 else ""
+        # float32 operands multiply as the specialised kernel says (ConcreteKernel.dot_precision)
+        assert dtype != torch.float32 or self.kernel.dot_precision, f"{self.kernel.name}: a float32 tl.dot unspecialised"
+        precision = f', input_precision="{self.kernel.dot_precision}"' if dtype == torch.float32 else ""
         axes = self.dot_axes(a, A, b, B, c)
         if into is not None:
             body.lines.append(f"{into} = tl.dot({left}, {right}, {into}{precision})")

@@ -2,7 +2,7 @@
 #
 # source:
 #   O[h,i,j] = softmax[m](sum[k](Q1[h,i,k] * K1[h,m,k]) * scale) * V[h,m,j] - lam * softmax[m](sum[k](Q2[h,i,k] * K2[h,m,k]) * scale) * V[h,m,j]
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: O; float results in torch.bfloat16
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 

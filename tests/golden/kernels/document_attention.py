@@ -2,7 +2,7 @@
 #
 # source:
 #   O[b,h,i,j] = softmax[m](where(D[b,i] == D[b,m] and m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) * V[b,h,m,j]
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: O; float results in torch.bfloat16
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 

@@ -2,7 +2,7 @@
 #
 # source:
 #   dE[s,d] = sum[b,t](where(T[b,t] == s, dX[b,t,d], 0.0))
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: dE; float results in torch.bfloat16
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 

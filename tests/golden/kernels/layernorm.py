@@ -3,7 +3,7 @@
 # source:
 #   mu[i] = mean[j](X[i,j]); v[i] = mean[j]((X[i,j] - mu[i])**2)
 #   Y[i,j] = (X[i,j] - mu[i]) * rsqrt(v[i] + 1e-5) * W[j] + B[j]
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: Y; float results in torch.float32
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 

@@ -2,7 +2,7 @@
 #
 # source:
 #   C[i,j] = A[i,k] * B[k,j]
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: C; float results in torch.bfloat16
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 

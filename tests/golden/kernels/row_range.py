@@ -4,7 +4,7 @@
 #   S[i] = sum[j](X[i,j])
 #   U[i] = max[j](X[i,j])
 #   L[i] = min[j](X[i,j])
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: S, U, L; float results in torch.float32
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 

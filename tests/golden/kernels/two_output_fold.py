@@ -4,7 +4,7 @@
 #   S[i,m] = Q[i,k] * K[m,k] * scale
 #   O[i,j] = softmax[m](S[i,m]) * V[m,j]
 #   L[i] = logsumexp[m](S[i,m])
-# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, stabilise, factorise, base2
+# passes (compiler.passes.PIPELINE): lower, fuse, canonicalise, contract, stabilise, factorise, base2
 # outputs: O, L; float results in torch.float32
 # extents: launch arguments; the tiles, masks and splits below are those `einfold ir --print-after specialise` prints for them
 
