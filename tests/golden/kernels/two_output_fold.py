@@ -88,7 +88,7 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
         mask_m = offs_m < n_m
         # fold 1: sum[k] (whole)
         x_K0 = tl.load(K_tile + tl.cast(start_m, tl.int64) * K_s0, mask=mask_m[None, :], other=0.0)
-        qk = tl.dot(x_Q1, x_K0, input_precision="ieee")
+        qk = tl.dot(x_Q1, x_K0, input_precision="tf32x3")
         x_V3 = tl.load(V_tile + tl.cast(start_m, tl.int64) * V_s0, mask=mask_m[:, None], other=0.0)
         # r: running max (the leader); the fields l, u (in acc) are repaired when it moves
         # base 2, x0 = scale_val * qk: w = exp2(qk * a - r2), a = scale_val * log2(e), r2 = r * a;
@@ -106,7 +106,7 @@ def einfold_O(n_j, n_i, n_m, scale_val, n_k, K_ptr, K_s0, K_s1, Q_ptr, Q_s0, Q_s
         acc = acc * alpha[:, None]
         err = err * alpha[:, None]
         # float32 tiles summed with Kahan's compensation: err holds what acc lost
-        term = tl.dot(p, x_V3, input_precision="ieee") - err
+        term = tl.dot(p, x_V3, input_precision="tf32x3") - err
         acc_new = acc + term
         err = (acc_new - acc) - term
         acc = acc_new
