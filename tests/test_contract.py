@@ -53,6 +53,20 @@ def test_a_weight_on_one_side_stays_in_each_term_and_a_sum_of_sides_adds_the_cro
         "C[i, m] = max(0.0, 2 * sum[k](X[i, k] * Y[m, k]) + sum[k](X[i, k] * X[i, k]) + sum[k](Y[m, k] * Y[m, k]))")
 
 
+def test_a_weighted_difference_of_the_two_sides_is_distributed_into_a_contraction():
+    # the gradient of a distance: undistributed, (X - Y) spans both sides and no factor is a matrix
+    assert contracted("D[i,k] = sum[m](G[i,m] * (X[i,k] - Y[m,k]))") == (
+        "D[i, k] = sum[m](G[i, m] * X[i, k]) - sum[m](G[i, m] * Y[m, k])")
+    # a difference on one side is already a contraction's operand: attention's dS (dP - D) stays whole
+    assert contracted("D[i,k] = sum[m](P[i,m] * (Q[i,m] - R[i]) * K[m,k])") == (
+        "D[i, k] = sum[m](K[m, k] * P[i, m] * (Q[i, m] - R[i]))")
+    text = compiler.grad(CHAMFER, wrt=["X"]).source
+    assert "sum[m](" in text and "(X[b, i, k] - Y[b, m, k])" in text    # the gradient as derived ...
+    grad = compiler.grad(CHAMFER, wrt=["X"], backend="triton")
+    factorised = format_program(grad.factorised)
+    assert "2 * X[b, i, k] * sum[m](where(" in factorised and "2 * sum[m](Y[b, m, k] * where(" in factorised
+
+
 @pytest.mark.parametrize("source", [
     "V[i] = sum[k]((X[i,k] - Y[i,k]) ** 2)",              # both sides over i: no matrix product to gain
     "V[i] = sum[k]((X[i,k] - Y[k]) ** 2)",                # one side only
@@ -145,11 +159,12 @@ def test_16_bit_points_are_no_less_accurate_than_torchs_own_spelling():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [3, 64, 200])
+@pytest.mark.parametrize("k", [3, 64])
 def test_on_the_gpu_the_minimum_and_its_gradient_hold_the_bound(k):
+    # IEEE products at depth 3, three TF32 products at 64 (ConcreteKernel.dot_precision)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 1000, k, generator=g, dtype=torch.float64)
-    y = torch.randn(2, 1500, k, generator=g, dtype=torch.float64)
+    x = torch.randn(1, 700, k, generator=g, dtype=torch.float64)
+    y = torch.randn(1, 900, k, generator=g, dtype=torch.float64)
     xs, ys = x.float().cuda().requires_grad_(), y.float().cuda().requires_grad_()
     got = compiler.compile(CHAMFER)(X=xs, Y=ys)
     want = pairwise(x, y).amin(-1)

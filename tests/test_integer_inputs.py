@@ -212,6 +212,6 @@ def test_an_integer_matrix_in_a_half_precision_product_stays_exact():
     typed, binding = program._typed(inputs)
     module = typed.backend.source_for(binding, sm_count=132)
     assert "tl.dot(" in module and ".to(tl.bfloat16)" not in module
-    assert 'input_precision="ieee"' in module                    # float32 operands, not TF32
+    assert 'input_precision="tf32x3"' in module                  # float32 operands, not TF32
     both = {"X": inputs["X"], "N": inputs["N"].bfloat16()}            # a bfloat16 N: a bfloat16 dot
-    assert 'input_precision="ieee"' not in program.backend.source_for(program.binder(both), sm_count=132)
+    assert "input_precision" not in program.backend.source_for(program.binder(both), sm_count=132)

@@ -85,20 +85,63 @@ def expanded_distance(e: Expr, types: ExpressionTypes) -> Expr | None:
     return Call("maximum", (distance, Const(0.0))) if not rest and not den else distance
 
 
+def distributed_difference(e: Expr) -> Expr | None:
+    """`sum[r](w * (a - b))` as `sum[r](w * a) - sum[r](w * b)` where `w * b` is a
+    contraction over r that the difference hides: b reads r and an index w lacks, w
+    reads one that b lacks, a reads no r (it leaves its sum), and the difference spans
+    both sides (so that, undistributed, no factor lies on one side).  The gradient of a
+    distance has this form: `sum[m](G[i,m] * (X[i,k] - Y[m,k]))` is
+    `X[i,k] * sum[m](G[i,m]) - sum[m](G[i,m] * Y[m,k])`, a row sum and a matrix product."""
+    if not is_sum(e):
+        return None
+    reduced = set(e.indices)
+    num, den = factors(e.args[0])
+    for n, d in enumerate(num):
+        parts = terms(d)
+        rest = num[:n] + num[n + 1:]
+        if len(parts) != 2 or not rest:
+            continue
+        (sa, a), (sb, b) = parts if not reduced & set(free_indices(parts[0][1])) else parts[::-1]
+        if reduced & set(free_indices(a)) or not reduced <= set(free_indices(b)):
+            continue
+        weight = set().union(*(free_indices(f) for f in rest + den)) - reduced
+        own = set(free_indices(b)) - reduced
+        if not (reduced <= set().union(*(free_indices(f) for f in rest + den)) and own - weight and weight - own
+                and set(free_indices(d)) & (weight - own)):
+            continue
+        summed = [Reduce(BUILTINS["sum"], e.indices, (product([*rest, t], den),)) for t in (a, b)]
+        return signed_sum([(sa, summed[0]), (sb, summed[1])])
+    return None
+
+
+# The rewrites, tried in order on every node (each a function of the node and the types).
+REWRITES = (
+    ("squared distance", lambda e, types: expanded_distance(e, types)),
+    ("distributed difference", lambda e, types: distributed_difference(e)),
+)
+
+
 def contract(program: Program) -> Program:
     types = ExpressionTypes({t.name: t.dtype for t in (*program.inputs, *program.statements)})
     notes: list[str] = []
 
     def rewrite(node: Expr) -> Expr:
-        new = expanded_distance(node, types)
-        if new is None:
+        for name, rule in REWRITES:
+            new = rule(node, types)
+            if new is not None:
+                break
+        else:
             return node
         new = order_operands(new, types)
         over = ", ".join(node.indices)
-        clamped = ", clamped at 0" if isinstance(new, Call) and new.op == "maximum" else ""
-        notes.append(f"{format_expr(node)}: the sides' squared norms and a contraction over {over} (tensor cores)"
-                     f"{clamped}; absolute error up to about len({over}) * u * (the sides' squared norms), "
-                     f"torch.cdist's")
+        if name == "squared distance":
+            clamped = ", clamped at 0" if isinstance(new, Call) and new.op == "maximum" else ""
+            notes.append(f"{format_expr(node)}: the sides' squared norms and a contraction over {over} "
+                         f"(tensor cores){clamped}; absolute error up to about len({over}) * u * (the sides' "
+                         f"squared norms), torch.cdist's")
+        else:
+            notes.append(f"{format_expr(node)}: distributed over the difference, a contraction over {over} "
+                         f"(tensor cores) and a sum the other term leaves")
         return new
 
     statements = tuple(replace(s, expr=transform(s.expr, rewrite)) for s in program.statements)

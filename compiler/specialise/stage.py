@@ -235,10 +235,15 @@ class _Kernel:
         torch's float32 matmuls may use it; three TF32 products where every contraction
         is TF32X3_DEPTH_MIN to TF32X3_DEPTH_MAX deep (float32's accuracy there, and the
         faster); IEEE float32 otherwise."""
-        # (Triton's interpreter multiplies bfloat16 tiles as float32: emit.operand_dtype)
-        multiplied_as_float32 = {torch.float32, torch.bfloat16} if self.sig.interpret else {torch.float32}
-        if not any(set(f.indices) & self.dot and dot_dtype(f, self.inputs, self.sig) in multiplied_as_float32
-                   for f in self.all_folds()):
+        def float32_dot(fold: Reduce) -> bool:
+            # (emit.operand_dtype: Triton's interpreter multiplies bfloat16 tiles as float32, and
+            # an integer matrix beside a 16-bit one joins it in float32 where it could round)
+            dtype = dot_dtype(fold, self.inputs, self.sig)
+            integers = any(isinstance(n, Access) and self.inputs.get(n.tensor) is not None
+                           and not self.inputs[n.tensor].is_floating_point for a in fold.args for n in walk(a))
+            return dtype == torch.float32 or (dtype == torch.bfloat16 and self.sig.interpret) or (
+                dtype in (torch.float16, torch.bfloat16) and integers)
+        if not any(set(f.indices) & self.dot and float32_dot(f) for f in self.all_folds()):
             return ""
         if self.sig.tf32:
             return "tf32"
