@@ -334,6 +334,8 @@ class _Laws:
         lhs, rhs = self._sym_sides(law, symbols)
         if all(_cheap_zero(l, r) for l, r in zip(lhs, rhs)):
             return "sympy"
+        if all(_cheap_zero(l, r) or _cheap_zero(sympy.exp(l), sympy.exp(r)) for l, r in zip(lhs, rhs)):
+            return "sympy, in the exponential domain"
         atoms, kinds, numbers = _order_atoms(lhs + rhs)
         all_symbols = {x for xs in symbols.values() for x in xs}
         atoms = [a for a in atoms if a in all_symbols]
