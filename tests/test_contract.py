@@ -5,6 +5,7 @@ rewrite's error is bounded by about len(k) * u * (|a|^2 + |b|^2), torch.cdist's,
 and these tests hold the backend to that bound against float64, with gradients,
 coincident points, points far from the origin and 16-bit inputs (where the
 expansion is the more accurate spelling than torch's own)."""
+import re
 import warnings
 
 import pytest
@@ -41,6 +42,24 @@ def test_a_squared_distance_is_norms_and_a_contraction_clamped_at_zero():
 ])
 def test_every_spelling_of_the_square_contracts_alike(spelling):
     assert contracted(spelling) == contracted(CHAMFER)
+
+
+def test_spellings_and_renamed_indices_of_a_distance_get_one_specialised_schedule():
+    # equal programs, one plan: the square's spellings and any names of the bound indices (the
+    # printed schedule names them as written: named back to m and k, the schedules are one)
+    shapes = {"X": (2, 300, 64), "Y": (2, 500, 64)}
+    schedules = set()
+    for source, names in ((CHAMFER, {}),
+                          ("C[b,i] = min[j](sum[d]((Y[b,j,d] - X[b,i,d]) * (Y[b,j,d] - X[b,i,d])))",
+                           {"j": "m", "d": "k"}),
+                          ("C[b,i] = min[n](sum[c]((-Y[b,n,c] + X[b,i,c]) ** 2))", {"n": "m", "c": "k"})):
+        program = compiler.compile(source, backend="triton")
+        binding = program.binder({k: torch.zeros(1, 1, 1).expand(*v) for k, v in shapes.items()})
+        # (the first line lists the extents sorted by their names)
+        text = str(program.backend.specialised_for(binding, sm_count=132, arch=90)).split("\n", 1)[1]
+        schedules.add(re.sub(r"\b[a-z]\b", lambda x: names.get(x.group(), x.group()), text))
+    (schedule,) = schedules
+    assert "float32 tl.dot: three TF32 products" in schedule
 
 
 def test_a_weight_on_one_side_stays_in_each_term_and_a_sum_of_sides_adds_the_cross_term():

@@ -154,6 +154,8 @@ GRIDS = {
     "heads between tiles": ("O[b,i,h,j] = softmax[m](Q[b,i,h,k] * K[b,m,h,k]) * V[b,m,h,j]",
                             {"b": 2, "i": 13, "h": 3, "j": 7, "m": 11, "k": 5}),
     "batched product": ("C[b,i,j] = A[b,i,k] * B[b,k,j]", {"b": 3, "i": 19, "j": 67, "k": 5}),
+    "batched distance as a contraction": ("C[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))",
+                                          {"b": 3, "i": 37, "m": 41, "k": 5}),
     "row statistic beside the output": ("S[b,i,h,m] = Q[b,i,h,k] * K[b,m,h,k]\n"
                                         "O[b,i,h,j] = softmax[m](S[b,i,h,m]) * V[b,m,h,j]\n"
                                         "L[b,h,i] = logsumexp[m](S[b,i,h,m])",
@@ -221,6 +223,11 @@ BUFFERS = {
                       saved=True, wrt=("Q", "K", "V", "A"), backend="reference").text,
         {"b": 2, "h": 3, "i": 19, "m": 23, "k": 5, "j": 3}),
 }
+# a distance as norms and a contraction (passes/contract.py): its gradient stores the argmin
+# and the first side's norms, then contracts the one-hot rows with the other side
+BUFFERS["a distance's gradient"] = (
+    compiler.grad("C[b,i] = min[m](sum[k]((X[b,i,k] - Y[b,m,k]) ** 2))", saved=True, wrt=("X", "Y"),
+                  backend="reference").text, {"b": 2, "i": 37, "m": 41, "k": 5})
 # ... and past WHOLE_MAX, where tiles of j recompute dK's field and only the first stores it
 BUFFERS["a backward's shared loop over tiles of j"] = (BUFFERS["a backward's shared loop and partial sum"][0],
                                                       {"b": 1, "h": 1, "i": 9, "m": 7, "k": 5, "j": 300})

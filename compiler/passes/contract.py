@@ -85,7 +85,7 @@ def expanded_distance(e: Expr, types: ExpressionTypes) -> Expr | None:
     return Call("maximum", (distance, Const(0.0))) if not rest and not den else distance
 
 
-def distributed_difference(e: Expr) -> Expr | None:
+def distributed_difference(e: Expr, types: ExpressionTypes) -> Expr | None:
     """`sum[r](w * (a - b))` as `sum[r](w * a) - sum[r](w * b)` where `w * b` is a
     contraction over r that the difference hides: b reads r and an index w lacks, w
     reads one that b lacks, a reads no r (it leaves its sum), and the difference spans
@@ -104,20 +104,32 @@ def distributed_difference(e: Expr) -> Expr | None:
         (sa, a), (sb, b) = parts if not reduced & set(free_indices(parts[0][1])) else parts[::-1]
         if reduced & set(free_indices(a)) or not reduced <= set(free_indices(b)):
             continue
-        weight = set().union(*(free_indices(f) for f in rest + den)) - reduced
-        own = set(free_indices(b)) - reduced
-        if not (reduced <= set().union(*(free_indices(f) for f in rest + den)) and own - weight and weight - own
-                and set(free_indices(d)) & (weight - own)):
+        read = set().union(*(free_indices(f) for f in rest + den))
+        weight, own = read - reduced, set(free_indices(b)) - reduced
+        if not (reduced <= read and own - weight and weight - own and set(free_indices(d)) & (weight - own)):
             continue
         summed = [Reduce(BUILTINS["sum"], e.indices, (product([*rest, t], den),)) for t in (a, b)]
         return signed_sum([(sa, summed[0]), (sb, summed[1])])
     return None
 
 
-# The rewrites, tried in order on every node (each a function of the node and the types).
+def _distance_note(old: Reduce, new: Expr) -> str:
+    over = ", ".join(old.indices)
+    clamped = ", clamped at 0" if isinstance(new, Call) and new.op == "maximum" else ""
+    return (f"{format_expr(old)}: the sides' squared norms and a contraction over {over} (tensor cores){clamped}; "
+            f"absolute error up to about len({over}) * u * (the sides' squared norms), torch.cdist's")
+
+
+def _distributed_note(old: Reduce, new: Expr) -> str:
+    return (f"{format_expr(old)}: distributed over the difference, a contraction over {', '.join(old.indices)} "
+            f"(tensor cores) and a sum the other term leaves")
+
+
+# One row per rewrite, tried in order on every node: (the rewrite of a node, or None; what
+# explain says of it).
 REWRITES = (
-    ("squared distance", lambda e, types: expanded_distance(e, types)),
-    ("distributed difference", lambda e, types: distributed_difference(e)),
+    (expanded_distance, _distance_note),
+    (distributed_difference, _distributed_note),
 )
 
 
@@ -126,23 +138,13 @@ def contract(program: Program) -> Program:
     notes: list[str] = []
 
     def rewrite(node: Expr) -> Expr:
-        for name, rule in REWRITES:
+        for rule, note in REWRITES:
             new = rule(node, types)
             if new is not None:
-                break
-        else:
-            return node
-        new = order_operands(new, types)
-        over = ", ".join(node.indices)
-        if name == "squared distance":
-            clamped = ", clamped at 0" if isinstance(new, Call) and new.op == "maximum" else ""
-            notes.append(f"{format_expr(node)}: the sides' squared norms and a contraction over {over} "
-                         f"(tensor cores){clamped}; absolute error up to about len({over}) * u * (the sides' "
-                         f"squared norms), torch.cdist's")
-        else:
-            notes.append(f"{format_expr(node)}: distributed over the difference, a contraction over {over} "
-                         f"(tensor cores) and a sum the other term leaves")
-        return new
+                new = order_operands(new, types)
+                notes.append(note(node, new))
+                return new
+        return node
 
     statements = tuple(replace(s, expr=transform(s.expr, rewrite)) for s in program.statements)
     if not notes:
