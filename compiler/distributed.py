@@ -40,9 +40,10 @@ import torch
 from .compiled import CompiledProgram
 from .config import deep
 from .errors import ShardError
-from .ir import Access, walk
+from .ir import Access, Const, Extent, Reduce, constant, transform, walk
 from .passes.shard import Sharded, shard
 from .schedule import Plan
+from .schedule.bounds import Bound, index_bounds
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def _indented(plan: Plan) -> str:
     return "\n".join("  " + line for line in str(plan).splitlines())
 
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
 
 
 class ShardedProgram:
@@ -88,10 +89,19 @@ class ShardedProgram:
         self.program = program
         self.index = index
         self.group = group
-        self.layout = layout
         self.rows = rows
         self.sharded: Sharded = deep(lambda: shard(program.factorised, index, rows), what="the program",
                                      source=program.text)
+        # per fold of the local program: the bounds on the sharded index that a mask puts
+        # there relative to the rows (or to nothing), which can hide a whole pair of parts
+        self._bounds: tuple[tuple[Bound, ...], ...] = tuple(
+            tuple(b for ix in self.sharded.indices for b in index_bounds(fold).get(ix, ())
+                  if b.other is None or b.other in self.sharded.rows or not self.sharded.rows)
+            for fold in dict.fromkeys(st.expr for st in self.sharded.local.statements if isinstance(st.expr, Reduce)))
+        # "balanced": zigzag where a mask bounds the index by another index (a causal mask:
+        # contiguous parts would give rank 0 the keys every query sees), else contiguous
+        self.layout = layout if layout != "balanced" else \
+            "zigzag" if any(b.other is not None for bounds in self._bounds for b in bounds) else "contiguous"
         options = {k: v for k, v in program.schedule_options.items() if k != "float32_outputs"}
         # states stay float32 whatever the inputs' dtype (a bf16 running sum loses the merge)
         self.local = CompiledProgram._of_ir(self.sharded.local, program.backend_name,
@@ -120,10 +130,12 @@ class ShardedProgram:
             self._check_rows(statements)
 
     def _check_rows(self, statements: dict) -> None:
-        """What sharding the rows as well needs of the program (see __call__)."""
+        """What sharding the rows as well needs of the program's inputs (see __call__);
+        a statement read at both (a gradient's dP[i, m]) is computed where it is read."""
+        inputs = {i.name for i in self.program.checked.inputs}
         for st in self.program.checked.statements:
             for node in walk(st.expr):
-                if isinstance(node, Access):
+                if isinstance(node, Access) and node.tensor in inputs:
                     dims = tuple(d for d, ix in enumerate(node.indices) if ix in self.sharded.rows)
                     if dims and node.tensor in self._cut:
                         raise ShardError(f"'{node.tensor}' is indexed by the rows index '{self.rows}' and by the "
@@ -149,21 +161,60 @@ class ShardedProgram:
                              "and none is initialised: call torch.distributed.init_process_group first")
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
-    def _parts(self, lengths: torch.Tensor, owner: int, extent: int, what: str) -> list[tuple[slice, torch.Tensor, int]]:
-        """The parts of `owner`'s local extent of `what` (`lengths`: every rank's, on the
-        device), as (local slice, global start: a 0-d float32 tensor on the device, so
-        that no host read waits for the GPU, position among the parts in global order)."""
+    def _parts(self, lengths, owner: int, extent: int, what: str) -> list[tuple[slice, object, int]]:
+        """The parts of `owner`'s local extent of `what` (`lengths`: every rank's), as
+        (local slice, global start, position among the parts in global order).  With
+        `lengths` a tensor on the device the starts are 0-d float32 tensors there, so
+        that no host read waits for the GPU; with a list of ints (read once on the host)
+        they are numbers."""
+        on_host = isinstance(lengths, list)
+        world = len(lengths)
         if self.layout == "contiguous":
-            starts = torch.cumsum(lengths, 0) - lengths
-            return [(slice(0, extent), starts[owner].to(torch.float32), owner)]
-        if extent % 2:
-            raise ShardError(f"the zigzag layout cuts each rank's part of '{what}' in two halves, and rank "
-                             f"{owner}'s part has an odd length ({extent})")
-        half = lengths // 2
-        ordered = torch.cat([half, half.flip(0)])            # the lengths of the 2W parts, in global order
+            ordered, halves = lengths, [(owner, slice(0, extent))]
+        else:
+            if extent % 2:
+                raise ShardError(f"the zigzag layout cuts each rank's part of '{what}' in two halves, and rank "
+                                 f"{owner}'s part has an odd length ({extent})")
+            # the lengths of the 2W parts in global order: rank r's first half is part r,
+            # its second part 2W - 1 - r
+            ordered = [n // 2 for n in lengths] if on_host else lengths // 2
+            ordered = ordered + ordered[::-1] if on_host else torch.cat([ordered, ordered.flip(0)])
+            halves = [(owner, slice(0, extent // 2)), (2 * world - 1 - owner, slice(extent // 2, extent))]
+        if on_host:
+            return [(part, float(sum(ordered[:g])), g) for g, part in halves]
         starts = (torch.cumsum(ordered, 0) - ordered).to(torch.float32)
-        late = 2 * lengths.numel() - 1 - owner
-        return [(slice(0, extent // 2), starts[owner], owner), (slice(extent // 2, extent), starts[late], late)]
+        return [(part, starts[g], g) for g, part in halves]
+
+    def _hidden(self, values: dict[str, float], extents: dict[str, int], part: int, rows: int) -> bool:
+        """Whether a mask hides every element of the local program for a part of the
+        index `part` long and `rows` rows long, the starts and totals in `values`: each
+        fold has a bound on the index that fails over the whole part (causal: the keys
+        all lie after the last row).  Such a part's states are the identity, and its
+        call is skipped.  Undecided (a bound reading a tensor or another index): no."""
+        if part == 0 or rows == 0:
+            return True
+
+        def side(b: Bound) -> tuple[float, float] | None:
+            offset = constant(transform(b.offset, lambda n: Const(values[n.tensor]) if isinstance(n, Access)
+                                        and n.tensor in values else Const(extents[n.name])
+                                        if isinstance(n, Extent) and n.name in extents else n))
+            if offset is None:
+                return None
+            if b.other is None:
+                return offset, offset
+            ends = (0, b.sign * (rows - 1))
+            return min(ends) + offset, max(ends) + offset
+
+        def fails(b: Bound) -> bool:
+            found = side(b)
+            if found is None:
+                return False
+            low, high = found
+            if b.upper:         # the smallest position of the part already lies past the largest bound
+                return 0 > high if b.op == "le" else 0 >= high
+            last = b.scale * (part - 1)
+            return last < low if b.op == "ge" else last <= low
+        return bool(self._bounds) and all(any(fails(b) for b in bounds) for bounds in self._bounds)
 
     def _narrowed(self, inputs: dict, names, part: slice, cut: dict | None = None) -> dict:
         """`inputs` among `names`, the tensors in `cut` (default: those over the
@@ -192,13 +243,11 @@ class ShardedProgram:
         if args:
             self.program._positional_error(args)
         if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs.values()):
-            if self.rows is not None:
-                raise ShardError(f"gradients of a call with the rows '{self.rows}' sharded are not derived: their "
-                                 f"folds over the rows would need every rank's rows; shard '{self.index}' alone "
-                                 f"(rows replicated) to train through it")
             names = tuple(i.name for i in self.program.checked.inputs)
             if inputs.keys() != set(names):
                 self.program.binder(inputs)      # names what is wrong (a BindError)
+            if self.rows is not None:
+                self._check_ring_gradients(inputs)
             results = _ShardedCall.apply(self, names, *(inputs[n] for n in names))
             return results[0] if len(results) == 1 else results
         return self._run(inputs)
@@ -240,31 +289,44 @@ class ShardedProgram:
 
     def _run_ring(self, inputs: dict):
         """The outputs for this rank's rows (`rows` sharded): the inputs over the
-        index go around the ring, each rank merges the states of its own rows."""
+        index go around the ring, each rank merges the states of its own rows.  A
+        pair of parts that a mask hides whole (`_hidden`) is not run."""
         world, rank = self._group_size_and_rank()
         binding = self.program.binder(inputs)
         mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64,
                             device=binding.device)
-        every, every_row = self._gather(mine, world).T
-        # one host read per call: the parts' lengths size the buffers the ring receives into
-        lengths = every.tolist()
+        # the call's one host read: the parts' lengths size the buffers the ring receives
+        # into, and give every start as a number
+        lengths, row_lengths = (list(column) for column in zip(*self._gather(mine, world).tolist()))
         sharded = self.sharded
-        row_parts = self._parts(every_row, rank, binding.extents[self.rows], self.rows)
-        totals = {sharded.total: every.sum().to(torch.float32), sharded.rows_total: every_row.sum().to(torch.float32)}
+        row_parts = self._parts(row_lengths, rank, binding.extents[self.rows], self.rows)
+        totals = {sharded.total: float(sum(lengths)), sharded.rows_total: float(sum(row_lengths))}
+        numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
         moving = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
         states: list[list[tuple[int, tuple]]] = [[] for _ in row_parts]     # per row part: (position, states)
+
+        def run(held: dict, part: slice, start: float, k: int, position: int) -> None:
+            rows, row_start, _ = row_parts[k]
+            local = self._narrowed(self._narrowed(held, self._local_inputs, part), self._local_inputs, rows,
+                                   self._row_cut)
+            local.update({sharded.start: start, sharded.rows_start: row_start, **totals})
+            found = self.local._run({n: v for n, v in local.items() if n in self._local_inputs})
+            states[k].append((position, found if isinstance(found, tuple) else (found,)))
+
         for step in range(world):
             owner = (rank - step) % world          # whose part of the index this rank holds now
             pending = self._pass_on(moving, lengths[(owner - 1) % world], world, rank) if step < world - 1 else None
-            for part, start, position in self._parts(every, owner, lengths[owner], self.index):
-                held = self._narrowed({**inputs, **moving}, self._local_inputs, part)
+            held = {**inputs, **moving}
+            for part, start, position in self._parts(lengths, owner, lengths[owner], self.index):
                 for k, (rows, row_start, _) in enumerate(row_parts):
-                    local = self._narrowed(held, self._local_inputs, rows, self._row_cut)
-                    local.update({sharded.start: start, sharded.rows_start: row_start, **totals})
-                    found = self.local._run({n: v for n, v in local.items() if n in self._local_inputs})
-                    states[k].append((position, found if isinstance(found, tuple) else (found,)))
+                    values = {**numbers, **totals, sharded.start: start, sharded.rows_start: row_start}
+                    if not self._hidden(values, binding.extents, part.stop - part.start, rows.stop - rows.start):
+                        run(held, part, start, k, position)
             if pending is not None:
                 moving = pending()
+        for k, found in enumerate(states):
+            if not found:              # every part hidden from these rows: the identity, from an empty part
+                run({**inputs, **moving}, slice(0, 0), 0.0, k, 0)
         merges = []
         for (rows, row_start, _), found in zip(row_parts, states):
             found.sort(key=lambda pair: pair[0])                    # global order of the parts
@@ -314,15 +376,42 @@ class ShardedProgram:
     def _saving(self) -> ShardedProgram:
         """The program's saving forward (its outputs, then the row statistics its
         gradient programs read), sharded like this one."""
-        return ShardedProgram(self.program._saving, self.index, self.group, self.layout)
+        return ShardedProgram(self.program._saving, self.index, self.group, self.layout, self.rows)
 
     def _gradient(self, wrt: tuple[str, ...]) -> ShardedProgram:
         """The gradient program for `wrt` (reading the saved statistics), sharded like
-        this one (made on first use, then kept)."""
+        this one (made on first use, then kept).  With rows sharded, `wrt` is all read
+        at the rows or all at the index (`_gradient_rings`): a gradient over the rows
+        folds over the index, and runs on the same ring; a gradient over the index folds
+        over the rows, and runs on the ring with the roles swapped (the inputs over the
+        rows travel, each rank keeps its part of the index and merges its states)."""
         if wrt not in self._gradients:
-            self._gradients[wrt] = ShardedProgram(self.program._gradient(wrt, saved=True), self.index,
-                                                  self.group, self.layout)
+            index, rows = self.index, self.rows
+            if rows is not None and wrt[0] in self._cut:
+                index, rows = rows, index
+            self._gradients[wrt] = ShardedProgram(self.program._gradient(wrt, saved=True), index,
+                                                  self.group, self.layout, rows)
         return self._gradients[wrt]
+
+    def _gradient_rings(self, wrt: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """`wrt` grouped into the calls of `_gradient`: one, or with rows sharded those
+        read at the rows and those read at the index (each its own ring)."""
+        if self.rows is None:
+            return [wrt]
+        groups = [tuple(n for n in wrt if n in self._row_cut), tuple(n for n in wrt if n in self._cut)]
+        return [g for g in groups if g]
+
+    def _check_ring_gradients(self, inputs: dict) -> None:
+        """With rows sharded, a gradient is derived for inputs read at the rows or at the
+        index: one read at neither (a per-head bias under attention) needs a fold over
+        both, which no rank holds."""
+        for name, value in inputs.items():
+            if (isinstance(value, torch.Tensor) and value.requires_grad and name not in self._row_cut
+                    and name not in self._cut):
+                raise ShardError(f"the gradient of '{name}' is not derived with the rows '{self.rows}' sharded: "
+                                 f"'{name}' is read at neither the rows nor the sharded index '{self.index}', so "
+                                 f"its gradient folds over both, and each rank holds a part of each; pass it "
+                                 f"without requires_grad, or shard '{self.index}' alone (rows replicated)")
 
     def _gather(self, flat: torch.Tensor, world: int) -> torch.Tensor:
         """Every rank's `flat` (one dimension), stacked in rank order: [world, n]."""
@@ -358,7 +447,9 @@ class ShardedProgram:
         parts = 1 if self.layout == "contiguous" else 2
         first = slice(0, extent // parts)
         rows = slice(0, binding.extents[self.rows] // parts) if self.rows else None
-        position = torch.zeros((), dtype=torch.float32, device=device)
+        # the ring passes its starts as numbers (read once on the host), the state exchange as
+        # 0-d tensors on the device
+        position = 0.0 if self.rows else torch.zeros((), dtype=torch.float32, device=device)
         scalars = (self.sharded.start, self.sharded.total, self.sharded.rows_start, self.sharded.rows_total)
         local = self._narrowed(inputs, self._local_inputs, first)
         if rows is not None:
@@ -421,12 +512,14 @@ class _ShardedCall(torch.autograd.Function):
         wrt = tuple(n for n, needed in zip(names, ctx.needs_input_grad[2:]) if needed)
         if not wrt:
             return (None, None, *(None for _ in names))
-        gradient = sharded._gradient(wrt)
-        program = gradient.program
-        call = {**inputs, **{k: v for k, v in produced.items() if k in program.inputs}}
-        for o, g in zip(sharded.program.outputs, upstream):
-            if o in program.upstream:           # float outputs; one backward() did not reach: zeros
-                call[program.upstream[o]] = torch.zeros_like(produced[o]) if g is None else g.contiguous()
-        results = gradient._run(program._read(call))
-        results = dict(zip(wrt, results if isinstance(results, tuple) else (results,)))
+        results = {}
+        for group in sharded._gradient_rings(wrt):
+            gradient = sharded._gradient(group)
+            program = gradient.program
+            call = {**inputs, **{k: v for k, v in produced.items() if k in program.inputs}}
+            for o, g in zip(sharded.program.outputs, upstream):
+                if o in program.upstream:           # float outputs; one backward() did not reach: zeros
+                    call[program.upstream[o]] = torch.zeros_like(produced[o]) if g is None else g.contiguous()
+            found = gradient._run(program._read(call))
+            results.update(zip(group, found if isinstance(found, tuple) else (found,)))
         return (None, None, *(results[n].to(inputs[n].dtype) if n in results else None for n in names))

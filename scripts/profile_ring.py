@@ -2,7 +2,7 @@
 the call's wall time, then a torch.profiler trace of a few calls per rank (GPU
 time per kernel, and the host time of the call).  Run on the GPU machine:
 
-    NCCL_NVLS_ENABLE=0 OUT=out python3 scripts/profile_ring.py
+    NCCL_NVLS_ENABLE=0 OUT=out [S=65536] [ONLY="causal zigzag"] python3 scripts/profile_ring.py
 
 Each rank writes OUT/profile_rank<R>.txt; rank 0 prints a short summary."""
 import os
@@ -16,7 +16,9 @@ import torch.multiprocessing as mp
 import compiler
 from compiler.bench_distributed import ATTENTION, CAUSAL, _sequence_part, _timed
 
-B, H, S, D = 1, 16, 16384, 128
+B, H, D = 1, 16, 128
+S = int(os.environ.get("S", 16384))
+ONLY = os.environ.get("ONLY")
 
 
 def _worker(rank, world, store, out):
@@ -28,6 +30,8 @@ def _worker(rank, world, store, out):
     report = []
     for name, src, layout in (("causal zigzag", CAUSAL, "zigzag"), ("causal contiguous", CAUSAL, "contiguous"),
                               ("full contiguous", ATTENTION, "contiguous")):
+        if ONLY and ONLY != name:
+            continue
         program = compiler.compile(src, backend="triton")
         ring = program.shard("m", layout=layout, rows="i")
         ql, kl, vl = (_sequence_part(t, layout, rank, world) for t in (q, k, v))

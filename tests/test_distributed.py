@@ -4,7 +4,8 @@ Two processes with the gloo backend (CPU: the Triton backend's kernels under the
 interpreter, and the oracle), each given its contiguous part of the sharded
 index, uneven and empty parts included; every case must equal the program run
 whole in one process.  One spawn runs every case (a process costs seconds to
-start); the GPU-marked test runs the same cases with NCCL on two GPUs."""
+start); the GPU-marked test runs the same cases with NCCL on two and on four
+GPUs."""
 import os
 import tempfile
 
@@ -62,9 +63,10 @@ CASES = {
                     lambda g, n: {"A": torch.rand(3, n, generator=g) + 0.5, "B": torch.randn(3, n, generator=g)},
                     {"summaries": [AFFINE]}),
 }
-# the ranks' part lengths, rank 0 first, and the layout
-SPLITS = {"uneven": ((5, 8), "contiguous"), "empty_first": ((0, 9), "contiguous"),
-          "zigzag": ((6, 8), "zigzag")}
+# the ranks' part lengths, rank 0 first (per number of ranks), and the layout
+SPLITS = {"uneven": ({2: (5, 8), 4: (5, 8, 3, 6)}, "contiguous"),
+          "empty_first": ({2: (0, 9), 4: (0, 9, 2, 0)}, "contiguous"),
+          "zigzag": ({2: (6, 8), 4: (6, 8, 4, 2)}, "zigzag")}
 # context parallelism (`shard(index, rows=...)`): the rows sharded too, the inputs over the
 # index passed around the ring.  name -> (source, index, rows, inputs(generator, n rows,
 # n index), options); the rows' part lengths per split below
@@ -81,7 +83,9 @@ RING_CASES = {
                                           "A": torch.rand(n, generator=g) + 0.5, "B": torch.randn(n, generator=g)},
                          {"summaries": [AFFINE]}),
 }
-RING_ROWS = {"uneven": (3, 4), "empty_first": (0, 5), "zigzag": (4, 6)}
+RING_ROWS = {"uneven": {2: (3, 4), 4: (3, 4, 1, 2)}, "empty_first": {2: (0, 5), 4: (0, 5, 0, 3)},
+             "zigzag": {2: (4, 6), 4: (4, 6, 2, 2)}}
+RING_AUTOGRAD = ("ring_causal", "ring_bottom_right_causal")     # under autograd, contiguous and zigzag
 BACKENDS = ("triton", "reference")
 WORLD = 2
 
@@ -90,6 +94,12 @@ def _part(value, index_axes, a, b):
     for axis in index_axes:
         value = value.narrow(axis, a, b - a)
     return value
+
+
+def _split(name):
+    """The part lengths (one per rank of this process group) and the layout of a split."""
+    lengths, layout = SPLITS[name]
+    return lengths[torch.distributed.get_world_size()], layout
 
 
 def _sharded_axes(program, index):
@@ -109,13 +119,14 @@ def _pieces(lengths, layout, rank):
         a = sum(lengths[:rank])
         return [(a, a + lengths[rank])]
     halves = [n // 2 for n in lengths] + [n // 2 for n in reversed(lengths)]
-    starts = [sum(halves[:g]) for g in range(2 * WORLD)]
-    return [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * WORLD - 1 - rank)]
+    world = len(lengths)
+    starts = [sum(halves[:g]) for g in range(2 * world)]
+    return [(starts[g], starts[g] + halves[g]) for g in (rank, 2 * world - 1 - rank)]
 
 
 def run_case(name, split, backend, rank, device):
     source, index, make, options = CASES[name]
-    lengths, layout = SPLITS[split]
+    lengths, layout = _split(split)
     program = compiler.compile(source, backend=backend, **options)
     dtype = torch.float64 if backend == "reference" else torch.float32
     inputs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor) else v
@@ -142,8 +153,8 @@ def run_case(name, split, backend, rank, device):
 
 def run_ring_case(name, split, backend, rank, device):
     source, index, rows, make, options = RING_CASES[name]
-    lengths, layout = SPLITS[split]
-    row_lengths = RING_ROWS[split]
+    lengths, layout = _split(split)
+    row_lengths = RING_ROWS[split][len(lengths)]
     program = compiler.compile(source, backend=backend, **options)
     dtype = torch.float64 if backend == "reference" else torch.float32
     inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
@@ -159,17 +170,19 @@ def run_ring_case(name, split, backend, rank, device):
     part = {k: cut(cut(v, by_index.get(k, ()), mine), by_rows.get(k, ()), my_rows) if isinstance(v, torch.Tensor)
             else v for k, v in inputs.items()}
     sharded = program.shard(index, layout=layout, rows=rows)
+    calls, run = [], sharded.local._run
+    sharded.local._run = lambda local: calls.append(local) or run(local)     # counts the local calls
     got = sharded(**part)
     got = got if isinstance(got, tuple) else (got,)
     want = tuple(cut(w, [0], my_rows) for w in whole)       # every output here is over the rows first
-    return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], str(sharded.plan(**part))
+    return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], f"{sharded.plan(**part)}\nlocal calls: {len(calls)}"
 
 
 def run_autograd_case(layout, backend, rank, device):
     """Causal attention under autograd, K and V sharded: Q's gradient is whole on
     every rank, K's and V's are this rank's parts of the whole program's."""
     source, index, make, _ = CASES["causal"]
-    lengths = SPLITS["uneven" if layout == "contiguous" else "zigzag"][0]
+    lengths = _split("uneven" if layout == "contiguous" else "zigzag")[0]
     program = compiler.compile(source, backend=backend)
     dtype = torch.float64 if backend == "reference" else torch.float32
     inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
@@ -188,12 +201,40 @@ def run_autograd_case(layout, backend, rank, device):
             (ours["V"].grad.cpu(), cut(whole["V"].grad).cpu())], ""
 
 
+def run_ring_autograd_case(name, layout, backend, rank, device):
+    """Attention with the rows sharded too (the ring), under autograd: each rank's
+    gradients of its parts of Q, K and V equal those parts of the whole program's.
+    dQ runs on the forward's ring (K and V travel), dK and dV on the ring with the
+    roles swapped (Q, dO, O and the row statistics travel)."""
+    source, index, rows, make, options = RING_CASES[name]
+    split = "uneven" if layout == "contiguous" else "zigzag"
+    lengths, _ = _split(split)
+    row_lengths = RING_ROWS[split][len(lengths)]
+    program = compiler.compile(source, backend=backend, **options)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
+              for k, v in make(torch.Generator().manual_seed(1), sum(row_lengths), sum(lengths)).items()}
+    weight = torch.randn(sum(row_lengths), 3, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    whole = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    (program(**whole) * weight).sum().backward()
+    by_index, by_rows = _sharded_axes(program, index), _sharded_axes(program, rows)
+    mine, my_rows = _pieces(lengths, layout, rank), _pieces(row_lengths, layout, rank)
+
+    def cut(t, name):
+        pieces = mine if name in by_index else my_rows
+        return torch.cat([t[a:b] for a, b in pieces])
+    ours = {k: cut(v, k).detach().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    out = program.shard(index, layout=layout, rows=rows)(**ours)
+    (out * cut(weight, "O")).sum().backward()
+    return [(ours[k].grad.cpu(), cut(whole[k].grad, k).cpu()) for k in ("Q", "K", "V")], ""
+
+
 def run_tensor_parallel_autograd_case(backend, rank, device):
     """The cross-entropy with its classifier split over the vocabulary, under autograd:
     the hidden states' gradient is whole on every rank, the classifier's is this rank's
     rows of the whole program's."""
     source, index, make, _ = CASES["tensor_parallel_cross_entropy"]
-    lengths = SPLITS["uneven"][0]
+    lengths = _split("uneven")[0]
     program = compiler.compile(source, backend=backend)
     dtype = torch.float64 if backend == "reference" else torch.float32
     inputs = make(torch.Generator().manual_seed(1), sum(lengths))
@@ -223,12 +264,12 @@ def _tensors(outcome):
     return [(torch.tensor(g, dtype=dtype[d]), torch.tensor(w, dtype=dtype[d])) for g, w, d in pairs], plan
 
 
-def _worker(rank, store, device_kind, queue):
+def _worker(rank, world, store, device_kind, queue):
     import torch.distributed as dist
     backend = "nccl" if device_kind == "cuda" else "gloo"
     if device_kind == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     device = torch.device(device_kind, rank) if device_kind == "cuda" else torch.device("cpu")
     backends = [be for be in BACKENDS if not (device_kind == "cuda" and be == "reference")]
     # (name, split or layout, backend, the function that runs it)
@@ -236,6 +277,8 @@ def _worker(rank, store, device_kind, queue):
             for name in cases for split in SPLITS for be in backends]
     runs += [("autograd", layout, be, lambda _, *rest: run_autograd_case(*rest))
              for layout in ("contiguous", "zigzag") for be in backends]
+    runs += [(f"{name}_autograd", layout, be, lambda full, *rest: run_ring_autograd_case(full[:-9], *rest))
+             for name in RING_AUTOGRAD for layout in ("contiguous", "zigzag") for be in backends]
     runs += [("tensor_parallel_autograd", "contiguous", be, lambda _, __, *rest: run_tensor_parallel_autograd_case(*rest))
              for be in backends]
     try:
@@ -248,14 +291,15 @@ def _worker(rank, store, device_kind, queue):
         dist.destroy_process_group()
 
 
-def run_everywhere(device_kind):
+def run_everywhere(device_kind, world=WORLD):
     context = mp.get_context("spawn")
     queue = context.Queue()
     store = tempfile.mktemp(prefix="einfold-store-")
-    processes = [context.Process(target=_worker, args=(r, store, device_kind, queue)) for r in range(WORLD)]
+    processes = [context.Process(target=_worker, args=(r, world, store, device_kind, queue))
+                 for r in range(world)]
     for p in processes:
         p.start()
-    expected = WORLD * ((len(CASES) + len(RING_CASES)) * len(SPLITS) + 3) * (1 if device_kind == "cuda" else
+    expected = world * ((len(CASES) + len(RING_CASES)) * len(SPLITS) + 3 + 2 * len(RING_AUTOGRAD)) * (1 if device_kind == "cuda" else
                                                                               len(BACKENDS))
     results = {}
     for _ in range(expected):
@@ -294,6 +338,29 @@ def test_a_ring_part_bounds_its_loop_by_both_global_starts(gloo_results):
     assert "loop m [bounds: m <= i + (-m_start + i_start)]" in plan
 
 
+def test_a_ring_skips_the_parts_a_mask_hides(gloo_results):
+    # uneven: rank 0 holds rows 0-2 and keys 0-4, rank 1 rows 3-6 and keys 5-12. Under a
+    # causal mask rank 0's rows see none of rank 1's keys: one call (its own); rank 1 two.
+    # zigzag: rank 0 holds rows 0-1 and 8-9, rank 1 rows 2-4 and 5-7; the key parts are
+    # 0-2, 3-6, 7-10, 11-13. Of the 8 pairs of row and key parts a rank meets, rank 0's
+    # rows see 1 + 3 key parts, rank 1's 2 + 3
+    def calls(rank, name, split):
+        return int(gloo_results[rank, name, split, "triton"][1].rsplit("local calls: ", 1)[1])
+    assert (calls(0, "ring_causal", "uneven"), calls(1, "ring_causal", "uneven")) == (1, 2)
+    assert (calls(0, "ring_causal", "zigzag"), calls(1, "ring_causal", "zigzag")) == (4, 5)
+    # no mask: every pair runs; rows that see no key at all still get the identity state
+    assert calls(0, "ring_affine_scan", "uneven") == calls(1, "ring_affine_scan", "uneven") == 2
+    assert calls(0, "ring_causal", "empty_first") == 1
+
+
+def test_the_balanced_layout_is_zigzag_under_a_causal_mask():
+    causal = compiler.compile(_attention("m <= i"), backend="reference")
+    assert causal.shard("m", rows="i", layout="balanced").layout == "zigzag"
+    assert causal.shard("m", layout="balanced").layout == "zigzag"
+    full = compiler.compile("O[i,j] = softmax[m](Q[i,k] * K[m,k]) * V[m,j]", backend="reference")
+    assert full.shard("m", rows="i", layout="balanced").layout == "contiguous"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_gradients_flow_through_a_sharded_call(gloo_results, layout, backend):
@@ -302,6 +369,19 @@ def test_gradients_flow_through_a_sharded_call(gloo_results, layout, backend):
         assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
         tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 1e-4, "atol": 1e-5}
         for got, want in outcome[0]:
+            torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("name", RING_AUTOGRAD)
+def test_gradients_flow_through_the_ring(gloo_results, name, layout, backend):
+    for rank in range(WORLD):
+        outcome = gloo_results[rank, f"{name}_autograd", layout, backend]
+        assert not isinstance(outcome, str), f"rank {rank}: {outcome}"
+        tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 1e-4, "atol": 1e-5}
+        for got, want in outcome[0]:
+            assert got.abs().max() > 0
             torch.testing.assert_close(got, want, **tol)
 
 
@@ -331,7 +411,7 @@ def test_a_zigzag_part_of_odd_length_is_an_error():
         program = compiler.compile("L[i] = logsumexp[m](X[i,m])", backend="reference").shard("m", layout="zigzag")
         with pytest.raises(ShardError, match="odd length"):
             program(X=torch.randn(2, 9, dtype=torch.float64))
-        with pytest.raises(ShardError, match="layout must be one of contiguous, zigzag"):
+        with pytest.raises(ShardError, match="layout must be one of contiguous, zigzag, balanced"):
             compiler.compile("L[i] = logsumexp[m](X[i,m])", backend="reference").shard("m", layout="ring")
         # one rank holding the whole index: the program itself
         x = torch.randn(2, 8, dtype=torch.float64)
@@ -341,10 +421,11 @@ def test_a_zigzag_part_of_odd_length_is_an_error():
 
 
 @pytest.mark.gpu
-def test_two_nccl_ranks_equal_the_whole_program():
-    if torch.cuda.device_count() < WORLD:
-        pytest.skip("needs two GPUs")
-    results = run_everywhere("cuda")
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_ranks_equal_the_whole_program(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_everywhere("cuda", world)
     failures = {k: v for k, v in results.items() if isinstance(v, str)}
     assert not failures
     for (rank, name, split, _), (pairs, _) in results.items():
@@ -411,8 +492,10 @@ def test_what_sharding_the_rows_too_refuses():
     with pytest.raises(ShardError, match="output 'P' varies over the sharded index 'm'"):
         compiler.compile("P[i,m] = softmax[m](X[i] * Y[m])", backend="reference").shard("m", rows="i")
     q, k, v = (torch.randn(4, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    with pytest.raises(ShardError, match="gradients of a call with the rows 'i' sharded"):
-        attention.shard("m", rows="i")(Q=q, K=k, V=v, scale=0.5)
+    weighted = compiler.compile("O[i,j] = softmax[m](Q[i,k] * K[m,k] * W[k]) * V[m,j]", backend="reference")
+    with pytest.raises(ShardError, match="the gradient of 'W' is not derived with the rows 'i' sharded: 'W' is "
+                                         "read at neither the rows nor the sharded index 'm'"):
+        weighted.shard("m", rows="i")(Q=q, K=k, V=v, W=torch.ones(3, dtype=torch.float64, requires_grad=True))
 
 
 def test_the_cli_prints_the_ring_programs_with_rows(capsys):
