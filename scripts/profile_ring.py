@@ -2,7 +2,7 @@
 the call's wall time, then a torch.profiler trace of a few calls per rank (GPU
 time per kernel, and the host time of the call).  Run on the GPU machine:
 
-    NCCL_NVLS_ENABLE=0 OUT=out [S=65536] [ONLY="causal zigzag"] python3 scripts/profile_ring.py
+    NCCL_NVLS_ENABLE=0 OUT=out [S=65536] [ONLY="causal zigzag,training causal zigzag"] python3 scripts/profile_ring.py
 
 Each rank writes OUT/profile_rank<R>.txt; rank 0 prints a short summary."""
 import os
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import compiler
-from compiler.bench_distributed import ATTENTION, CAUSAL, _sequence_part, _timed
+from compiler.bench_distributed import ATTENTION, CAUSAL, _sequence_part, _timed, _training_step
 
 B, H, D = 1, 16, 128
 S = int(os.environ.get("S", 16384))
@@ -29,14 +29,22 @@ def _worker(rank, world, store, out):
     q, k, v = (torch.randn(B, H, S, D, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))
     report = []
     for name, src, layout in (("causal zigzag", CAUSAL, "zigzag"), ("causal contiguous", CAUSAL, "contiguous"),
-                              ("full contiguous", ATTENTION, "contiguous")):
-        if ONLY and ONLY != name:
+                              ("full contiguous", ATTENTION, "contiguous"),
+                              ("training causal zigzag", CAUSAL, "zigzag")):
+        if ONLY and name not in ONLY.split(","):
             continue
         program = compiler.compile(src, backend="triton")
         ring = program.shard("m", layout=layout, rows="i")
         ql, kl, vl = (_sequence_part(t, layout, rank, world) for t in (q, k, v))
-        call = lambda: ring(Q=ql, K=kl, V=vl, scale=0.088)       # noqa: E731
-        whole = _timed(lambda: program(Q=q, K=k, V=v, scale=0.088), device)    # the slower rank's
+        if name.startswith("training"):         # forward and backward through autograd
+            do = torch.randn_like(q)
+            call, _ = _training_step(lambda **t: ring(**t, scale=0.088), {"Q": ql, "K": kl, "V": vl},
+                                     _sequence_part(do, layout, rank, world))
+            whole = _timed(_training_step(lambda **t: program(**t, scale=0.088), {"Q": q, "K": k, "V": v},
+                                          do)[0], device)
+        else:
+            call = lambda: ring(Q=ql, K=kl, V=vl, scale=0.088)       # noqa: E731
+            whole = _timed(lambda: program(Q=q, K=k, V=v, scale=0.088), device)    # the slower rank's
         ms = _timed(call, device)
         torch.cuda.synchronize()
         dist.barrier()
@@ -50,7 +58,7 @@ def _worker(rank, world, store, out):
             for _ in range(5):
                 call()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60)
         cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60)
         report.append(f"== {name}: whole program on 1 GPU {whole:.3f} ms, ring call {ms:.3f} ms, "
                       f"host issue time {host:.3f} ms per call\n{table}\n{cpu}")

@@ -135,3 +135,37 @@ def test_the_check_reports_a_kernel_that_does_not_build_and_one_too_big_for_a_bl
     assert "mismatched: CompilationError" in done.stdout, done.stdout
     shared = int(done.stdout.split("big:")[1])
     assert shared > H100_BLOCK_SHARED      # 3 buffered stages of two float32 256 x 64 tiles: 384 KiB
+
+
+def test_a_loop_bound_over_an_index_of_extent_one_builds(caches):
+    # Triton passes an extent of 1 as the constant 1: a bound with a float offset (a number
+    # input, a sharded part's start) clamped by `n_m.to(tl.float32)` did not build (a
+    # zigzag part of one key on four ranks failed on the GPU and left the others waiting)
+    script = textwrap.dedent("""
+        import json, sys, torch
+        sys.path.insert(0, "tests")
+        from triton.runtime.autotuner import Autotuner
+        import compiler
+        from gpu_compile import build, launches
+        window = compiler.compile("O[i,j] = softmax[m](where(m <= i + w, Q[i,k] * K[m,k], -inf)) * V[m,j]",
+                                  backend="triton")
+        causal = compiler.compile("O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]",
+                                  backend="triton").shard("m", layout="zigzag")
+        cases = [(window, {"Q": torch.randn(20, 4), "K": torch.randn(1, 4), "V": torch.randn(1, 3), "w": 0.5}),
+                 (causal.local, {"Q": torch.randn(20, 4), "K": torch.randn(1, 4), "V": torch.randn(1, 3),
+                                 "scale": 0.5, causal.sharded.start: torch.zeros(()),
+                                 causal.sharded.total: torch.zeros(())})]
+        for program, inputs in cases:
+            for kernel, args, kwargs in launches(program, inputs):
+                fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+                config = kernel.configs[0] if isinstance(kernel, Autotuner) else None
+                try:
+                    build(fn, args, {**kwargs, **(config.all_kwargs() if config else {})})
+                    print(json.dumps({"kernel": fn.__name__}))
+                except Exception as e:
+                    print(json.dumps({"kernel": fn.__name__, "error": str(e)[-600:]}))
+    """)
+    done = compiled_off_the_interpreter(["-c", script], caches, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) >= 2 and not [r for r in rows if "error" in r], rows

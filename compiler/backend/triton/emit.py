@@ -1533,7 +1533,8 @@ class KernelEmitter:
             x = offset.code if side is None else self.assign(f"{side} + {offset.code}", (), T, stem="side").code
             if b.scale != 1:
                 x = self.assign(f"{x} / {b.scale}", (), T, stem="side").code
-            n = f"{self.extent_param(b.index)}.to(tl.float32)"
+            # tl.cast: an extent of 1 reaches the kernel as the constant 1 (Triton specialises it)
+            n = f"tl.cast({self.extent_param(b.index)}, tl.float32)"
             empty = "-1.0" if b.upper else n
             clamped = self.assign(f"tl.where({x} != {x}, {empty}, tl.minimum(tl.maximum({x}, -1.0), {n}))",
                                   (), T, stem="side").code
