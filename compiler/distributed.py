@@ -109,6 +109,10 @@ class ShardedProgram:
         self.merge = CompiledProgram._of_ir(self.sharded.merge, program.backend_name, **options)
         self._local_inputs = {i.name for i in self.sharded.local.inputs}
         self._merge_inputs = {i.name for i in self.sharded.merge.inputs} - set(self.sharded.states)
+        # a gradient program's saved statistics (float32 beside bf16 tensors) leave the dtype of
+        # its parts' results, and of their tl.dots, to the other tensors, as in the program itself
+        self.local.statistic_inputs = frozenset(program.statistic_inputs) & self._local_inputs
+        self.merge.statistic_inputs = frozenset(program.statistic_inputs) & self._merge_inputs
         # tensor -> its dimensions indexed by a sharded index (where a part is cut)
         self._cut: dict[str, tuple[int, ...]] = {}
         for st in program.checked.statements:

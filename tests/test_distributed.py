@@ -507,3 +507,19 @@ def test_the_cli_prints_the_ring_programs_with_rows(capsys):
     assert "# states of every part stacked along rank (global order)" in out
     assert main(["ir", "--rows", "i", "-e", _attention("m <= i")]) == 2
     assert "needs --shard INDEX" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows", [None, "i"])
+def test_a_sharded_gradient_keeps_its_statistics_out_of_its_dtype(rows):
+    # the saved row logsumexp is float32 beside bf16 tensors: as in the unsharded gradient
+    # program, it must not make the parts' kernels (and their tl.dots) float32
+    program = compiler.compile(_attention("m <= i"), backend="triton")
+    sharded = program.shard("m", rows=rows)
+    gradient = sharded._gradient(("K", "V") if rows else ("Q", "K", "V"))
+    x = torch.empty(256, 64, dtype=torch.bfloat16)
+    inputs = {"Q": x, "K": x, "V": x, "scale": 0.5, "dO": x, "O": x, "lse_O": torch.empty(256),
+              **{name: 0.0 for name in (gradient.sharded.start, gradient.sharded.total,
+                                        gradient.sharded.rows_start, gradient.sharded.rows_total) if name}}
+    local = gradient.local
+    binding = local.binder({k: v for k, v in inputs.items() if k in gradient._local_inputs})
+    assert "; bfloat16;" in str(local.backend.specialised_for(binding, sm_count=132, arch=90))

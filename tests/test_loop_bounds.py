@@ -351,3 +351,14 @@ def test_the_identity_facts_are_derived_once_per_fold():
     before = acts_as_identity.cache_info().misses
     index_bounds(fold.__class__(fold.summary, fold.indices, fold.args))     # an equal fold: cached
     assert acts_as_identity.cache_info().misses == before
+
+
+@pytest.mark.parametrize("predicate", ["m + start <= i", "m < i + start", "m >= start"])
+def test_a_bound_with_a_scalar_offset_is_not_also_tested_per_tile(predicate):
+    # the loop's range decides it (a shard's start, a window's width as an input): a tile
+    # test of it, and the live-span scan beside it, would be work the bounds already did,
+    # and kept the kernel out of the forms that take per-tile tests for data only
+    program = compiler.compile(attention(predicate), backend="triton")
+    (loop,) = outline(program.factorised, program.outputs).kernels[0].loops
+    assert loop.skips == () and loop.bounds
+    assert "skips tiles" not in str(loop) and "live span" not in str(loop)

@@ -182,7 +182,10 @@ def data_tests(fold: Reduce) -> Mapping[str, tuple[Expr, ...]]:
         if not reads(c):
             continue
         for index in fold.indices:
-            if index in free_indices(c) and _contributes_nothing(fold, c):
+            # a conjunct linear in the index whose tensors are scalars (a shard's start)
+            # is a bound (index_bounds): the loop's range decides it, no tile tests it
+            if index in free_indices(c) and _bound(c, index, fold.indices) is None \
+                    and _contributes_nothing(fold, c):
                 out.setdefault(index, []).append(c)
     return MappingProxyType({index: tuple(tests) for index, tests in out.items()})   # cached: read-only
 
