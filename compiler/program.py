@@ -179,7 +179,9 @@ class Program(CompiledProgram):
         of a torch.distributed process group (None: the default group): each
         rank passes the inputs with only its own part of `index` (`layout`
         "contiguous": rank r holds the r-th of W parts; "zigzag": rank r holds
-        parts r and 2W - 1 - r of 2W, which balances a causal mask), and gets
+        parts r and 2W - 1 - r of 2W, which balances a causal mask; "balanced":
+        zigzag where a mask bounds `index` by another index, else contiguous,
+        read back as the result's `layout`), and gets
         the whole of each output that does not vary over `index` and its part
         of the others.  Each rank summarises its parts, the states are
         all-gathered, and each rank merges them in order with the summary's
@@ -195,13 +197,16 @@ class Program(CompiledProgram):
         travel around a ring of the ranks while each rank summarises its rows
         against every part; it gets its rows of each output.  No states are
         exchanged.  A tensor may be indexed by `rows` or by `index`, not both;
-        outputs vary over the rows, not over `index`; such a call has no
-        gradient.
+        outputs vary over the rows, not over `index`.  Its backward is two
+        rings: gradients over the rows on this one, gradients over `index` on
+        one where the inputs over the rows travel (deterministic: inputs are
+        exchanged, states merged in order).
 
         Raises:
             ShardError: the program has no reduction over `index`, or one such
                 reduction sits inside another; with `rows`, a reduction over
-                the rows, a tensor over both indices or an output over `index`.
+                the rows, a tensor over both indices or an output over `index`,
+                and under autograd an input read at neither index.
         """
         from .distributed import ShardedProgram
         return ShardedProgram(self, index, group, layout, rows)
