@@ -151,7 +151,9 @@ def run_case(name, split, backend, rank, device):
     return [(g.cpu(), w.cpu()) for g, w in zip(got, want)], plan
 
 
-def run_ring_case(name, split, backend, rank, device):
+def _ring_case(name, split, backend, device):
+    """(program, index, rows, the lengths of the index's and the rows' parts, layout, the
+    whole inputs) of a RING_CASES case under a split."""
     source, index, rows, make, options = RING_CASES[name]
     lengths, layout = _split(split)
     row_lengths = RING_ROWS[split][len(lengths)]
@@ -159,6 +161,11 @@ def run_ring_case(name, split, backend, rank, device):
     dtype = torch.float64 if backend == "reference" else torch.float32
     inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
               for k, v in make(torch.Generator().manual_seed(1), sum(row_lengths), sum(lengths)).items()}
+    return program, index, rows, lengths, row_lengths, layout, inputs
+
+
+def run_ring_case(name, split, backend, rank, device):
+    program, index, rows, lengths, row_lengths, layout, inputs = _ring_case(name, split, backend, device)
     whole = program(**inputs)
     whole = whole if isinstance(whole, tuple) else (whole,)
 
@@ -206,14 +213,9 @@ def run_ring_autograd_case(name, layout, backend, rank, device):
     gradients of its parts of Q, K and V equal those parts of the whole program's.
     dQ runs on the forward's ring (K and V travel), dK and dV on the ring with the
     roles swapped (Q, dO, O and the row statistics travel)."""
-    source, index, rows, make, options = RING_CASES[name]
-    split = "uneven" if layout == "contiguous" else "zigzag"
-    lengths, _ = _split(split)
-    row_lengths = RING_ROWS[split][len(lengths)]
-    program = compiler.compile(source, backend=backend, **options)
-    dtype = torch.float64 if backend == "reference" else torch.float32
-    inputs = {k: v.to(device, dtype) if isinstance(v, torch.Tensor) else v
-              for k, v in make(torch.Generator().manual_seed(1), sum(row_lengths), sum(lengths)).items()}
+    program, index, rows, lengths, row_lengths, layout, inputs = _ring_case(
+        name, "uneven" if layout == "contiguous" else "zigzag", backend, device)
+    dtype = inputs["Q"].dtype
     weight = torch.randn(sum(row_lengths), 3, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     whole = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     (program(**whole) * weight).sum().backward()
