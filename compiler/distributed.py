@@ -168,9 +168,9 @@ class ShardedProgram:
     def _parts(self, lengths, owner: int, extent: int, what: str) -> list[tuple[slice, object, int]]:
         """The parts of `owner`'s local extent of `what` (`lengths`: every rank's), as
         (local slice, global start, position among the parts in global order).  With
-        `lengths` a tensor on the device the starts are 0-d float32 tensors there, so
+        `lengths` a tensor on the device the starts are 0-d int64 tensors there, so
         that no host read waits for the GPU; with a list of ints (read once on the host)
-        they are numbers."""
+        they are ints."""
         on_host = isinstance(lengths, list)
         world = len(lengths)
         if self.layout == "contiguous":
@@ -185,8 +185,8 @@ class ShardedProgram:
             ordered = ordered + ordered[::-1] if on_host else torch.cat([ordered, ordered.flip(0)])
             halves = [(owner, slice(0, extent // 2)), (2 * world - 1 - owner, slice(extent // 2, extent))]
         if on_host:
-            return [(part, float(sum(ordered[:g])), g) for g, part in halves]
-        starts = (torch.cumsum(ordered, 0) - ordered).to(torch.float32)
+            return [(part, sum(ordered[:g]), g) for g, part in halves]
+        starts = torch.cumsum(ordered, 0) - ordered
         return [(part, starts[g], g) for g, part in halves]
 
     def _hidden(self, values: dict[str, float], extents: dict[str, int], part: int, rows: int) -> bool:
@@ -264,10 +264,10 @@ class ShardedProgram:
         binding = self.program.binder(inputs)            # names any mistake in the inputs
         extent = binding.extents[self.index]
         lengths = self._gather(torch.tensor([extent], dtype=torch.int64, device=binding.device), world).view(-1)
-        # starts and the whole length stay on the device as 0-d tensors, which kernels
+        # starts and the whole length stay on the device as 0-d int64 tensors, which kernels
         # load: reading them on the host would wait for the GPU at every call
         parts = self._parts(lengths, rank, extent, self.index)
-        total = lengths.sum().to(torch.float32)
+        total = lengths.sum()
         states: dict[str, list[torch.Tensor]] = {n: [] for n in self.sharded.states}
         for part, start, _ in parts:
             local = self._narrowed(inputs, self._local_inputs, part)
@@ -300,20 +300,27 @@ class ShardedProgram:
         mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64,
                             device=binding.device)
         # the call's one host read: the parts' lengths size the buffers the ring receives
-        # into, and give every start as a number
+        # into, give every start, and decide which pairs of parts a mask hides
         lengths, row_lengths = (list(column) for column in zip(*self._gather(mine, world).tolist()))
         sharded = self.sharded
         row_parts = self._parts(row_lengths, rank, binding.extents[self.rows], self.rows)
-        totals = {sharded.total: float(sum(lengths)), sharded.rows_total: float(sum(row_lengths))}
+        index_parts = {owner: self._parts(lengths, owner, lengths[owner], self.index) for owner in range(world)}
+        totals = {sharded.total: sum(lengths), sharded.rows_total: sum(row_lengths)}
+        # the kernels read the positions as 0-d int64 tensors on the device, all from one copy
+        # (made while the stream is idle after the host read)
+        every = sorted({0, *totals.values(), *(start for _, start, _ in row_parts),
+                        *(start for parts in index_parts.values() for _, start, _ in parts)})
+        on_device = dict(zip(every, torch.tensor(every, dtype=torch.int64, device=binding.device).unbind()))
         numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
         moving = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
         states: list[list[tuple[int, tuple]]] = [[] for _ in row_parts]     # per row part: (position, states)
+        scalars = {n: on_device[v] for n, v in totals.items()}
 
-        def run(held: dict, part: slice, start: float, k: int, position: int) -> None:
+        def run(held: dict, part: slice, start: int, k: int, position: int) -> None:
             rows, row_start, _ = row_parts[k]
             local = self._narrowed(self._narrowed(held, self._local_inputs, part), self._local_inputs, rows,
                                    self._row_cut)
-            local.update({sharded.start: start, sharded.rows_start: row_start, **totals})
+            local.update({sharded.start: on_device[start], sharded.rows_start: on_device[row_start], **scalars})
             found = self.local._run({n: v for n, v in local.items() if n in self._local_inputs})
             states[k].append((position, found if isinstance(found, tuple) else (found,)))
 
@@ -321,7 +328,7 @@ class ShardedProgram:
             owner = (rank - step) % world          # whose part of the index this rank holds now
             pending = self._pass_on(moving, lengths[(owner - 1) % world], world, rank) if step < world - 1 else None
             held = {**inputs, **moving}
-            for part, start, position in self._parts(lengths, owner, lengths[owner], self.index):
+            for part, start, position in index_parts[owner]:
                 for k, (rows, row_start, _) in enumerate(row_parts):
                     values = {**numbers, **totals, sharded.start: start, sharded.rows_start: row_start}
                     if not self._hidden(values, binding.extents, part.stop - part.start, rows.stop - rows.start):
@@ -330,13 +337,13 @@ class ShardedProgram:
                 moving = pending()
         for k, found in enumerate(states):
             if not found:              # every part hidden from these rows: the identity, from an empty part
-                run({**inputs, **moving}, slice(0, 0), 0.0, k, 0)
+                run({**inputs, **moving}, slice(0, 0), 0, k, 0)
         merges = []
         for (rows, row_start, _), found in zip(row_parts, states):
             found.sort(key=lambda pair: pair[0])                    # global order of the parts
             stacked = {n: torch.stack([f[1][j] for f in found]) for j, n in enumerate(sharded.states)}
             merge = self._narrowed(inputs, self._merge_inputs, rows, self._row_cut)
-            merge.update({n: v for n, v in {sharded.rows_start: row_start, **totals}.items()
+            merge.update({n: v for n, v in {sharded.rows_start: on_device[row_start], **scalars}.items()
                           if n in self._merge_inputs})
             out = self.merge._run({**merge, **stacked})
             merges.append(out if isinstance(out, tuple) else (out,))
@@ -451,9 +458,7 @@ class ShardedProgram:
         parts = 1 if self.layout == "contiguous" else 2
         first = slice(0, extent // parts)
         rows = slice(0, binding.extents[self.rows] // parts) if self.rows else None
-        # the ring passes its starts as numbers (read once on the host), the state exchange as
-        # 0-d tensors on the device
-        position = 0.0 if self.rows else torch.zeros((), dtype=torch.float32, device=device)
+        position = torch.zeros((), dtype=torch.int64, device=device)
         scalars = (self.sharded.start, self.sharded.total, self.sharded.rows_start, self.sharded.rows_total)
         local = self._narrowed(inputs, self._local_inputs, first)
         if rows is not None:

@@ -520,8 +520,9 @@ def test_a_sharded_gradient_keeps_its_statistics_out_of_its_dtype(rows):
     gradient = sharded._gradient(("K", "V") if rows else ("Q", "K", "V"))
     x = torch.empty(256, 64, dtype=torch.bfloat16)
     inputs = {"Q": x, "K": x, "V": x, "scale": 0.5, "dO": x, "O": x, "lse_O": torch.empty(256),
-              **{name: 0.0 for name in (gradient.sharded.start, gradient.sharded.total,
-                                        gradient.sharded.rows_start, gradient.sharded.rows_total) if name}}
+              **{name: torch.zeros((), dtype=torch.int64) for name in (
+                  gradient.sharded.start, gradient.sharded.total, gradient.sharded.rows_start,
+                  gradient.sharded.rows_total) if name}}
     local = gradient.local
     binding = local.binder({k: v for k, v in inputs.items() if k in gradient._local_inputs})
     assert "; bfloat16;" in str(local.backend.specialised_for(binding, sm_count=132, arch=90))

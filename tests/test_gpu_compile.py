@@ -137,10 +137,11 @@ def test_the_check_reports_a_kernel_that_does_not_build_and_one_too_big_for_a_bl
     assert shared > H100_BLOCK_SHARED      # 3 buffered stages of two float32 256 x 64 tiles: 384 KiB
 
 
-def test_a_loop_bound_over_an_index_of_extent_one_builds(caches):
+def test_a_bound_over_one_key_and_a_ring_part_in_the_hopper_form_build(caches):
     # Triton passes an extent of 1 as the constant 1: a bound with a float offset (a number
-    # input, a sharded part's start) clamped by `n_m.to(tl.float32)` did not build (a
-    # zigzag part of one key on four ranks failed on the GPU and left the others waiting)
+    # input) clamped by `n_m.to(tl.float32)` did not build (a zigzag part of one key on four
+    # ranks failed on the GPU and left the others waiting). The ring's local program, whose
+    # bound is shifted by the parts' starts (0-d int64 tensors), takes the Hopper form
     script = textwrap.dedent("""
         import json, sys, torch
         sys.path.insert(0, "tests")
@@ -151,10 +152,18 @@ def test_a_loop_bound_over_an_index_of_extent_one_builds(caches):
                                   backend="triton")
         causal = compiler.compile("O[i,j] = softmax[m](where(m <= i, Q[i,k] * K[m,k] * scale, -inf)) * V[m,j]",
                                   backend="triton").shard("m", layout="zigzag")
+        ring = compiler.compile("O[b,h,i,j] = softmax[m](where(m <= i, Q[b,h,i,k] * K[b,h,m,k] * scale, -inf)) "
+                                "* V[b,h,m,j]", backend="triton").shard("m", layout="zigzag", rows="i")
+        x = torch.randn(1, 16, 4096, 128, dtype=torch.bfloat16)
+        position = torch.tensor(4096)
         cases = [(window, {"Q": torch.randn(20, 4), "K": torch.randn(1, 4), "V": torch.randn(1, 3), "w": 0.5}),
                  (causal.local, {"Q": torch.randn(20, 4), "K": torch.randn(1, 4), "V": torch.randn(1, 3),
-                                 "scale": 0.5, causal.sharded.start: torch.zeros(()),
-                                 causal.sharded.total: torch.zeros(())})]
+                                 "scale": 0.5, causal.sharded.start: torch.zeros((), dtype=torch.int64),
+                                 causal.sharded.total: torch.zeros((), dtype=torch.int64)}),
+                 (ring.local, {"Q": x, "K": x, "V": x, "scale": 0.1,
+                               **{name: position for name in (ring.sharded.start, ring.sharded.total,
+                                                              ring.sharded.rows_start, ring.sharded.rows_total)
+                                  if name in ring._local_inputs}})]
         for program, inputs in cases:
             for kernel, args, kwargs in launches(program, inputs):
                 fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
@@ -168,4 +177,5 @@ def test_a_loop_bound_over_an_index_of_extent_one_builds(caches):
     done = compiled_off_the_interpreter(["-c", script], caches, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) >= 2 and not [r for r in rows if "error" in r], rows
+    assert len(rows) >= 4 and not [r for r in rows if "error" in r], rows
+    assert any(r["kernel"] == "einfold_S0_u_hopper" for r in rows)

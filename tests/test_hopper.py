@@ -207,6 +207,34 @@ def test_the_hopper_form_matches_float64_as_well_as_the_tl_kernel(name, dtype, p
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("starts", [(0, 0), (256, 0), (0, 384), (640, 128)])
+def test_a_ring_part_in_the_hopper_form_matches_float64(starts, private_cache):
+    # the ring's local program: causal attention of rows at global positions i + i_start
+    # against keys at m + m_start (0-d int64 tensors), its states (r, l, u) against float64
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper form runs on sm_90 only")
+    src = TAKEN["causal"][0]
+    ring = compiler.compile(src, backend="triton", split=1).shard("m", rows="i")
+    oracle_ring = compiler.compile(src, backend="reference").shard("m", rows="i")
+    sh = ring.sharded
+    x = inputs_of(ring.program, {"i": 300, "m": 333}, torch.bfloat16, "cuda")
+    x.update({name: torch.tensor(value, device="cuda") for name, value in
+              zip((sh.start, sh.rows_start, sh.total, sh.rows_total), (*starts, 10 ** 4, 10 ** 4))})
+    local = {k: v for k, v in x.items() if k in ring._local_inputs}
+    assert any(k.name.endswith("_hopper") for k in ring.local.plan(**local).kernels)
+    fields = [name.rsplit("_", 1)[1] for name in sh.states]
+    got = dict(zip(fields, ring.local._run(local)))
+    want = dict(zip(fields, oracle_ring.local._run({k: (v.double() if v.is_floating_point() else v).cpu()
+                                                    if isinstance(v, torch.Tensor) else v
+                                                    for k, v in local.items()})))
+    seen = want["l"] > 0                   # rows some key reaches
+    assert torch.equal(got["l"].cpu() > 0, seen) and torch.isneginf(got["r"].cpu()[~seen]).all()
+    out, expected = (s["u"] / s["l"].unsqueeze(-1) for s in (got, want))
+    assert relative_error(out.cpu()[seen], expected[seen]) <= 1e-2
+    torch.testing.assert_close(got["r"].cpu()[seen].double(), want["r"][seen], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_large_logits_stay_finite_as_in_torch(private_cache):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper form runs on sm_90 only")
@@ -296,26 +324,63 @@ def test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask(nam
     in [inner_lo, inner_hi) is live at every element of the block's rows,
     lo <= inner_lo <= inner_hi <= hi, hi > lo, and the fold's loops (run in Python too) visit
     every tile of [lo, hi) once, leaving out the masks only on tiles live at every element."""
-    import math
-    import types
     src, keep = BOUNDED[name]
     program = compiler.compile(src, backend="triton", split=1)
     x = inputs_of(program, {"i": n_i, "m": n_m})
     source = program.backend.source_for(program.binder(x), sm_count=132, arch=90)
-    kernel = source[source.index("def einfold_O_hopper(q_desc"):]
+    assert_tile_ranges(source, "einfold_O_hopper", lambda i, m: keep(i, m, n_i, n_m), n_i, n_m, {})
+
+
+class _Position:
+    """A 0-d integer tensor's pointer in a kernel prologue run in Python: gl.load(p).to(...)."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def to(self, _dtype):
+        return self.value
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("starts", [(0, 0), (256, 0), (0, 384), (640, 128), (1000, 3000)])
+def test_a_shards_starts_bound_the_hopper_forms_tile_range(layout, starts):
+    """The ring's local program (rows and keys at global positions i + i_start and m +
+    m_start, read from 0-d int64 tensors) takes the Hopper form, and its tile range, run
+    in Python with the starts loaded, covers every live key of every row block."""
+    m_start, i_start = starts
+    n_i, n_m = 300, 333
+    ring = compiler.compile(TAKEN["causal"][0], backend="triton", split=1).shard("m", layout=layout, rows="i")
+    sh = ring.sharded
+    x = inputs_of(ring.program, {"i": n_i, "m": n_m})
+    x.update({sh.start: torch.tensor(m_start), sh.rows_start: torch.tensor(i_start),
+              sh.total: torch.tensor(10 ** 4), sh.rows_total: torch.tensor(10 ** 4)})
+    binding = ring.local.binder({k: v for k, v in x.items() if k in ring._local_inputs})
+    source = ring.local.backend.source_for(binding, sm_count=132, arch=90)
+    assert "form: Hopper" in str(ring.local.backend.specialised_for(binding, sm_count=132, arch=90))
+    loads = {"m_start_ptr": _Position(m_start), "i_start_ptr": _Position(i_start)}
+    assert_tile_ranges(source, "einfold_S0_u_hopper", lambda i, m: m + m_start <= i + i_start, n_i, n_m, loads)
+
+
+def assert_tile_ranges(source: str, kernel_name: str, keep, n_i: int, n_m: int, pointers: dict) -> None:
+    """The checks of test_the_tile_range_covers_every_live_key_and_its_interior_needs_no_mask on
+    the Hopper kernel `kernel_name` of `source`, whose live elements are keep(i, m); `pointers`:
+    the prologue's scalar pointers, as gl.load reads them."""
+    import math
+    import types
+    kernel = source[source.index(f"def {kernel_name}(q_desc"):]
     prologue = kernel[kernel.index("    row0 = pid_m * BLOCK_M"):kernel.index("    q_smem = ")]
-    fold = source[source.index("def einfold_O_hopper_fold("):source.index("    last = hi - 1 - lo")]
+    fold = source[source.index(f"def {kernel_name}_fold("):source.index("    last = hi - 1 - lo")]
     # (range, the tile's MASKED argument) of each loop of the fold after its first tile
     loops = [(header, call.strip().removesuffix(")").rsplit(", ", 1)[1])
              for header, call in re.findall(r"for t in range\((.+)\):\n.+\n(.+)\n", fold)]
     assert loops
-    gl = types.SimpleNamespace(maximum=max, minimum=min, to_tensor=int)
+    gl = types.SimpleNamespace(maximum=max, minimum=min, to_tensor=int, load=lambda pointer: pointer, int32=int)
     i = torch.arange(n_i)[:, None]
     m = torch.arange(n_m)[None, :]
-    live = keep(i, m, n_i, n_m) & (m < n_m)
+    live = keep(i, m) & (m < n_m)
     tiles = math.ceil(n_m / 128)
     for pid_m in range(math.ceil(n_i / 128)):
-        env = {"gl": gl, "pid_m": pid_m, "BLOCK_M": 128, "BLOCK_N": 128, "n_i": n_i, "n_m": n_m}
+        env = {"gl": gl, "pid_m": pid_m, "BLOCK_M": 128, "BLOCK_N": 128, "n_i": n_i, "n_m": n_m, **pointers}
         exec(textwrap.dedent(prologue), env)
         lo, hi, inner_lo, inner_hi = (env[v] for v in ("lo", "hi", "inner_lo", "inner_hi"))
         assert lo <= inner_lo <= inner_hi <= hi and hi > lo

@@ -43,6 +43,7 @@ import sympy
 
 from ..algebra.summary import Summary
 from ..errors import ShardError
+from ..ops import INT
 from ..ir import (
     Access,
     Assign,
@@ -166,7 +167,10 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
         return transform(e, shift)
 
     def scalars(read: set[str]) -> tuple[Input, ...]:
-        return tuple(Input(name, 0) for name in (start, total, rows_start, rows_total) if name and name in read)
+        # positions are integers (0-d int64 tensors): exact at any length, and a bound they
+        # offset is an integer shift of the rows, as the Hopper form takes it
+        return tuple(Input(name, 0, dtype=INT) for name in (start, total, rows_start, rows_total)
+                     if name and name in read)
 
     # the local program: every field of every such fold
     states: list[Assign] = []
@@ -179,7 +183,8 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
             states.append(Assign(name, tuple(ix for ix in free_indices(fold) if ix in free_indices(field)),
                                  field, f.dtype, fold.span))
     used = {n.tensor for s in states for n in walk(s.expr) if isinstance(n, Access)}
-    local_inputs = (*(i for i in program.inputs if i.name in used), Input(start, 0), Input(total, 0),
+    local_inputs = (*(i for i in program.inputs if i.name in used), Input(start, 0, dtype=INT),
+                    Input(total, 0, dtype=INT),
                     *(i for i in scalars(used) if i.name in (rows_start, rows_total)))
     local = Program(tuple(states), local_inputs, tuple(s.name for s in states),
                     _used_extents(program.extents, states), program.source)

@@ -52,6 +52,7 @@ class Tiling:
 TILINGS = {128: Tiling(consumers=2, key_tile=128, stages=2, consumer_regs=240, loader_regs=24)}
 WIDTHS = (64, 128)
 OPERAND_DTYPES = frozenset({torch.bfloat16, torch.float16})
+INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,10 @@ def match(spec: KernelSchedule, loops: FoldLoops | None, sig: Signature, extent,
     if extent(rows) < tiling.rows or any(extent(x) < 1 for x in (keys, *batch)):
         return f"fewer than {tiling.rows} rows or an empty index"
     bounds = dict(loops.bounds).get(keys, ())
+    positions = {name for name, kind, rank, dtype in sig.inputs
+                 if kind == "tensor" and rank == 0 and dtype in INTEGER_DTYPES}
     for bound in bounds:
-        if bound.other not in (rows, None, *batch) or not _integral(bound.offset) or bound.scale != 1:
+        if bound.other not in (rows, None, *batch) or not _integral(bound.offset, positions) or bound.scale != 1:
             return f"the bound {bound} is not a shift of the rows by integers"
     costly = sorted({n.op for n in walk(fold.args[0]) if isinstance(n, Call) and n.op in COSTLY
                      and not (n.op == "div" and _power_of_two(n.args[1]))})
@@ -190,9 +193,11 @@ def outside_folds(e: Expr):
             yield from outside_folds(c)
 
 
-def _integral(e: Expr) -> bool:
-    """An offset made of integer constants and extents (floor divisions of it are exact)."""
+def _integral(e: Expr, positions: set[str]) -> bool:
+    """An offset made of integer constants, extents and `positions` (0-d integer tensor
+    inputs: a shard's start), so that floor divisions of it are exact."""
     return all(isinstance(n, Extent) or (isinstance(n, Const) and isinstance(n.value, int))
+               or (isinstance(n, Access) and not n.indices and n.tensor in positions)
                or (isinstance(n, Call) and n.op in ("add", "sub", "neg", "mul")) for n in walk(e))
 
 

@@ -409,6 +409,11 @@ def emit(h: HopperFold, spec: KernelSchedule, ctx, name: str) -> HopperCode | st
                 launch_args.append(f'n["{n}"]')
         for st in spec.statements:
             tensors[st.name] = ctx.tensors[st.name]
+        # the bounds' positions (a shard's start: 0-d integer tensors), read once as int32
+        offsets = dict.fromkeys(n.tensor for b in h.bounds for n in walk(b.offset) if isinstance(n, Access))
+        for tensor in offsets:
+            tensors.setdefault(tensor, ctx.tensors[tensor])
+            fresh(("position", tensor), f"{ident(tensor)}_at")
         for tensor, info in tensors.items():
             if info.kind == "number":
                 params.append(fresh(("tensor", tensor), f"{ident(tensor)}_val"))
@@ -508,10 +513,14 @@ def _coordinates(h: HopperFold, names) -> list[str]:
 
 def _bound_lines(h: HopperFold, names, helpers: set[str], n_rows: str) -> list[str]:
     """Tile bounds from each relation `m op sign * other + offset` over the block's rows
-    row0 .. row_last (numerators kept >= 0 so that // floors)."""
+    row0 .. row_last (numerators kept >= 0 so that // floors).  A position in an offset
+    (a 0-d integer tensor) is loaded once, as int32 like the tile indices."""
     lines = ([f"    row_last = gl.minimum(row0 + BLOCK_M, {n_rows}) - 1"]
              if any(b.other == h.rows for b in h.bounds) else [])
-    printer = Printer(None, names, {}, {}, {}, helpers)
+    positions = {n: names[("position", n.tensor)] for b in h.bounds for n in walk(b.offset)
+                 if isinstance(n, Access)}
+    lines += [f"    {at} = gl.load({names[('tensor', n.tensor)][0]}).to(gl.int32)" for n, at in positions.items()]
+    printer = Printer(None, names, {}, {}, positions, helpers)
     for b in h.bounds:
         step = {"le": 0, "lt": -1, "ge": 0, "gt": 1}[b.op]
         c = constant(b.offset)
