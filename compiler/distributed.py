@@ -28,7 +28,11 @@ of `index`, so the inputs over `index` (K and V) travel around a ring of the
 ranks instead: at each of W steps a rank sends the part it holds to the next
 rank while it runs the local program on that part, and receives the previous
 rank's.  The W (zigzag: 2W) states of its rows then merge in global order with
-the same merge program; nothing else is exchanged.
+the same merge program; nothing else is exchanged.  A fold that reads only the
+travelling inputs is computed once by their owner and travels in their place
+(`Sharded.precomputed`); a pair of parts a mask hides whole is not run.  Under
+autograd the backward is two rings: gradients over the rows on this one,
+gradients over `index` on one where the inputs over the rows travel.
 """
 from __future__ import annotations
 
@@ -107,11 +111,17 @@ class ShardedProgram:
         self.local = CompiledProgram._of_ir(self.sharded.local, program.backend_name,
                                             float32_outputs=self.sharded.states, **options)
         self.merge = CompiledProgram._of_ir(self.sharded.merge, program.backend_name, **options)
+        ahead = self.sharded.precomputed
+        # computed once by each rank on its own part, then travelling: float32 like the states
+        self.precomputed = None if ahead is None else CompiledProgram._of_ir(
+            ahead, program.backend_name, float32_outputs=ahead.outputs, **options)
+        self._precomputed_inputs = set() if ahead is None else {i.name for i in ahead.inputs}
         self._local_inputs = {i.name for i in self.sharded.local.inputs}
         self._merge_inputs = {i.name for i in self.sharded.merge.inputs} - set(self.sharded.states)
         # a gradient program's saved statistics (float32 beside bf16 tensors) leave the dtype of
         # its parts' results, and of their tl.dots, to the other tensors, as in the program itself
-        self.local.statistic_inputs = frozenset(program.statistic_inputs) & self._local_inputs
+        self.local.statistic_inputs = (frozenset(program.statistic_inputs) & self._local_inputs
+                                       | frozenset(ahead.outputs if ahead is not None else ()))
         self.merge.statistic_inputs = frozenset(program.statistic_inputs) & self._merge_inputs
         # tensor -> its dimensions indexed by a sharded index (where a part is cut)
         self._cut: dict[str, tuple[int, ...]] = {}
@@ -121,6 +131,8 @@ class ShardedProgram:
                     dims = tuple(d for d, ix in enumerate(node.indices) if ix in self.sharded.indices)
                     if dims:
                         self._cut[node.tensor] = dims
+        for st in ahead.statements if ahead is not None else ():
+            self._cut[st.name] = tuple(d for d, ix in enumerate(st.indices) if ix in self.sharded.indices)
         statements = {st.name: st for st in program.checked.statements}
         # outputs over the sharded index: the merge runs once per part and they are joined
         self._joined = {o: next((d for d, ix in enumerate(statements[o].indices) if ix in self.sharded.indices), None)
@@ -312,6 +324,10 @@ class ShardedProgram:
                         *(start for parts in index_parts.values() for _, start, _ in parts)})
         on_device = dict(zip(every, torch.tensor(every, dtype=torch.int64, device=binding.device).unbind()))
         numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
+        if self.precomputed is not None:        # on this rank's own part, before it travels
+            ahead = self.precomputed
+            found = ahead._run({n: v for n, v in inputs.items() if n in self._precomputed_inputs})
+            inputs = {**inputs, **dict(zip(ahead.outputs, found if isinstance(found, tuple) else (found,)))}
         moving = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
         states: list[list[tuple[int, tuple]]] = [[] for _ in row_parts]     # per row part: (position, states)
         scalars = {n: on_device[v] for n, v in totals.items()}
@@ -460,6 +476,10 @@ class ShardedProgram:
         rows = slice(0, binding.extents[self.rows] // parts) if self.rows else None
         position = torch.zeros((), dtype=torch.int64, device=device)
         scalars = (self.sharded.start, self.sharded.total, self.sharded.rows_start, self.sharded.rows_total)
+        if self.sharded.precomputed is not None:        # what each rank computes before the ring
+            inputs = {**inputs, **{st.name: torch.empty([binding.extents[ix] for ix in st.indices],
+                                                        dtype=torch.float32, device=device)
+                                   for st in self.sharded.precomputed.statements}}
         local = self._narrowed(inputs, self._local_inputs, first)
         if rows is not None:
             local = self._narrowed(local, self._local_inputs, rows, self._row_cut)

@@ -212,7 +212,7 @@ def run_ring_autograd_case(name, layout, backend, rank, device):
     """Attention with the rows sharded too (the ring), under autograd: each rank's
     gradients of its parts of Q, K and V equal those parts of the whole program's.
     dQ runs on the forward's ring (K and V travel), dK and dV on the ring with the
-    roles swapped (Q, dO, O and the row statistics travel)."""
+    roles swapped (Q, dO, the row statistics and rowsum(dO O) travel)."""
     program, index, rows, lengths, row_lengths, layout, inputs = _ring_case(
         name, "uneven" if layout == "contiguous" else "zigzag", backend, device)
     dtype = inputs["Q"].dtype
@@ -520,9 +520,24 @@ def test_a_sharded_gradient_keeps_its_statistics_out_of_its_dtype(rows):
     gradient = sharded._gradient(("K", "V") if rows else ("Q", "K", "V"))
     x = torch.empty(256, 64, dtype=torch.bfloat16)
     inputs = {"Q": x, "K": x, "V": x, "scale": 0.5, "dO": x, "O": x, "lse_O": torch.empty(256),
+              "T0": torch.empty(256),         # D = rowsum(dO O), computed ahead on the ring of dK, dV
               **{name: torch.zeros((), dtype=torch.int64) for name in (
                   gradient.sharded.start, gradient.sharded.total, gradient.sharded.rows_start,
                   gradient.sharded.rows_total) if name}}
     local = gradient.local
     binding = local.binder({k: v for k, v in inputs.items() if k in gradient._local_inputs})
     assert "; bfloat16;" in str(local.backend.specialised_for(binding, sm_count=132, arch=90))
+
+
+def test_a_fold_over_the_travelling_inputs_travels_computed():
+    # on the ring of dK and dV (the inputs over the rows travel), D[i] = sum[j](O dO)
+    # reads only travelling inputs: each rank computes it once on its own rows, and it travels
+    # in O's place (the whole gradient program stores it once too)
+    ring = compiler.compile(_attention("m <= i"), backend="reference").shard("m", rows="i")
+    keys = ring._gradient(("K", "V"))
+    assert str(keys.sharded).startswith("# each rank first computes, on its own part (travelling with it)\n"
+                                        "T0[i] = sum[j](O[i, j] * dO[i, j])\n# sharded over i;")
+    reads = {i.name for i in keys.sharded.local.inputs}
+    assert "T0" in reads and "O" not in reads and keys._cut["T0"] == (0,)
+    # the forward's folds and dQ's read the rows' side in every fold: nothing to compute ahead
+    assert ring.sharded.precomputed is None and ring._gradient(("Q",)).sharded.precomputed is None

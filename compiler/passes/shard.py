@@ -43,7 +43,7 @@ import sympy
 
 from ..algebra.summary import Summary
 from ..errors import ShardError
-from ..ops import INT
+from ..ops import FLOAT, INT
 from ..ir import (
     Access,
     Assign,
@@ -56,6 +56,7 @@ from ..ir import (
     Reduce,
     Var,
     accesses,
+    children,
     free_indices,
     transform,
     unused_name,
@@ -78,12 +79,18 @@ class Sharded:
     rows: tuple[str, ...] = ()    # the sharded rows index and those of its extent (none: rows replicated)
     rows_start: str | None = None  # scalar input of both programs: this rank's first row
     rows_total: str | None = None  # scalar input of both programs: the global number of rows
+    # with rows: the folds inside a sharded fold that read only the inputs that travel (the
+    # ring's dK's D[i] = sum[j](O[i,j] dO[i,j])), which each rank computes once on its own part
+    # and which travel in their inputs' place; the local program reads them as inputs
+    precomputed: Program | None = None
 
     def __str__(self) -> str:
         from ..ir import format_program
         rows = f"; rows {', '.join(self.rows)} sharded too, the inputs over the index passed around a ring" \
             if self.rows else ""
-        return (f"# sharded over {', '.join(self.indices)}{rows}: each rank runs\n{format_program(self.local)}"
+        ahead = "" if self.precomputed is None else \
+            f"# each rank first computes, on its own part (travelling with it)\n{format_program(self.precomputed)}"
+        return (f"{ahead}# sharded over {', '.join(self.indices)}{rows}: each rank runs\n{format_program(self.local)}"
                 f"# states {'of every part stacked' if self.rows else 'gathered'} along {self.rank} "
                 f"({'global' if self.rows else 'rank'} order); every rank then runs\n"
                 f"{format_program(self.merge)}")
@@ -172,18 +179,39 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
         return tuple(Input(name, 0, dtype=INT) for name in (start, total, rows_start, rows_total)
                      if name and name in read)
 
+    # with rows, a fold inside a sharded fold that reads only inputs that travel is computed
+    # once by the rank holding them, and travels in their place
+    hoisted: dict[Expr, Assign] = {}
+    if rows is not None:
+        for fold in folds:
+            for node in _outermost(fold.args, lambda n: _travels(n, set(sharded), set(row_indices))):
+                if node not in hoisted:
+                    hoisted[node] = Assign(fresh(f"T{len(hoisted)}"), free_indices(node), node, FLOAT, node.span)
+
+    def read_hoisted(node: Expr) -> Expr:
+        return Access(hoisted[node].name, hoisted[node].indices) if node in hoisted else node
+
+    precomputed = None
+    if hoisted:
+        statements = tuple(hoisted.values())
+        read = {n.tensor for st in statements for n in walk(st.expr) if isinstance(n, Access)}
+        precomputed = Program(statements, tuple(i for i in program.inputs if i.name in read),
+                              tuple(st.name for st in statements), _used_extents(program.extents, statements),
+                              program.source)
+
     # the local program: every field of every such fold
     states: list[Assign] = []
     names: dict[tuple[int, str], str] = {}
     for fold, k in folds.items():
-        shifted = globally(fold)
+        shifted = globally(transform(fold, read_hoisted))
         for f in fold.summary.fields:
             name = names[k, f.name] = fresh(f"S{k}_{f.name}")
             field = replace(shifted, result=f.name)     # varies over the indices of its own arguments only
             states.append(Assign(name, tuple(ix for ix in free_indices(fold) if ix in free_indices(field)),
                                  field, f.dtype, fold.span))
     used = {n.tensor for s in states for n in walk(s.expr) if isinstance(n, Access)}
-    local_inputs = (*(i for i in program.inputs if i.name in used), Input(start, 0, dtype=INT),
+    local_inputs = (*(i for i in program.inputs if i.name in used),
+                    *(Input(st.name, len(st.indices)) for st in hoisted.values()), Input(start, 0, dtype=INT),
                     Input(total, 0, dtype=INT),
                     *(i for i in scalars(used) if i.name in (rows_start, rows_total)))
     local = Program(tuple(states), local_inputs, tuple(s.name for s in states),
@@ -208,7 +236,35 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
     extents_out = (*_used_extents(program.extents, statements), (rank, sympy.Symbol(f"n_{rank}")))
     merge = Program(statements, merge_inputs, program.outputs, extents_out, program.source)
     return Sharded(sharded, local, merge, tuple(s.name for s in states), start, total, rank,
-                   any(not fold.summary.commutative for fold in folds), row_indices, rows_start, rows_total)
+                   any(not fold.summary.commutative for fold in folds), row_indices, rows_start, rows_total,
+                   precomputed)
+
+
+def _travels(node: Expr, sharded: set[str], rows: set[str]) -> bool:
+    """Whether `node` is a fold that its part of the sharded index decides alone: it folds
+    over neither index, varies over the sharded one and not the rows, reads no tensor at the
+    rows nor at a subscript that is not an index, and uses no position (whose start differs
+    between the owner and the rank it visits)."""
+    if not isinstance(node, Reduce) or set(node.indices) & (sharded | rows):
+        return False
+    free = set(free_indices(node))
+    if not free & sharded or free & rows:
+        return False
+    return all(not (isinstance(n, Access) and (set(n.indices) & rows or n.layout is not None
+                                               or n.gathers is not None))
+               and not (isinstance(n, Index | Extent) and n.name in sharded | rows) for n in walk(node))
+
+
+def _outermost(exprs, chosen) -> list[Expr]:
+    """The nodes of `exprs` that `chosen` picks, not descending into a picked one."""
+    found, stack = [], list(reversed(exprs))
+    while stack:
+        e = stack.pop()
+        if chosen(e):
+            found.append(e)
+        else:
+            stack.extend(reversed(children(e)))
+    return found
 
 
 def _merged(s: Summary) -> Summary:
