@@ -335,6 +335,20 @@ def test_two_gloo_ranks_equal_the_whole_program(gloo_results, name, split, backe
         assert exchange in plan and plan.count("all-gather") == (exchange == "all-gather of")
 
 
+def test_four_gloo_ranks_equal_the_whole_program():
+    # every case, the ring's gradients included, on four ranks (three ring steps, zigzag
+    # parts of one key, empty parts on two ranks), both backends
+    results = run_everywhere("cpu", 4)
+    failures = {k: v for k, v in results.items() if isinstance(v, str)}
+    assert not failures
+    assert {rank for rank, *_ in results} == {0, 1, 2, 3}
+    for (rank, name, split, backend), (pairs, plan) in results.items():
+        tol = {"rtol": 1e-9, "atol": 1e-9} if backend == "reference" else {"rtol": 1e-4, "atol": 1e-5}
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, **tol, msg=f"{name} {split} {backend} rank {rank}")
+        assert name not in RING_CASES or "ring: 3 step(s)" in plan
+
+
 def test_a_ring_part_bounds_its_loop_by_both_global_starts(gloo_results):
     _, plan = gloo_results[0, "ring_causal", "uneven", "triton"]
     assert "loop m [bounds: m <= i + (-m_start + i_start)]" in plan
