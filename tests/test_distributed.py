@@ -492,6 +492,11 @@ def test_renamed_indices_shard_into_the_same_programs():
     texts = [str(shard(compiler.compile(src, backend="reference").factorised, index, rows))
              for src, index, rows in zip(spellings, ("m", "kp"), ("i", "qp"))]
     assert texts[1].replace("qp", "i").replace("kp", "m") == texts[0]
+    # the gradient of K and V on the ring with the roles swapped, its row-local fold computed ahead
+    texts = [str(shard(compiler.compile(src, backend="reference")._gradient(("K", "V"), saved=True).factorised,
+                       rows, index)) for src, index, rows in zip(spellings, ("m", "kp"), ("i", "qp"))]
+    assert texts[0].startswith("# each rank first computes")
+    assert texts[1].replace("qp", "i").replace("kp", "m") == texts[0]
 
 
 def test_what_sharding_the_rows_too_refuses():

@@ -39,7 +39,7 @@ from ...ir import Access, Call, Const, Expr, Extent, Index, constant, format_exp
 from ...ops import OPS
 from ...schedule import KernelSchedule
 from ...schedule.bounds import assume_relation
-from ...specialise.forms import ROWS, HopperFold, outside_folds
+from ...specialise.forms import INTEGER_DTYPES, ROWS, HopperFold, outside_folds
 from . import ops as emission
 from .emit import ident
 
@@ -156,7 +156,7 @@ class Printer:
         value = f"gl.load({' + '.join(terms)}{mask})"
         if info.dtype == torch.bool:
             return f"({value} != 0)", "bool"
-        if info.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        if info.dtype in INTEGER_DTYPES:
             return value, "int"
         return f"{value}.to(gl.float32)", "float"
 
