@@ -68,6 +68,11 @@ class Binding:
         output named in float32_outputs=)."""
         return torch.promote_types(self.dtype, torch.float32) if wide else self.dtype
 
+    def result_dtype(self, kind: str, wide: bool = False) -> torch.dtype:
+        """The dtype of a result of type `kind` (ops.FLOAT, INT or BOOL): a float one's
+        is float_dtype(wide), an integer's int64."""
+        return self.float_dtype(wide) if kind == FLOAT else torch.bool if kind == BOOL else torch.int64
+
 
 def _dims(n: int) -> str:
     return f"{n} dimension{'s' * (n != 1)}"

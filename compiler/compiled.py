@@ -140,9 +140,11 @@ class CompiledProgram:
                     key += (name, LEAST_POSITIVE <= v <= MOST_POSITIVE) if type(v) is float else (name, type(v))
         return tuple(key), requires_grad
 
-    def _run(self, inputs: dict, key: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The outputs for `inputs` (whose runner key is `key` when known), outside autograd."""
-        return self._in_order(self._runner(inputs, key)(inputs))
+    def _run(self, inputs: dict, key: tuple | None = None, out: dict | None = None) \
+            -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The outputs for `inputs` (whose runner key is `key` when known), outside autograd;
+        those named in `out` written into its tensors (of their shapes and dtypes)."""
+        return self._in_order(self._runner(inputs, key)(inputs, out))
 
     def _runner(self, inputs: dict, key: tuple | None = None):
         """The runner of `inputs` (whose runner key is `key` when known): a function of

@@ -36,7 +36,7 @@ gradients over `index` on one where the inputs over the rows travel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -74,6 +74,21 @@ def _indented(plan: Plan) -> str:
 
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """What one ring call runs on this rank, decided on the host from every rank's
+    part lengths (ShardedProgram._ring): the same lengths give the same ring."""
+
+    row_parts: tuple[tuple[slice, int], ...]     # this rank's rows: (local slice, global start) per part
+    # per step: (the part of the held index, its global start, the row part, the slot of its states)
+    steps: tuple[tuple[tuple[slice, int, int, int], ...], ...]
+    slots: tuple[int, ...]          # per row part: the states it merges (at least one: the identity's)
+    empty: tuple[int, ...]          # row parts that no part of the index reaches
+    incoming: tuple[int, ...]       # per step: the length of the part received for the next step
+    totals: tuple[int, int]         # the global extents of the index and of the rows
+    dtypes: tuple[torch.dtype, ...]  # the local program's states' (float32 at least)
 
 
 class ShardedProgram:
@@ -142,6 +157,11 @@ class ShardedProgram:
         self._gradients: dict[tuple[str, ...], ShardedProgram] = {}     # wrt -> sharded gradient program
         # with rows: tensor -> its dimensions indexed by the rows index, and the tensors the ring moves
         self._row_cut: dict[str, tuple[int, ...]] = {}
+        self._rings: dict[tuple, tuple[_Ring, dict]] = {}      # a ring call's key -> its ring (_ring)
+        # the numbers a mask's bounds read (a window's width): part of a ring's key
+        self._bound_numbers = tuple(sorted({n.tensor for bounds in self._bounds for b in bounds
+                                            for n in walk(b.offset) if isinstance(n, Access)}
+                                           & {i.name for i in program.checked.inputs if not i.rank}))
         if rows is not None:
             self._check_rows(statements)
 
@@ -309,61 +329,103 @@ class ShardedProgram:
         pair of parts that a mask hides whole (`_hidden`) is not run."""
         world, rank = self._group_size_and_rank()
         binding = self.program.binder(inputs)
+        device = binding.device
         mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64,
-                            device=binding.device)
+                            device=device)
         # the call's one host read: the parts' lengths size the buffers the ring receives
         # into, give every start, and decide which pairs of parts a mask hides
-        lengths, row_lengths = (list(column) for column in zip(*self._gather(mine, world).tolist()))
-        sharded = self.sharded
-        row_parts = self._parts(row_lengths, rank, binding.extents[self.rows], self.rows)
-        index_parts = {owner: self._parts(lengths, owner, lengths[owner], self.index) for owner in range(world)}
-        totals = {sharded.total: sum(lengths), sharded.rows_total: sum(row_lengths)}
-        # the kernels read the positions as 0-d int64 tensors on the device, all from one copy
-        # (made while the stream is idle after the host read)
-        every = sorted({0, *totals.values(), *(start for _, start, _ in row_parts),
-                        *(start for parts in index_parts.values() for _, start, _ in parts)})
-        on_device = dict(zip(every, torch.tensor(every, dtype=torch.int64, device=binding.device).unbind()))
+        lengths, row_lengths = (tuple(column) for column in zip(*self._gather(mine, world).tolist()))
         numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
+        key = (lengths, row_lengths, tuple(binding.extents.items()), device,
+               tuple(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)),
+               tuple(numbers.get(n) for n in self._bound_numbers))
+        ring, on_device = self._rings.get(key) or self._ring(key, world, rank, inputs, binding, numbers)
+        sharded = self.sharded
         if self.precomputed is not None:        # on this rank's own part, before it travels
             ahead = self.precomputed
             found = ahead._run({n: v for n, v in inputs.items() if n in self._precomputed_inputs})
             inputs = {**inputs, **dict(zip(ahead.outputs, found if isinstance(found, tuple) else (found,)))}
         moving = {n: v for n, v in inputs.items() if n in self._cut and n in self._local_inputs}
-        states: list[list[tuple[int, tuple]]] = [[] for _ in row_parts]     # per row part: (position, states)
-        scalars = {n: on_device[v] for n, v in totals.items()}
+        totals = {sharded.total: on_device[ring.totals[0]], sharded.rows_total: on_device[ring.totals[1]]}
+        # every part's states land in their slot of one buffer per row part and state (global
+        # order), which the merge reads as they are: nothing is stacked or copied
+        stacked = [{s.name: torch.empty((slots, *(_part_extent(binding, ix, rows, sharded.rows) for ix in s.indices)),
+                                        dtype=dtype, device=device)
+                    for s, dtype in zip(sharded.local.statements, ring.dtypes)}
+                   for (rows, _), slots in zip(ring.row_parts, ring.slots)]
 
-        def run(held: dict, part: slice, start: int, k: int, position: int) -> None:
-            rows, row_start, _ = row_parts[k]
+        def run(held: dict, part: slice, start: int, k: int, slot: int) -> None:
+            rows, row_start = ring.row_parts[k]
             local = self._narrowed(self._narrowed(held, self._local_inputs, part), self._local_inputs, rows,
                                    self._row_cut)
-            local.update({sharded.start: on_device[start], sharded.rows_start: on_device[row_start], **scalars})
-            found = self.local._run({n: v for n, v in local.items() if n in self._local_inputs})
-            states[k].append((position, found if isinstance(found, tuple) else (found,)))
+            local.update({sharded.start: on_device[start], sharded.rows_start: on_device[row_start], **totals})
+            self.local._run({n: v for n, v in local.items() if n in self._local_inputs},
+                            out={n: t[slot] for n, t in stacked[k].items()})
 
-        for step in range(world):
-            owner = (rank - step) % world          # whose part of the index this rank holds now
-            pending = self._pass_on(moving, lengths[(owner - 1) % world], world, rank) if step < world - 1 else None
+        for step, pairs in enumerate(ring.steps):
+            pending = self._pass_on(moving, ring.incoming[step], world, rank) if step < world - 1 else None
             held = {**inputs, **moving}
-            for part, start, position in index_parts[owner]:
-                for k, (rows, row_start, _) in enumerate(row_parts):
-                    values = {**numbers, **totals, sharded.start: start, sharded.rows_start: row_start}
-                    if not self._hidden(values, binding.extents, part.stop - part.start, rows.stop - rows.start):
-                        run(held, part, start, k, position)
+            for part, start, k, slot in pairs:
+                run(held, part, start, k, slot)
             if pending is not None:
                 moving = pending()
-        for k, found in enumerate(states):
-            if not found:              # every part hidden from these rows: the identity, from an empty part
-                run({**inputs, **moving}, slice(0, 0), 0, k, 0)
+        for k in ring.empty:            # every part hidden from these rows: the identity, from an empty part
+            run({**inputs, **moving}, slice(0, 0), 0, k, 0)
         merges = []
-        for (rows, row_start, _), found in zip(row_parts, states):
-            found.sort(key=lambda pair: pair[0])                    # global order of the parts
-            stacked = {n: torch.stack([f[1][j] for f in found]) for j, n in enumerate(sharded.states)}
+        for ((rows, row_start), states) in zip(ring.row_parts, stacked):
             merge = self._narrowed(inputs, self._merge_inputs, rows, self._row_cut)
-            merge.update({n: v for n, v in {sharded.rows_start: on_device[row_start], **scalars}.items()
+            merge.update({n: v for n, v in {sharded.rows_start: on_device[row_start], **totals}.items()
                           if n in self._merge_inputs})
-            out = self.merge._run({**merge, **stacked})
+            out = self.merge._run({**merge, **states})
             merges.append(out if isinstance(out, tuple) else (out,))
         return self._joined_outputs(merges, binding)
+
+    def _ring(self, key: tuple, world: int, rank: int, inputs: dict, binding, numbers: dict) -> tuple[_Ring, dict]:
+        """The ring of a call whose every rank's lengths, this rank's extents and dtypes,
+        and the numbers the mask reads are `key` (made once, then kept), and its
+        positions as 0-d int64 tensors on the device (all from one copy)."""
+        lengths, row_lengths = list(key[0]), list(key[1])
+        row_parts = self._parts(row_lengths, rank, binding.extents[self.rows], self.rows)
+        index_parts = {owner: self._parts(lengths, owner, lengths[owner], self.index) for owner in range(world)}
+        sharded = self.sharded
+        totals = (sum(lengths), sum(row_lengths))
+        found: list[list[int]] = [[] for _ in row_parts]       # per row part: the positions of the parts run
+        steps = []
+        for step in range(world):
+            owner = (rank - step) % world          # whose part of the index this rank holds at this step
+            pairs = []
+            for part, start, position in index_parts[owner]:
+                for k, (rows, row_start, _) in enumerate(row_parts):
+                    values = {**numbers, sharded.total: totals[0], sharded.rows_total: totals[1],
+                              sharded.start: start, sharded.rows_start: row_start}
+                    if not self._hidden(values, binding.extents, part.stop - part.start, rows.stop - rows.start):
+                        pairs.append((part, start, k, position))
+                        found[k].append(position)
+            steps.append(pairs)
+        # a part's slot: its place in global order among the parts run for its rows
+        slot = [{p: s for s, p in enumerate(sorted(positions))} for positions in found]
+        ring = _Ring(row_parts=tuple((rows, start) for rows, start, _ in row_parts),
+                     steps=tuple(tuple((part, start, k, slot[k][p]) for part, start, k, p in pairs) for pairs in steps),
+                     slots=tuple(max(1, len(f)) for f in found),
+                     empty=tuple(k for k, f in enumerate(found) if not f),
+                     incoming=tuple(lengths[(rank - step - 1) % world] for step in range(world)),
+                     totals=totals, dtypes=())
+        every = sorted({0, *totals, *(start for _, start, _ in row_parts),
+                        *(start for parts in index_parts.values() for _, start, _ in parts)})
+        on_device = dict(zip(every, torch.tensor(every, dtype=torch.int64, device=binding.device).unbind()))
+        # the states' dtypes, as the local program gives them (float32 at least)
+        local = {n: v for n, v in inputs.items() if n in self._local_inputs}
+        local.update({n: on_device[0] for n in (sharded.start, sharded.total, sharded.rows_start,
+                                                sharded.rows_total) if n in self._local_inputs})
+        for st in sharded.precomputed.statements if sharded.precomputed is not None else ():
+            local[st.name] = torch.empty([binding.extents[ix] for ix in st.indices], dtype=torch.float32,
+                                         device=binding.device)
+        typed = self.local.binder(local)
+        ring = replace(ring, dtypes=tuple(typed.result_dtype(st.dtype, wide=True) for st in sharded.local.statements))
+        if len(self._rings) >= 64:           # lengths that vary call to call: keep the latest
+            self._rings.pop(next(iter(self._rings)))
+        self._rings[key] = ring, on_device
+        return ring, on_device
 
     def _joined_outputs(self, merges: list[tuple], binding):
         """The outputs from the merge program's results per part: an output over a
@@ -488,8 +550,7 @@ class ShardedProgram:
         states = {}
         for s in self.sharded.local.statements:
             shape = [world * parts, *(_part_extent(binding, ix, rows, self.sharded.rows) for ix in s.indices)]
-            dtype = torch.float32 if s.dtype == "float" else torch.int64
-            states[s.name] = torch.empty(shape, dtype=dtype, device=device)
+            states[s.name] = torch.empty(shape, dtype=binding.result_dtype(s.dtype, wide=True), device=device)
         merge = self._narrowed(inputs, self._merge_inputs, rows if rows is not None else first,
                                self._row_cut if rows is not None else None)
         merge.update({k: position for k in scalars if k in self._merge_inputs})

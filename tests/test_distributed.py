@@ -178,7 +178,7 @@ def run_ring_case(name, split, backend, rank, device):
             else v for k, v in inputs.items()}
     sharded = program.shard(index, layout=layout, rows=rows)
     calls, run = [], sharded.local._run
-    sharded.local._run = lambda local: calls.append(local) or run(local)     # counts the local calls
+    sharded.local._run = lambda local, **out: calls.append(local) or run(local, **out)     # counts the local calls
     got = sharded(**part)
     got = got if isinstance(got, tuple) else (got,)
     want = tuple(cut(w, [0], my_rows) for w in whole)       # every output here is over the rows first
@@ -267,7 +267,11 @@ def _tensors(outcome):
 
 
 def _worker(rank, world, store, device_kind, queue):
+    import faulthandler
+    import signal
+
     import torch.distributed as dist
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # `timeout -s USR1`: where each rank waits
     backend = "nccl" if device_kind == "cuda" else "gloo"
     if device_kind == "cuda":
         torch.cuda.set_device(rank)

@@ -45,8 +45,14 @@ class OracleBackend:
         return out
 
     def runner(self, binding: Binding):
-        """Run on inputs of this binding's shapes and dtypes (the values may differ)."""
-        return lambda values: self.run(replace(binding, values=dict(values)))
+        """Run on inputs of this binding's shapes and dtypes (the values may differ),
+        into the tensors of `out` where given (see TritonBackend.runner)."""
+        def run(values, out=None):
+            results = self.run(replace(binding, values=dict(values)))
+            for name, into in (out or {}).items():
+                results[name] = into.copy_(results[name])
+            return results
+        return run
 
     def plan(self, binding: Binding | None = None) -> Plan:
         return outline(self.program, self.outputs)

@@ -136,8 +136,12 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
     rows_start, rows_total = (fresh(f"{rows}_start"), fresh(f"{rows}_total")) if rows else (None, None)
 
     folds: dict[Reduce, int] = {}        # outermost folds over a sharded index -> their number
+    # a fold's state keeps the index order of the first statement that reads it (dK[m, k]'s
+    # state is S[m, k], not S[k, m]): the merge then reads every part's state along the rows
+    # it writes
+    order: dict[Reduce, tuple[str, ...]] = {}
 
-    def collect(e: Expr) -> None:
+    def collect(e: Expr, written: tuple[str, ...]) -> None:
         stack = [e]
         while stack:
             node = stack.pop()
@@ -152,12 +156,13 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
                                      f"value for one element needs every shard", program.source,
                                      inner.span or node.span)
                 folds.setdefault(node.fold, len(folds))
+                order.setdefault(node.fold, written)
                 continue
             if isinstance(node, Call | Reduce):
                 stack.extend(node.args)
 
     for s in program.statements:
-        collect(s.expr)
+        collect(s.expr, s.indices)
     if not folds:
         raise ShardError(f"no reduction runs over the sharded index '{index}'", program.source)
 
@@ -207,7 +212,9 @@ def shard(program: Program, index: str, rows: str | None = None) -> Sharded:
         for f in fold.summary.fields:
             name = names[k, f.name] = fresh(f"S{k}_{f.name}")
             field = replace(shifted, result=f.name)     # varies over the indices of its own arguments only
-            states.append(Assign(name, tuple(ix for ix in free_indices(fold) if ix in free_indices(field)),
+            free = free_indices(field)
+            written = [ix for ix in order[fold] if ix in free]
+            states.append(Assign(name, (*written, *(ix for ix in free_indices(fold) if ix in free and ix not in written)),
                                  field, f.dtype, fold.span))
     used = {n.tensor for s in states for n in walk(s.expr) if isinstance(n, Access)}
     local_inputs = (*(i for i in program.inputs if i.name in used),

@@ -256,7 +256,9 @@ class TritonBackend:
 
     def runner(self, binding: Binding):
         """Run the kernels on inputs of this binding's shapes, dtypes and device (the
-        values may differ): the launcher, extents and output shapes are fixed here."""
+        values may differ): the launcher, extents and output shapes are fixed here.
+        The runner's `out` (optional) gives tensors of the outputs' shapes and dtypes
+        that the kernels write (strided views, such as one part of a stacked buffer)."""
         if binding.device.type not in ("cuda", "cpu"):
             raise BackendError(f"the triton backend runs on CUDA tensors (or on CPU under the interpreter), "
                                f"not on {binding.device.type}")
@@ -275,10 +277,10 @@ class TritonBackend:
 
         made = [(name, output_maker(shape, dtype, device)) for name, shape, dtype in outputs]
 
-        def run(values):
+        def run(values, out=None):
             t = dict(values)
             for name, make in made:
-                t[name] = make()
+                t[name] = make() if out is None or name not in out else out[name]
             if scratch is not None:
                 stream = stream_of()
                 if stream not in kept:
@@ -323,9 +325,8 @@ class TritonBackend:
         return run
 
     def _output_specs(self, binding: Binding) -> list[tuple[str, list[int], torch.dtype]]:
-        kinds = {"int": torch.int64, "bool": torch.bool}
         return [(name, [binding.extents[i] for i in self.program.statement(name).indices],
-                 kinds.get(self.program.statement(name).dtype) or binding.float_dtype(name in self.float32_outputs))
+                 binding.result_dtype(self.program.statement(name).dtype, name in self.float32_outputs))
                 for name in self.outputs]
 
     def launch_overhead_probe(self, inputs: dict, calls: int = 200) -> float:
