@@ -91,6 +91,32 @@ class _Ring:
     dtypes: tuple[torch.dtype, ...]  # the local program's states' (float32 at least)
 
 
+@dataclass(frozen=True)
+class _Transfer:
+    """One ring step's sends and receives in flight (ShardedProgram._pass_on)."""
+
+    requests: list
+    received: dict[str, torch.Tensor]
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """The received tensors, once the current stream has waited for them (on a GPU
+        the host does not wait)."""
+        for r in self.requests:
+            r.wait()
+        return self.received
+
+
+_RING_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _ring_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that issues a ring's transfers on `device` (ShardedProgram._pass_on)."""
+    found = _RING_STREAMS.get(device)
+    if found is None:
+        found = _RING_STREAMS[device] = torch.cuda.Stream(device)
+    return found
+
+
 class ShardedProgram:
     """A program whose reduction over one index is sharded across ranks.
 
@@ -362,13 +388,15 @@ class ShardedProgram:
             self.local._run({n: v for n, v in local.items() if n in self._local_inputs},
                             out={n: t[slot] for n, t in stacked[k].items()})
 
+        transfer = None
         for step, pairs in enumerate(ring.steps):
-            pending = self._pass_on(moving, ring.incoming[step], world, rank) if step < world - 1 else None
+            if step < world - 1:
+                transfer = self._pass_on(moving, ring.incoming[step], world, rank, transfer)
             held = {**inputs, **moving}
             for part, start, k, slot in pairs:
                 run(held, part, start, k, slot)
-            if pending is not None:
-                moving = pending()
+            if step < world - 1:
+                moving = transfer.wait()
         for k in ring.empty:            # every part hidden from these rows: the identity, from an empty part
             run({**inputs, **moving}, slice(0, 0), 0, k, 0)
         merges = []
@@ -438,28 +466,44 @@ class ShardedProgram:
                         for o, r in zip(self.program.outputs, results))
         return results[0] if len(results) == 1 else results
 
-    def _pass_on(self, held: dict[str, torch.Tensor], incoming: int, world: int, rank: int):
+    def _pass_on(self, held: dict[str, torch.Tensor], incoming: int, world: int, rank: int,
+                 after: _Transfer | None) -> _Transfer:
         """Send the tensors `held` to the next rank of the ring and receive the previous
-        rank's (whose part of the index has length `incoming`), without waiting;
-        returns the function that waits and gives the received tensors."""
+        rank's (whose part of the index has length `incoming`), without waiting.
+        `after`: the previous step's transfer, which received `held` (None: the first step,
+        sending this rank's inputs).
+
+        On a GPU the transfers are issued from a stream of their own (`_ring_stream`):
+        torch makes the communication wait for everything queued on the stream that
+        issues it, and from the compute stream a step's transfer would wait for the
+        previous step's kernel, then find every SM taken by the next one (a kernel of
+        thousands of programs lets another stream's kernel in only at its tail), and
+        the step after would wait for it.  From its own stream a transfer waits only for
+        the data it forwards: the previous step's receipt, or for the first the inputs,
+        queued on the compute stream before the call."""
         dist = torch.distributed
         peer = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
-        received, ops = {}, []
+        held = {n: t.contiguous() for n, t in held.items()}
+        # allocated on the compute stream, which reads them; communication records its own use
+        received = {}
         for n, t in held.items():
-            t = t.contiguous()
             shape = list(t.shape)
             for d in self._cut[n]:
                 shape[d] = incoming
             received[n] = torch.empty(shape, dtype=t.dtype, device=t.device)
-            ops.append(dist.P2POp(dist.isend, t, peer((rank + 1) % world), self.group))
-            ops.append(dist.P2POp(dist.irecv, received[n], peer((rank - 1) % world), self.group))
-        requests = dist.batch_isend_irecv(ops)
-
-        def wait() -> dict[str, torch.Tensor]:
-            for r in requests:
-                r.wait()
-            return received
-        return wait
+        ops = [op for n, t in held.items() for op in (dist.P2POp(dist.isend, t, peer((rank + 1) % world), self.group),
+                                                       dist.P2POp(dist.irecv, received[n], peer((rank - 1) % world),
+                                                                  self.group))]
+        device = next(iter(held.values())).device
+        if device.type != "cuda":
+            return _Transfer(dist.batch_isend_irecv(ops), received)
+        stream = _ring_stream(device)
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for r in after.requests if after is not None else ():
+                r.wait()            # this stream waits for the receipt it forwards
+            return _Transfer(dist.batch_isend_irecv(ops), received)
 
     @cached_property
     def _saving(self) -> ShardedProgram:

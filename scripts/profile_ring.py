@@ -2,9 +2,11 @@
 the call's wall time, then a torch.profiler trace of a few calls per rank (GPU
 time per kernel, and the host time of the call).  Run on the GPU machine:
 
-    NCCL_NVLS_ENABLE=0 OUT=out [S=65536] [ONLY="causal zigzag,training causal zigzag"] python3 scripts/profile_ring.py
+    NCCL_NVLS_ENABLE=0 OUT=out [S=65536] [ONLY="causal zigzag,training causal zigzag"] [TRACE=1] \
+        python3 scripts/profile_ring.py
 
-Each rank writes OUT/profile_rank<R>.txt; rank 0 prints a short summary."""
+Each rank writes OUT/profile_rank<R>.txt; rank 0 prints a short summary (and with TRACE
+set writes the chrome trace of its calls, OUT/trace_<case>.json)."""
 import os
 import tempfile
 import time
@@ -58,6 +60,8 @@ def _worker(rank, world, store, out):
             for _ in range(5):
                 call()
             torch.cuda.synchronize()
+        if rank == 0 and os.environ.get("TRACE"):        # the timeline of rank 0's calls
+            prof.export_chrome_trace(os.path.join(out, f"trace_{name.replace(' ', '_')}.json"))
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60)
         cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60)
         report.append(f"== {name}: whole program on 1 GPU {whole:.3f} ms, ring call {ms:.3f} ms, "

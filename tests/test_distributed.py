@@ -7,7 +7,11 @@ whole in one process.  One spawn runs every case (a process costs seconds to
 start); the GPU-marked test runs the same cases with NCCL on two and on four
 GPUs."""
 import os
+import signal
+import sys
 import tempfile
+import time
+from queue import Empty
 
 import pytest
 import torch
@@ -268,7 +272,6 @@ def _tensors(outcome):
 
 def _worker(rank, world, store, device_kind, queue):
     import faulthandler
-    import signal
 
     import torch.distributed as dist
     faulthandler.register(signal.SIGUSR1, all_threads=True)     # `timeout -s USR1`: where each rank waits
@@ -290,6 +293,8 @@ def _worker(rank, world, store, device_kind, queue):
     try:
         for name, split, be, run in runs:
             try:
+                if device_kind == "cuda":           # seen with pytest -s: which case a slow run is in
+                    print(f"rank {rank}: {name} {split} {be}", file=sys.stderr, flush=True)
                 queue.put((rank, name, split, be, _by_value(run(name, split, be, rank, device))))
             except Exception as e:           # reported, and the test fails naming it
                 queue.put((rank, name, split, be, repr(e)))
@@ -309,7 +314,19 @@ def run_everywhere(device_kind, world=WORLD):
                                                                               len(BACKENDS))
     results = {}
     for _ in range(expected):
-        rank, name, split, be, outcome = queue.get(timeout=900)
+        try:
+            rank, name, split, be, outcome = queue.get(timeout=900 if device_kind == "cpu" else 240)
+        except Empty:           # a rank hangs or died: each live rank prints where it is, then the test fails
+            for p in processes:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(5)
+            for p in processes:
+                p.kill()
+            done = sorted({(r, n, sp, b) for r, n, sp, b in results})
+            raise AssertionError(f"no result for {device_kind} case {len(results) + 1} of {expected} "
+                                 f"(ranks alive: {[p.pid for p in processes if p.is_alive()]}, exit codes "
+                                 f"{[p.exitcode for p in processes]}); the last received: {done[-world:]}")
         results[rank, name, split, be] = _tensors(outcome)
     for p in processes:
         p.join(timeout=60)
