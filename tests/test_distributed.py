@@ -457,6 +457,35 @@ def test_a_zigzag_part_of_odd_length_is_an_error():
         dist.destroy_process_group()
 
 
+def test_a_ring_is_decided_once_per_lengths_and_writes_its_states_in_place():
+    # in a process group of one, zigzag: rows and keys in parts 0 and 1 (the halves); under a
+    # causal mask rows of part 0 see no key of part 1, so 3 of the 4 pairs run
+    import torch.distributed as dist
+    store = tempfile.mktemp(prefix="einfold-store-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        for backend in BACKENDS:
+            program = compiler.compile(_attention("m <= i"), backend=backend)
+            ring = program.shard("m", rows="i", layout="zigzag")
+            merged = []
+            merge = ring.merge._run
+            ring.merge._run = lambda inputs, **out: merged.append(inputs) or merge(inputs, **out)
+            for n in (6, 6, 8):
+                g = torch.Generator().manual_seed(n)
+                q, k, v = (torch.randn(n, 4, generator=g) for _ in range(3))
+                torch.testing.assert_close(ring(Q=q, K=k, V=v, scale=0.5), program(Q=q, K=k, V=v, scale=0.5),
+                                           rtol=1e-5, atol=1e-6)
+            assert len(ring._rings) == 2            # the second call of 6 rows reused the first's ring
+            decided, _ = ring._rings[next(iter(ring._rings))]
+            assert decided.slots == (1, 2) and [len(pairs) for pairs in decided.steps] == [3]
+            # each merge reads one buffer per state, every part's states in their slot
+            states = merged[-1]
+            assert [states[name].shape[0] for name in ring.sharded.states] == [2, 2, 2]
+            assert len({states[name].untyped_storage().data_ptr() for name in ring.sharded.states}) == 3
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_nccl_ranks_equal_the_whole_program(world):
@@ -517,6 +546,8 @@ def test_renamed_indices_shard_into_the_same_programs():
     texts = [str(shard(compiler.compile(src, backend="reference")._gradient(("K", "V"), saved=True).factorised,
                        rows, index)) for src, index, rows in zip(spellings, ("m", "kp"), ("i", "qp"))]
     assert texts[0].startswith("# each rank first computes")
+    # a state keeps the order of the statement that reads it: the merge reads dK[m, k] along its rows
+    assert "S0_acc[m, k] = sum[i](" in texts[0] and "sum_states[rank](S0_acc[rank, m, k])" in texts[0]
     assert texts[1].replace("qp", "i").replace("kp", "m") == texts[0]
 
 

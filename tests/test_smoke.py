@@ -25,3 +25,21 @@ def test_repeated_calls_reuse_the_runner_but_check_new_shapes():
         program(X=x, w=torch.randn(5), s=1.0)          # new shapes are bound and checked again
     with pytest.raises(compiler.BindError, match="must be a torch tensor or a number"):
         program(X=x, w=w, s="2")
+
+
+def test_a_run_writes_the_outputs_it_is_given():
+    # the ring's local calls write their states into one slot of a stacked buffer
+    for backend in ("triton", "reference"):
+        program = compiler.compile("Y[i,j] = sum[k](X[i,k] * W[j,k]) + B[j]", backend=backend)
+        x, w, b = torch.randn(5, 3), torch.randn(4, 3), torch.randn(4)
+        buffer = torch.full((3, 5, 4), float("nan"))
+        into = buffer[1]
+        got = program._run({"X": x, "W": w, "B": b}, out={"Y": into})
+        assert got.data_ptr() == into.data_ptr()
+        torch.testing.assert_close(buffer[1], x @ w.T + b)
+        assert buffer[0].isnan().all() and buffer[2].isnan().all()
+        # a strided view (the columns of a wider buffer) is written through its strides
+        wide = torch.zeros(5, 9)
+        program._run({"X": x, "W": w, "B": b}, out={"Y": wide[:, 1:9:2]})
+        torch.testing.assert_close(wide[:, 1:9:2], x @ w.T + b)
+        assert (wide[:, 0::2] == 0).all()
