@@ -27,8 +27,11 @@ its part of the rows and of `index`; the states of its rows need every part
 of `index`, so the inputs over `index` (K and V) travel around a ring of the
 ranks instead: at each of W steps a rank sends the part it holds to the next
 rank while it runs the local program on that part, and receives the previous
-rank's.  The W (zigzag: 2W) states of its rows then merge in global order with
-the same merge program; nothing else is exchanged.  A fold that reads only the
+rank's (on a GPU from a stream of its own: `_pass_on`).  Each local call writes
+its states into its slot of one buffer per row part; the W (zigzag: 2W) states
+of its rows then merge in global order with the same merge program; nothing
+else is exchanged.  What a call runs follows from every rank's part lengths,
+read on the host once per call, and is decided once per lengths (`_Ring`).  A fold that reads only the
 travelling inputs is computed once by their owner and travels in their place
 (`Sharded.precomputed`); a pair of parts a mask hides whole is not run.  Under
 autograd the backward is two rings: gradients over the rows on this one,
@@ -605,7 +608,9 @@ class ShardedProgram:
             exchange = (f"{self.layout} layout of '{self.index}' and of the rows '{self.rows}', {parts} part(s) "
                         f"per rank; ring: {world - 1} step(s), each passing this rank's part of "
                         f"{', '.join(moved)} ({size} bytes) to the next rank while the local program runs; "
-                        f"states stay on their rank ({world * parts} per row part, merged in global order)")
+                        f"states stay on their rank (up to {world * parts} per row part: one per part of the "
+                        f"index a mask does not hide from it, each in its slot of one buffer, merged in global "
+                        f"order)")
             return ShardedPlan(local_plan, exchange, merge_plan)
         size = parts * sum(t[0].numel() * t.element_size() for t in states.values())
         exchange = (f"{self.layout} layout, {parts} part(s) per rank; all-gather of {len(states)} state "
