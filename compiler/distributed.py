@@ -39,7 +39,7 @@ gradients over `index` on one where the inputs over the rows travel.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -433,18 +433,10 @@ class ShardedProgram:
                         pairs.append((part, start, k, position))
                         found[k].append(position)
             steps.append(pairs)
-        # a part's slot: its place in global order among the parts run for its rows
-        slot = [{p: s for s, p in enumerate(sorted(positions))} for positions in found]
-        ring = _Ring(row_parts=tuple((rows, start) for rows, start, _ in row_parts),
-                     steps=tuple(tuple((part, start, k, slot[k][p]) for part, start, k, p in pairs) for pairs in steps),
-                     slots=tuple(max(1, len(f)) for f in found),
-                     empty=tuple(k for k, f in enumerate(found) if not f),
-                     incoming=tuple(lengths[(rank - step - 1) % world] for step in range(world)),
-                     totals=totals, dtypes=())
         every = sorted({0, *totals, *(start for _, start, _ in row_parts),
                         *(start for parts in index_parts.values() for _, start, _ in parts)})
         on_device = dict(zip(every, torch.tensor(every, dtype=torch.int64, device=binding.device).unbind()))
-        # the states' dtypes, as the local program gives them (float32 at least)
+        # the states' dtypes, as the local program's binding gives them (float32 at least)
         local = {n: v for n, v in inputs.items() if n in self._local_inputs}
         local.update({n: on_device[0] for n in (sharded.start, sharded.total, sharded.rows_start,
                                                 sharded.rows_total) if n in self._local_inputs})
@@ -452,7 +444,15 @@ class ShardedProgram:
             local[st.name] = torch.empty([binding.extents[ix] for ix in st.indices], dtype=torch.float32,
                                          device=binding.device)
         typed = self.local.binder(local)
-        ring = replace(ring, dtypes=tuple(typed.result_dtype(st.dtype, wide=True) for st in sharded.local.statements))
+        # a part's slot: its place in global order among the parts run for its rows
+        slot = [{p: s for s, p in enumerate(sorted(positions))} for positions in found]
+        ring = _Ring(row_parts=tuple((rows, start) for rows, start, _ in row_parts),
+                     steps=tuple(tuple((part, start, k, slot[k][p]) for part, start, k, p in pairs) for pairs in steps),
+                     slots=tuple(max(1, len(f)) for f in found),
+                     empty=tuple(k for k, f in enumerate(found) if not f),
+                     incoming=tuple(lengths[(rank - step - 1) % world] for step in range(world)),
+                     totals=totals,
+                     dtypes=tuple(typed.result_dtype(st.dtype, wide=True) for st in sharded.local.statements))
         if len(self._rings) >= 64:           # lengths that vary call to call: keep the latest
             self._rings.pop(next(iter(self._rings)))
         self._rings[key] = ring, on_device
