@@ -31,7 +31,8 @@ rank's (on a GPU from a stream of its own: `_pass_on`).  Each local call writes
 its states into its slot of one buffer per row part; the W (zigzag: 2W) states
 of its rows then merge in global order with the same merge program; nothing
 else is exchanged.  What a call runs follows from every rank's part lengths,
-read on the host once per call, and is decided once per lengths (`_Ring`).  A fold that reads only the
+exchanged between the hosts once per call (`_host_group`: no call waits for
+the GPU), and is decided once per lengths (`_Ring`).  A fold that reads only the
 travelling inputs is computed once by their owner and travels in their place
 (`Sharded.precomputed`); a pair of parts a mask hides whole is not run.  Under
 autograd the backward is two rings: gradients over the rows on this one,
@@ -107,6 +108,25 @@ class _Transfer:
         for r in self.requests:
             r.wait()
         return self.received
+
+
+_HOST_GROUPS: dict = {}
+
+
+def _host_group(group):
+    """A process group of `group`'s ranks (None: the default group) that moves CPU
+    tensors between the hosts: the group itself where a gloo backend serves it ("gloo",
+    or "cpu:gloo,cuda:nccl"), else a gloo group beside it, made at its first use (by
+    its ranks only: a sharded call is collective over them) and kept."""
+    dist = torch.distributed
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    group = dist.group.WORLD if group is None else group
+    found = _HOST_GROUPS.get(group)
+    if found is None:
+        found = _HOST_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                     use_local_synchronization=True)
+    return found
 
 
 _RING_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -230,7 +250,7 @@ class ShardedProgram:
         """The parts of `owner`'s local extent of `what` (`lengths`: every rank's), as
         (local slice, global start, position among the parts in global order).  With
         `lengths` a tensor on the device the starts are 0-d int64 tensors there, so
-        that no host read waits for the GPU; with a list of ints (read once on the host)
+        that no host read waits for the GPU; with a list of ints (exchanged between the hosts)
         they are ints."""
         on_host = isinstance(lengths, list)
         world = len(lengths)
@@ -359,11 +379,13 @@ class ShardedProgram:
         world, rank = self._group_size_and_rank()
         binding = self.program.binder(inputs)
         device = binding.device
-        mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64,
-                            device=device)
-        # the call's one host read: the parts' lengths size the buffers the ring receives
-        # into, give every start, and decide which pairs of parts a mask hides
-        lengths, row_lengths = (tuple(column) for column in zip(*self._gather(mine, world).tolist()))
+        # the parts' lengths size the buffers the ring receives into, give every start and
+        # decide which pairs of parts a mask hides: exchanged between the hosts (over a group
+        # that moves CPU tensors), so that no call waits for the GPU and the host can queue a
+        # call while the previous one runs
+        mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64)
+        lengths, row_lengths = (tuple(column) for column in
+                                zip(*self._gather(mine, world, _host_group(self.group)).tolist()))
         numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
         key = (lengths, row_lengths, tuple(binding.extents.items()), device,
                tuple(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)),
@@ -549,12 +571,13 @@ class ShardedProgram:
                                  f"its gradient folds over both, and each rank holds a part of each; pass it "
                                  f"without requires_grad, or shard '{self.index}' alone (rows replicated)")
 
-    def _gather(self, flat: torch.Tensor, world: int) -> torch.Tensor:
-        """Every rank's `flat` (one dimension), stacked in rank order: [world, n]."""
+    def _gather(self, flat: torch.Tensor, world: int, group=None) -> torch.Tensor:
+        """Every rank's `flat` (one dimension), stacked in rank order: [world, n]; over
+        `group` where given (default: the program's)."""
         out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist = torch.distributed
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-        gather(out, flat.contiguous(), group=self.group)
+        gather(out, flat.contiguous(), group=self.group if group is None else group)
         return out.view(world, flat.numel())
 
     def _exchange(self, states: dict[str, torch.Tensor], world: int, order: list[int]) -> dict[str, torch.Tensor]:

@@ -486,6 +486,33 @@ def test_a_ring_is_decided_once_per_lengths_and_writes_its_states_in_place():
         dist.destroy_process_group()
 
 
+def test_a_ring_over_a_group_without_cpu_tensors_exchanges_lengths_over_a_gloo_group_beside_it(monkeypatch):
+    # the ring reads its lengths on the host, over a group that moves CPU tensors: a gloo
+    # group is that group itself; for another backend (NCCL, here pretended) a gloo group of
+    # the same ranks is made once beside it
+    import torch.distributed as dist
+
+    from compiler import distributed
+    store = tempfile.mktemp(prefix="einfold-store-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        assert distributed._host_group(None) is None
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        program = compiler.compile(_attention("m <= i"), backend="reference")
+        ring = program.shard("m", rows="i")
+        for n in (5, 7):
+            q, k, v = (torch.randn(n, 4, dtype=torch.float64) for _ in range(3))
+            torch.testing.assert_close(ring(Q=q, K=k, V=v, scale=0.5), program(Q=q, K=k, V=v, scale=0.5))
+        assert list(distributed._HOST_GROUPS) == [dist.group.WORLD]        # one, made at the first call
+        made = distributed._HOST_GROUPS[dist.group.WORLD]
+        assert made is not dist.group.WORLD and dist.get_process_group_ranks(made) == [0]
+        assert made.name() == "gloo"
+        assert distributed._host_group(None) is made
+    finally:
+        distributed._HOST_GROUPS.clear()
+        dist.destroy_process_group()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_nccl_ranks_equal_the_whole_program(world):
