@@ -47,7 +47,7 @@ import torch
 
 from .compiled import CompiledProgram
 from .config import deep
-from .errors import ShardError
+from .errors import EinfoldError, ShardError
 from .ir import Access, Const, Extent, Reduce, constant, transform, walk
 from .passes.shard import Sharded, shard
 from .schedule import Plan
@@ -377,15 +377,25 @@ class ShardedProgram:
         index go around the ring, each rank merges the states of its own rows.  A
         pair of parts that a mask hides whole (`_hidden`) is not run."""
         world, rank = self._group_size_and_rank()
-        binding = self.program.binder(inputs)
+        host = _host_group(self.group)
+        try:
+            binding = self.program.binder(inputs)
+        except EinfoldError:
+            # the others learn it from the lengths (-1) and stop too, instead of waiting
+            self._gather(torch.tensor([-1, -1], dtype=torch.int64), world, host)
+            raise
         device = binding.device
         # the parts' lengths size the buffers the ring receives into, give every start and
         # decide which pairs of parts a mask hides: exchanged between the hosts (over a group
         # that moves CPU tensors), so that no call waits for the GPU and the host can queue a
         # call while the previous one runs
         mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64)
-        lengths, row_lengths = (tuple(column) for column in
-                                zip(*self._gather(mine, world, _host_group(self.group)).tolist()))
+        lengths, row_lengths = (tuple(column) for column in zip(*self._gather(mine, world, host).tolist()))
+        failed = [r for r, n in enumerate(lengths) if n < 0]
+        if failed:
+            raise ShardError(f"rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))} could not bind "
+                             f"{'their' if len(failed) > 1 else 'its'} inputs (the error is raised there): "
+                             f"the call runs on no rank")
         numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
         key = (lengths, row_lengths, tuple(binding.extents.items()), device,
                tuple(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)),
@@ -438,8 +448,10 @@ class ShardedProgram:
         and the numbers the mask reads are `key` (made once, then kept), and its
         positions as 0-d int64 tensors on the device (all from one copy)."""
         lengths, row_lengths = list(key[0]), list(key[1])
-        row_parts = self._parts(row_lengths, rank, binding.extents[self.rows], self.rows)
+        # every rank's parts, so that a part no layout takes (an odd zigzag part) is an error
+        # on every rank, not on its own while the others wait for it
         index_parts = {owner: self._parts(lengths, owner, lengths[owner], self.index) for owner in range(world)}
+        row_parts = [self._parts(row_lengths, owner, row_lengths[owner], self.rows) for owner in range(world)][rank]
         sharded = self.sharded
         totals = (sum(lengths), sum(row_lengths))
         found: list[list[int]] = [[] for _ in row_parts]       # per row part: the positions of the parts run

@@ -513,6 +513,57 @@ def test_a_ring_over_a_group_without_cpu_tensors_exchanges_lengths_over_a_gloo_g
         dist.destroy_process_group()
 
 
+def _refusing_worker(rank, store, queue):
+    """Rank 1 of two gloo ranks passes a Q that does not bind, then a zigzag part of odd
+    length, then both pass good inputs: what each call gives each rank."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    program = compiler.compile(_attention("m <= i"), backend="reference")
+    ring = program.shard("m", rows="i", layout="zigzag")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    # zigzag: rank 0 holds parts 0 and 3 of 2 rows each, rank 1 parts 1 and 2
+    halves = [slice(2 * p, 2 * p + 2) for p in ((0, 3) if rank == 0 else (1, 2))]
+    part = {n: torch.cat([t[h] for h in halves]) for n, t in (("Q", q), ("K", k), ("V", v))}
+    calls = [{**part, "Q": torch.randn(4, 5, dtype=torch.float64)} if rank == 1 else part,
+             {**part, "Q": part["Q"][:3]} if rank == 1 else part,
+             part]
+    outcomes = []
+    try:
+        for inputs in calls:
+            try:
+                outcomes.append(ring(**inputs, scale=0.5))
+            except Exception as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+        want = torch.cat([program(Q=q, K=k, V=v, scale=0.5)[h] for h in halves])
+        queue.put((rank, outcomes[:2], bool(torch.allclose(outcomes[2], want))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_inputs_fail_stops_every_rank_of_the_ring():
+    # a rank that cannot bind its inputs, or whose part no layout takes, raises; the others
+    # raise too instead of waiting for it, and the next call runs on all of them
+    context = mp.get_context("spawn")
+    queue, store = context.Queue(), tempfile.mktemp(prefix="einfold-store-")
+    processes = [context.Process(target=_refusing_worker, args=(r, store, queue)) for r in range(2)]
+    for p in processes:
+        p.start()
+    results = {}
+    for _ in processes:
+        rank, outcomes, good = queue.get(timeout=300)
+        results[rank] = outcomes, good
+    for p in processes:
+        p.join(timeout=60)
+    (bad_bind, odd), good = results[1]
+    assert bad_bind.startswith("BindError") and "index 'k' has extent" in bad_bind
+    assert odd.startswith("ShardError") and "rank 1's part has an odd length (3)" in odd and good
+    (bad_bind, odd), good = results[0]
+    assert bad_bind == ("ShardError: shard error: rank 1 could not bind its inputs (the error is raised there): "
+                        "the call runs on no rank")
+    assert odd.startswith("ShardError") and "rank 1's part has an odd length (3)" in odd and good
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_nccl_ranks_equal_the_whole_program(world):
