@@ -4,8 +4,10 @@
 rank, with that rank's parts of `index` in its inputs (one part, or two for the
 zigzag layout):
 
-1. all-gathers the part lengths (one int64 per rank), so that each rank knows
-   where its part starts and how long the whole index is;
+1. exchanges the part lengths between the hosts (`_lengths`: one int64 per
+   rank, over a group that moves CPU tensors, `_host_group`), so that each rank
+   knows where its part starts and how long the whole index is, and no call
+   waits for the GPU; a rank whose inputs do not bind stops every rank;
 2. runs the local program (`passes/shard.py`) on each part: the state of every
    fold over the index, with global positions in masks (a causal bound still
    skips what a part cannot see), states in float32;
@@ -30,9 +32,8 @@ rank while it runs the local program on that part, and receives the previous
 rank's (on a GPU from a stream of its own: `_pass_on`).  Each local call writes
 its states into its slot of one buffer per row part; the W (zigzag: 2W) states
 of its rows then merge in global order with the same merge program; nothing
-else is exchanged.  What a call runs follows from every rank's part lengths,
-exchanged between the hosts once per call (`_host_group`: no call waits for
-the GPU), and is decided once per lengths (`_Ring`).  A fold that reads only the
+else is exchanged.  What a call runs follows from every rank's part lengths
+and is decided once per lengths (`_Ring`).  A fold that reads only the
 travelling inputs is computed once by their owner and travels in their place
 (`Sharded.precomputed`); a pair of parts a mask hides whole is not run.  Under
 autograd the backward is two rings: gradients over the rows on this one,
@@ -129,6 +130,13 @@ def _host_group(group):
     return found
 
 
+def _on_device(positions: set[int], device: torch.device) -> dict[int, torch.Tensor]:
+    """Each of `positions` as a 0-d int64 tensor on `device` (which kernels load), all
+    from one copy."""
+    every = sorted(positions)
+    return dict(zip(every, torch.tensor(every, dtype=torch.int64, device=device).unbind()))
+
+
 _RING_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -207,6 +215,8 @@ class ShardedProgram:
         # with rows: tensor -> its dimensions indexed by the rows index, and the tensors the ring moves
         self._row_cut: dict[str, tuple[int, ...]] = {}
         self._rings: dict[tuple, tuple[_Ring, dict]] = {}      # a ring call's key -> its ring (_ring)
+        # without rows: (every rank's lengths, device) -> (this rank's parts, their positions on the device)
+        self._placed: dict[tuple, tuple[list, dict]] = {}
         # the numbers a mask's bounds read (a window's width): part of a ring's key
         self._bound_numbers = tuple(sorted({n.tensor for bounds in self._bounds for b in bounds
                                             for n in walk(b.offset) if isinstance(n, Access)}
@@ -246,13 +256,9 @@ class ShardedProgram:
                              "and none is initialised: call torch.distributed.init_process_group first")
         return dist.get_world_size(self.group), dist.get_rank(self.group)
 
-    def _parts(self, lengths, owner: int, extent: int, what: str) -> list[tuple[slice, object, int]]:
+    def _parts(self, lengths: list[int], owner: int, extent: int, what: str) -> list[tuple[slice, int, int]]:
         """The parts of `owner`'s local extent of `what` (`lengths`: every rank's), as
-        (local slice, global start, position among the parts in global order).  With
-        `lengths` a tensor on the device the starts are 0-d int64 tensors there, so
-        that no host read waits for the GPU; with a list of ints (exchanged between the hosts)
-        they are ints."""
-        on_host = isinstance(lengths, list)
+        (local slice, global start, position among the parts in global order)."""
         world = len(lengths)
         if self.layout == "contiguous":
             ordered, halves = lengths, [(owner, slice(0, extent))]
@@ -262,13 +268,10 @@ class ShardedProgram:
                                  f"{owner}'s part has an odd length ({extent})")
             # the lengths of the 2W parts in global order: rank r's first half is part r,
             # its second part 2W - 1 - r
-            ordered = [n // 2 for n in lengths] if on_host else lengths // 2
-            ordered = ordered + ordered[::-1] if on_host else torch.cat([ordered, ordered.flip(0)])
+            ordered = [n // 2 for n in lengths]
+            ordered = ordered + ordered[::-1]
             halves = [(owner, slice(0, extent // 2)), (2 * world - 1 - owner, slice(extent // 2, extent))]
-        if on_host:
-            return [(part, sum(ordered[:g]), g) for g, part in halves]
-        starts = torch.cumsum(ordered, 0) - ordered
-        return [(part, starts[g], g) for g, part in halves]
+        return [(part, sum(ordered[:g]), g) for g, part in halves]
 
     def _hidden(self, values: dict[str, float], extents: dict[str, int], part: int, rows: int) -> bool:
         """Whether a mask hides every element of the local program for a part of the
@@ -342,13 +345,18 @@ class ShardedProgram:
         if self.rows is not None:
             return self._run_ring(inputs)
         world, rank = self._group_size_and_rank()
-        binding = self.program.binder(inputs)            # names any mistake in the inputs
-        extent = binding.extents[self.index]
-        lengths = self._gather(torch.tensor([extent], dtype=torch.int64, device=binding.device), world).view(-1)
-        # starts and the whole length stay on the device as 0-d int64 tensors, which kernels
-        # load: reading them on the host would wait for the GPU at every call
-        parts = self._parts(lengths, rank, extent, self.index)
-        total = lengths.sum()
+        binding, (lengths,) = self._lengths(inputs, world, (self.index,))
+        found = self._placed.get((lengths, binding.device))
+        if found is None:
+            # every rank's parts, so that a part no layout takes is an error on every rank
+            parts = [self._parts(list(lengths), owner, lengths[owner], self.index) for owner in range(world)][rank]
+            found = parts, _on_device({0, sum(lengths), *(start for _, start, _ in parts)}, binding.device)
+            if len(self._placed) >= 64:         # lengths that vary call to call: keep the latest
+                self._placed.pop(next(iter(self._placed)))
+            self._placed[lengths, binding.device] = found
+        parts, on_device = found
+        total = on_device[sum(lengths)]
+        parts = [(part, on_device[start], g) for part, start, g in parts]
         states: dict[str, list[torch.Tensor]] = {n: [] for n in self.sharded.states}
         for part, start, _ in parts:
             local = self._narrowed(inputs, self._local_inputs, part)
@@ -377,25 +385,10 @@ class ShardedProgram:
         index go around the ring, each rank merges the states of its own rows.  A
         pair of parts that a mask hides whole (`_hidden`) is not run."""
         world, rank = self._group_size_and_rank()
-        host = _host_group(self.group)
-        try:
-            binding = self.program.binder(inputs)
-        except EinfoldError:
-            # the others learn it from the lengths (-1) and stop too, instead of waiting
-            self._gather(torch.tensor([-1, -1], dtype=torch.int64), world, host)
-            raise
-        device = binding.device
         # the parts' lengths size the buffers the ring receives into, give every start and
-        # decide which pairs of parts a mask hides: exchanged between the hosts (over a group
-        # that moves CPU tensors), so that no call waits for the GPU and the host can queue a
-        # call while the previous one runs
-        mine = torch.tensor([binding.extents[self.index], binding.extents[self.rows]], dtype=torch.int64)
-        lengths, row_lengths = (tuple(column) for column in zip(*self._gather(mine, world, host).tolist()))
-        failed = [r for r, n in enumerate(lengths) if n < 0]
-        if failed:
-            raise ShardError(f"rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))} could not bind "
-                             f"{'their' if len(failed) > 1 else 'its'} inputs (the error is raised there): "
-                             f"the call runs on no rank")
+        # decide which pairs of parts a mask hides
+        binding, (lengths, row_lengths) = self._lengths(inputs, world, (self.index, self.rows))
+        device = binding.device
         numbers = {n: float(v) for n, v in inputs.items() if isinstance(v, int | float)}
         key = (lengths, row_lengths, tuple(binding.extents.items()), device,
                tuple(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor)),
@@ -443,6 +436,27 @@ class ShardedProgram:
             merges.append(out if isinstance(out, tuple) else (out,))
         return self._joined_outputs(merges, binding)
 
+    def _lengths(self, inputs: dict, world: int, indices: tuple[str, ...]) -> tuple[object, list[tuple[int, ...]]]:
+        """This rank's inputs bound, and every rank's extents of `indices` (per index, in
+        rank order), exchanged between the hosts over a group that moves CPU tensors
+        (`_host_group`): no call waits for the GPU, and the host can queue a call while the
+        previous one runs.  A rank whose inputs do not bind sends -1s and raises its error;
+        the others raise a ShardError naming it instead of waiting for it."""
+        host = _host_group(self.group)
+        try:
+            binding = self.program.binder(inputs)
+        except EinfoldError:
+            self._gather(torch.full((len(indices),), -1, dtype=torch.int64), world, host)
+            raise
+        mine = torch.tensor([binding.extents[ix] for ix in indices], dtype=torch.int64)
+        columns = [tuple(column) for column in zip(*self._gather(mine, world, host).tolist())]
+        failed = [r for r, n in enumerate(columns[0]) if n < 0]
+        if failed:
+            raise ShardError(f"rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))} could not bind "
+                             f"{'their' if len(failed) > 1 else 'its'} inputs (the error is raised there): "
+                             f"the call runs on no rank")
+        return binding, columns
+
     def _ring(self, key: tuple, world: int, rank: int, inputs: dict, binding, numbers: dict) -> tuple[_Ring, dict]:
         """The ring of a call whose every rank's lengths, this rank's extents and dtypes,
         and the numbers the mask reads are `key` (made once, then kept), and its
@@ -467,9 +481,8 @@ class ShardedProgram:
                         pairs.append((part, start, k, position))
                         found[k].append(position)
             steps.append(pairs)
-        every = sorted({0, *totals, *(start for _, start, _ in row_parts),
-                        *(start for parts in index_parts.values() for _, start, _ in parts)})
-        on_device = dict(zip(every, torch.tensor(every, dtype=torch.int64, device=binding.device).unbind()))
+        on_device = _on_device({0, *totals, *(start for _, start, _ in row_parts),
+                                *(start for parts in index_parts.values() for _, start, _ in parts)}, binding.device)
         # the states' dtypes, as the local program's binding gives them (float32 at least)
         local = {n: v for n, v in inputs.items() if n in self._local_inputs}
         local.update({n: on_device[0] for n in (sharded.start, sharded.total, sharded.rows_start,

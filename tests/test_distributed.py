@@ -515,7 +515,8 @@ def test_a_ring_over_a_group_without_cpu_tensors_exchanges_lengths_over_a_gloo_g
 
 def _refusing_worker(rank, store, queue):
     """Rank 1 of two gloo ranks passes a Q that does not bind, then a zigzag part of odd
-    length, then both pass good inputs: what each call gives each rank."""
+    length, then both pass good inputs; then, K and V sharded alone, a K that does not
+    bind, then good inputs: what each call gives each rank."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     program = compiler.compile(_attention("m <= i"), backend="reference")
@@ -528,22 +529,29 @@ def _refusing_worker(rank, store, queue):
     calls = [{**part, "Q": torch.randn(4, 5, dtype=torch.float64)} if rank == 1 else part,
              {**part, "Q": part["Q"][:3]} if rank == 1 else part,
              part]
+    # K and V sharded alone (every rank holds every row): a K that does not bind on rank 1
+    keys = program.shard("m", layout="zigzag")
+    kv_calls = [{"Q": q, "K": part["K"][:, :3] if rank == 1 else part["K"], "V": part["V"]},
+                {"Q": q, "K": part["K"], "V": part["V"]}]
     outcomes = []
     try:
-        for inputs in calls:
+        for sharded, inputs in [(ring, c) for c in calls] + [(keys, c) for c in kv_calls]:
             try:
-                outcomes.append(ring(**inputs, scale=0.5))
+                outcomes.append(sharded(**inputs, scale=0.5))
             except Exception as e:
                 outcomes.append(f"{type(e).__name__}: {e}")
-        want = torch.cat([program(Q=q, K=k, V=v, scale=0.5)[h] for h in halves])
-        queue.put((rank, outcomes[:2], bool(torch.allclose(outcomes[2], want))))
+        whole = program(Q=q, K=k, V=v, scale=0.5)
+        want = torch.cat([whole[h] for h in halves])
+        queue.put((rank, outcomes[:2] + outcomes[3:4],
+                   bool(torch.allclose(outcomes[2], want) and torch.allclose(outcomes[4], whole))))
     finally:
         dist.destroy_process_group()
 
 
-def test_a_rank_whose_inputs_fail_stops_every_rank_of_the_ring():
+def test_a_rank_whose_inputs_fail_stops_every_rank():
     # a rank that cannot bind its inputs, or whose part no layout takes, raises; the others
-    # raise too instead of waiting for it, and the next call runs on all of them
+    # raise too instead of waiting for it, and the next call runs on all of them (the ring,
+    # and K/V sharded alone)
     context = mp.get_context("spawn")
     queue, store = context.Queue(), tempfile.mktemp(prefix="einfold-store-")
     processes = [context.Process(target=_refusing_worker, args=(r, store, queue)) for r in range(2)]
@@ -555,12 +563,14 @@ def test_a_rank_whose_inputs_fail_stops_every_rank_of_the_ring():
         results[rank] = outcomes, good
     for p in processes:
         p.join(timeout=60)
-    (bad_bind, odd), good = results[1]
+    refused = ("ShardError: shard error: rank 1 could not bind its inputs (the error is raised there): "
+               "the call runs on no rank")
+    (bad_bind, odd, bad_key), good = results[1]
     assert bad_bind.startswith("BindError") and "index 'k' has extent" in bad_bind
     assert odd.startswith("ShardError") and "rank 1's part has an odd length (3)" in odd and good
-    (bad_bind, odd), good = results[0]
-    assert bad_bind == ("ShardError: shard error: rank 1 could not bind its inputs (the error is raised there): "
-                        "the call runs on no rank")
+    assert bad_key.startswith("BindError") and "index 'k' has extent" in bad_key
+    (bad_bind, odd, bad_key), good = results[0]
+    assert bad_bind == refused and bad_key == refused
     assert odd.startswith("ShardError") and "rank 1's part has an odd length (3)" in odd and good
 
 
