@@ -130,6 +130,15 @@ def _host_group(group):
     return found
 
 
+def _kept(cache: dict, key, value, limit: int = 64):
+    """`value`, stored in `cache` under `key`; past `limit` entries the oldest goes
+    (lengths that vary call to call: the latest are kept)."""
+    if len(cache) >= limit:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 def _on_device(positions: set[int], device: torch.device) -> dict[int, torch.Tensor]:
     """Each of `positions` as a 0-d int64 tensor on `device` (which kernels load), all
     from one copy."""
@@ -273,6 +282,12 @@ class ShardedProgram:
             halves = [(owner, slice(0, extent // 2)), (2 * world - 1 - owner, slice(extent // 2, extent))]
         return [(part, sum(ordered[:g]), g) for g, part in halves]
 
+    def _every_rank_parts(self, lengths: tuple[int, ...], what: str) -> list[list[tuple[slice, int, int]]]:
+        """`_parts` of every rank (`lengths`: every rank's local extent of `what`): cut for
+        all of them, so that a part no layout takes (an odd zigzag part) is an error on
+        every rank, not on its own while the others wait for it."""
+        return [self._parts(list(lengths), owner, lengths[owner], what) for owner in range(len(lengths))]
+
     def _hidden(self, values: dict[str, float], extents: dict[str, int], part: int, rows: int) -> bool:
         """Whether a mask hides every element of the local program for a part of the
         index `part` long and `rows` rows long, the starts and totals in `values`: each
@@ -348,12 +363,9 @@ class ShardedProgram:
         binding, (lengths,) = self._lengths(inputs, world, (self.index,))
         found = self._placed.get((lengths, binding.device))
         if found is None:
-            # every rank's parts, so that a part no layout takes is an error on every rank
-            parts = [self._parts(list(lengths), owner, lengths[owner], self.index) for owner in range(world)][rank]
-            found = parts, _on_device({0, sum(lengths), *(start for _, start, _ in parts)}, binding.device)
-            if len(self._placed) >= 64:         # lengths that vary call to call: keep the latest
-                self._placed.pop(next(iter(self._placed)))
-            self._placed[lengths, binding.device] = found
+            parts = self._every_rank_parts(lengths, self.index)[rank]
+            found = _kept(self._placed, (lengths, binding.device),
+                          (parts, _on_device({0, sum(lengths), *(start for _, start, _ in parts)}, binding.device)))
         parts, on_device = found
         total = on_device[sum(lengths)]
         parts = [(part, on_device[start], g) for part, start, g in parts]
@@ -461,11 +473,9 @@ class ShardedProgram:
         """The ring of a call whose every rank's lengths, this rank's extents and dtypes,
         and the numbers the mask reads are `key` (made once, then kept), and its
         positions as 0-d int64 tensors on the device (all from one copy)."""
-        lengths, row_lengths = list(key[0]), list(key[1])
-        # every rank's parts, so that a part no layout takes (an odd zigzag part) is an error
-        # on every rank, not on its own while the others wait for it
-        index_parts = {owner: self._parts(lengths, owner, lengths[owner], self.index) for owner in range(world)}
-        row_parts = [self._parts(row_lengths, owner, row_lengths[owner], self.rows) for owner in range(world)][rank]
+        lengths, row_lengths = key[0], key[1]
+        index_parts = self._every_rank_parts(lengths, self.index)
+        row_parts = self._every_rank_parts(row_lengths, self.rows)[rank]
         sharded = self.sharded
         totals = (sum(lengths), sum(row_lengths))
         found: list[list[int]] = [[] for _ in row_parts]       # per row part: the positions of the parts run
@@ -482,7 +492,7 @@ class ShardedProgram:
                         found[k].append(position)
             steps.append(pairs)
         on_device = _on_device({0, *totals, *(start for _, start, _ in row_parts),
-                                *(start for parts in index_parts.values() for _, start, _ in parts)}, binding.device)
+                                *(start for parts in index_parts for _, start, _ in parts)}, binding.device)
         # the states' dtypes, as the local program's binding gives them (float32 at least)
         local = {n: v for n, v in inputs.items() if n in self._local_inputs}
         local.update({n: on_device[0] for n in (sharded.start, sharded.total, sharded.rows_start,
@@ -500,10 +510,7 @@ class ShardedProgram:
                      incoming=tuple(lengths[(rank - step - 1) % world] for step in range(world)),
                      totals=totals,
                      dtypes=tuple(typed.result_dtype(st.dtype, wide=True) for st in sharded.local.statements))
-        if len(self._rings) >= 64:           # lengths that vary call to call: keep the latest
-            self._rings.pop(next(iter(self._rings)))
-        self._rings[key] = ring, on_device
-        return ring, on_device
+        return _kept(self._rings, key, (ring, on_device))
 
     def _joined_outputs(self, merges: list[tuple], binding):
         """The outputs from the merge program's results per part: an output over a

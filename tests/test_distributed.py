@@ -500,6 +500,8 @@ def test_a_ring_over_a_group_without_cpu_tensors_exchanges_lengths_over_a_gloo_g
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
         program = compiler.compile(_attention("m <= i"), backend="reference")
         ring = program.shard("m", rows="i")
+        groups, gather = [], ring._gather
+        ring._gather = lambda flat, world, group=None: groups.append(group) or gather(flat, world, group)
         for n in (5, 7):
             q, k, v = (torch.randn(n, 4, dtype=torch.float64) for _ in range(3))
             torch.testing.assert_close(ring(Q=q, K=k, V=v, scale=0.5), program(Q=q, K=k, V=v, scale=0.5))
@@ -507,6 +509,7 @@ def test_a_ring_over_a_group_without_cpu_tensors_exchanges_lengths_over_a_gloo_g
         made = distributed._HOST_GROUPS[dist.group.WORLD]
         assert made is not dist.group.WORLD and dist.get_process_group_ranks(made) == [0]
         assert made.name() == "gloo"
+        assert groups == [made, made]                   # both calls exchanged their lengths over it
         assert distributed._host_group(None) is made
     finally:
         distributed._HOST_GROUPS.clear()
